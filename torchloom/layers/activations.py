@@ -1,0 +1,205 @@
+"""Loom's activation functions with explicit derivatives (SPEC §2).
+
+Every activation is written twice, side by side: ``f(x)`` and ``f'(x)`` as a function of the
+**pre-activation** ``x`` (Loom applies the derivative to the saved pre-activation, and so does
+torchloom). ``grad(grad_out, pre)`` returns ``grad_out ⊙ f'(pre)``, the step every layer's
+hand-written backward takes first.
+
+Names are case-insensitive and accept Loom's aliases; an unknown name is a ``ValueError`` that lists
+the valid ones (Loom silently maps it to linear, SPEC §13).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["Activation", "get_activation", "ACTIVATIONS", "activation_names"]
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_C = 0.044715
+_LEAKY_SLOPE = 0.01
+
+
+class Activation:
+    """One activation: ``forward(x)``, ``derivative(x)`` (w.r.t. the pre-activation) and
+    ``grad(grad_out, x) = grad_out * derivative(x)``. Stateless; shapes are elementwise."""
+
+    name: str = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def derivative(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def grad(self, grad_out: Tensor, x: Tensor) -> Tensor:
+        return grad_out * self.derivative(x)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.forward(x)
+
+    def __repr__(self) -> str:
+        return f"Activation({self.name!r})"
+
+    def __reduce__(self):  # pickle / deepcopy by name: there is one instance per activation
+        return (get_activation, (self.name,))
+
+
+class ReLU(Activation):
+    name = "relu"
+
+    def forward(self, x):
+        return torch.relu(x)
+
+    def derivative(self, x):  # f'(0) = 0, as Loom
+        return (x > 0).to(x.dtype)
+
+    def grad(self, grad_out, x):
+        return torch.where(x > 0, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
+
+
+class LeakyReLU(Activation):
+    name = "leaky_relu"
+
+    def forward(self, x):
+        return torch.where(x >= 0, x, x * _LEAKY_SLOPE)
+
+    def derivative(self, x):  # 1 if x > 0 else 0.01 (Loom: f'(0) = 0.01)
+        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, _LEAKY_SLOPE))
+
+    def grad(self, grad_out, x):
+        return torch.where(x > 0, grad_out, grad_out * _LEAKY_SLOPE)
+
+
+class ReLU2(Activation):
+    name = "relu2"
+
+    def forward(self, x):
+        r = torch.relu(x)
+        return r * r
+
+    def derivative(self, x):
+        return 2.0 * torch.relu(x)
+
+
+class Sigmoid(Activation):
+    name = "sigmoid"
+
+    def forward(self, x):
+        return torch.sigmoid(x)
+
+    def derivative(self, x):
+        s = torch.sigmoid(x)
+        return s * (1.0 - s)
+
+
+class Tanh(Activation):
+    name = "tanh"
+
+    def forward(self, x):
+        return torch.tanh(x)
+
+    def derivative(self, x):
+        t = torch.tanh(x)
+        return 1.0 - t * t
+
+
+class SiLU(Activation):
+    name = "silu"
+
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+    def derivative(self, x):
+        s = torch.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+
+
+class GELU(Activation):
+    """Exact GELU, ``x·Φ(x)``; derivative ``Φ(x) + x·φ(x)`` (Loom's training document)."""
+
+    name = "gelu"
+
+    def forward(self, x):
+        return x * 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
+
+    def derivative(self, x):
+        cdf = 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
+        pdf = torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        return cdf + x * pdf
+
+
+class GELUTanh(Activation):
+    """Tanh-approximated GELU with the exact derivative of that expression (Loom's code uses a
+    hybrid derivative instead: PARITY.md)."""
+
+    name = "gelu_tanh"
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
+
+    def derivative(self, x):
+        u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
+        t = torch.tanh(u)
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+
+
+class Linear(Activation):
+    name = "linear"
+
+    def forward(self, x):
+        return x
+
+    def derivative(self, x):
+        return torch.ones_like(x)
+
+    def grad(self, grad_out, x):
+        return grad_out
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in (ReLU(), LeakyReLU(), ReLU2(), Sigmoid(), Tanh(), SiLU(), GELU(), GELUTanh(), Linear())
+}
+
+_ALIASES = {
+    "leakyrelu": "leaky_relu",
+    "leaky-relu": "leaky_relu",
+    "swish": "silu",
+    "gelutanh": "gelu_tanh",
+    "gelu_approx": "gelu_tanh",
+    "none": "linear",
+    "identity": "linear",
+}
+
+
+def activation_names() -> list[str]:
+    """The canonical activation names, in SPEC order."""
+    return list(ACTIVATIONS)
+
+
+def get_activation(name: str | Activation) -> Activation:
+    """Look an activation up by name (case-insensitive, aliases accepted) or pass one through.
+
+    Raises ``TypeError`` for a non-string and ``ValueError`` listing the valid names for an unknown one.
+    """
+    if isinstance(name, Activation):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"activation must be a str or Activation, got {type(name).__name__}")
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    try:
+        return ACTIVATIONS[key]
+    except KeyError:
+        valid = ", ".join(activation_names())
+        aliases = ", ".join(f"{a}→{c}" for a, c in _ALIASES.items())
+        raise ValueError(
+            f"unknown activation {name!r}; valid names: {valid} (aliases: {aliases})"
+        ) from None

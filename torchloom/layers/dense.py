@@ -1,0 +1,154 @@
+"""Dense (fully connected) layer: ``y = f(x Wᵀ + b)`` with a hand-written backward (SPEC §3).
+
+Read top to bottom: ``dense_forward`` / ``dense_backward`` (the math, side by side), ``DenseFunction``
+(the autograd bridge), ``dense`` (functional), ``Dense`` (module). Loom's ``poly`` Dense has no bias:
+``Dense(..., bias=False)`` reproduces it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .activations import Activation, get_activation
+from .base import Layer
+
+__all__ = ["Dense", "DenseFunction", "DenseSaved", "dense", "dense_forward", "dense_backward"]
+
+_INITS = ("he_normal", "loom_uniform")
+
+
+class DenseSaved(NamedTuple):
+    """What Dense's backward needs: input ``[*, in]``, weight ``[out, in]``, pre-activation
+    ``[*, out]``, the activation and whether there is a bias."""
+
+    input: Tensor
+    weight: Tensor
+    pre: Tensor
+    activation: Activation
+    has_bias: bool
+
+
+def dense_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
+) -> tuple[Tensor, DenseSaved]:
+    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd."""
+    x2 = x.reshape(-1, x.shape[-1])
+    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    pre = pre.view(*x.shape[:-1], weight.shape[0])
+    return activation.forward(pre), DenseSaved(x, weight, pre, activation, bias is not None)
+
+
+def dense_backward(
+    grad_out: Tensor, saved: DenseSaved, needs_input_grad: bool = True
+) -> tuple[Tensor | None, tuple[Tensor, Tensor | None]]:
+    """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``, ``dW = gPreᵀ x`` (summed over the batch),
+    ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``."""
+    x, weight, pre, activation, has_bias = saved
+    g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
+    x2 = x.reshape(-1, weight.shape[1])
+    grad_w = torch.mm(g_pre.t(), x2)
+    grad_b = g_pre.sum(0) if has_bias else None
+    grad_x = torch.mm(g_pre, weight).view(x.shape) if needs_input_grad else None
+    return grad_x, (grad_w, grad_b)
+
+
+class DenseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        y, saved = dense_forward(x, weight, bias, activation)
+        ctx.save_for_backward(x, weight, saved.pre)
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, pre = ctx.saved_tensors
+        saved = DenseSaved(x, weight, pre, ctx.activation, ctx.has_bias)
+        grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, ctx.needs_input_grad[0])
+        return grad_x, grad_w, grad_b, None
+
+
+def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | Activation = "linear") -> Tensor:
+    """Functional Dense: ``f(x Wᵀ + b)`` for ``x [*, in]``, ``weight [out, in]``; differentiable
+    through the hand-written backward."""
+    return DenseFunction.apply(x, weight, bias, get_activation(activation))
+
+
+class Dense(Layer):
+    """Fully connected layer ``y = f(x Wᵀ + b)``.
+
+    Args:
+        in_features, out_features: sizes; ``weight`` is ``[out_features, in_features]``.
+        activation: one of SPEC §2's names (default ``"linear"``).
+        bias: add a learnable ``bias [out_features]`` (Loom's poly Dense has none: ``bias=False``).
+        init: ``"he_normal"`` (``N(0, 2/in)``, Loom ``nn.InitDenseLayer``) or ``"loom_uniform"``
+            (``U(−0.1, 0.1)``, Loom ``poly``); biases start at 0.
+
+    Shapes: input ``[batch, ..., in_features]`` → output ``[batch, ..., out_features]``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        activation: str | Activation = "linear",
+        bias: bool = True,
+        init: str = "he_normal",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for arg, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Dense: {arg} must be a positive int, got {v!r}")
+        if init not in _INITS:
+            raise ValueError(f"Dense: init must be one of {_INITS}, got {init!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = get_activation(activation)
+        self.init = init
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.init == "he_normal":
+                self.weight.normal_(0.0, math.sqrt(2.0 / self.in_features))
+            else:
+                self.weight.uniform_(-0.1, 0.1)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Dense({self.in_features}→{self.out_features}): input must have shape "
+                f"[batch, ..., {self.in_features}], got {list(x.shape)}"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return DenseFunction.apply(x, self.weight, self.bias, self.activation)
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, DenseSaved]:
+        self._check(x)
+        return dense_forward(x, self.weight, self.bias, self.activation)
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, needs_input_grad)
+        return grad_x, (grad_w,) if grad_b is None else (grad_w, grad_b)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"activation={self.activation.name}, bias={self.bias is not None}"
+        )

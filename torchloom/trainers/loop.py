@@ -1,0 +1,282 @@
+"""The epoch loop that ``train()``, TargetProp and Tweening share (Loom ``poly.Train``'s skeleton).
+
+For each epoch, for each batch in the given order, the trainer's ``step(x, y)`` runs one update and
+reports the **pre-update** loss and a status:
+
+* ``NAN_LOSS`` — the loss is NaN/Inf: print ``⚠️ Fatal NaN/Inf loss in epoch E. Skipping epoch.`` and
+  abandon the rest of the epoch (the step left the weights as they were);
+* ``NAN_GRAD`` — a gradient is NaN/Inf: print ``⚠️ Fatal NaN/Inf gradients in epoch E. Skipping batch
+  updates.``, the update was skipped, the batch's loss is not counted;
+* ``OK`` — the loss is added to the epoch sum.
+
+The epoch loss is the sum of counted batch losses divided by the number of batches (Loom's formula,
+also when batches were skipped). Observers (SPEC §10) are called by name; ``History`` is always kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..layers.network import Network
+from ..observers.base import ObserverList
+from ..observers.history import History
+from ..observers.progress import EpochLinePrinter
+
+__all__ = ["StepStatus", "StepOutput", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE"]
+
+NAN_LOSS_MESSAGE = "⚠️ Fatal NaN/Inf loss in epoch {epoch}. Skipping epoch."
+NAN_GRAD_MESSAGE = "⚠️ Fatal NaN/Inf gradients in epoch {epoch}. Skipping batch updates."
+
+
+class StepStatus(enum.Enum):
+    OK = "ok"
+    NAN_LOSS = "nan_loss"
+    NAN_GRAD = "nan_grad"
+
+
+class StepOutput(NamedTuple):
+    """What one training step reports: the pre-update ``loss``, its ``status`` and optional extra
+    per-step numbers (``logs``, plain floats, averaged into the epoch logs)."""
+
+    loss: float
+    status: StepStatus = StepStatus.OK
+    logs: dict[str, float] | None = None
+
+
+@dataclass
+class TrainingBatch:
+    """One batch: ``input [batch, ...]`` and ``target`` (same leading batch size)."""
+
+    input: Tensor
+    target: Tensor
+
+
+@dataclass
+class TrainingResult:
+    """What a training run returns (Loom's ``TrainingResult`` plus torchloom's extras).
+
+    ``final_loss``: the last epoch's loss; ``total_time``: seconds; ``loss_history``: one loss per
+    epoch; ``epoch_times``: seconds per epoch; ``samples_per_second``: real samples/s over the run;
+    ``skipped_batches``: updates skipped for NaN/Inf gradients plus batches abandoned after a NaN/Inf
+    loss; ``history``: every epoch log (``History``); ``perf``: per-epoch samples/s and mean step time
+    when ``track_perf`` was set."""
+
+    final_loss: float
+    total_time: float
+    loss_history: list[float]
+    epoch_times: list[float]
+    samples_per_second: float = 0.0
+    skipped_batches: int = 0
+    history: History = field(default_factory=History)
+    perf: list[dict[str, float]] | None = None
+
+
+def _to_pair(batch: Any, index: int) -> tuple[Any, Any]:
+    if isinstance(batch, TrainingBatch):
+        return batch.input, batch.target
+    if isinstance(batch, dict) and {"input", "target"} <= batch.keys():
+        return batch["input"], batch["target"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"batch {index} must be a TrainingBatch, an (input, target) pair or a dict with 'input' and "
+        f"'target', got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+class BatchSource:
+    """The batches of a run, re-iterable once per epoch.
+
+    A list (or any other finite iterable) is converted, moved to the device and validated once, up
+    front; a ``DataLoader`` is converted batch by batch as it streams, its first batch checked before
+    training starts."""
+
+    def __init__(self, batches: Any, convert: Callable[[Any, Any, int], tuple[Tensor, Tensor]]) -> None:
+        self._convert = convert
+        if isinstance(batches, torch.utils.data.DataLoader):
+            self._items = None
+            self._loader = batches
+            first = next(iter(batches), None)
+            if first is None:
+                raise ValueError("batches is empty: the DataLoader yielded no batch")
+            convert(*_to_pair(first, 0), 0)
+            return
+        if isinstance(batches, (str, bytes, Tensor, TrainingBatch)) or not isinstance(batches, Iterable):
+            raise TypeError(
+                "batches must be a list of TrainingBatch / (input, target) pairs or a DataLoader, "
+                f"got {type(batches).__name__}"
+            )
+        items = list(batches)
+        if not items:
+            raise ValueError("batches is empty: give at least one (input, target) batch")
+        self._items = [convert(*_to_pair(b, i), i) for i, b in enumerate(items)]
+        self._loader = None
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        if self._items is not None:
+            return iter(self._items)
+        return (self._convert(*_to_pair(b, i), i) for i, b in enumerate(self._loader))
+
+    def __len__(self) -> int:
+        if self._items is not None:
+            return len(self._items)
+        return len(self._loader)
+
+    @property
+    def sized(self) -> bool:
+        try:
+            len(self)
+        except TypeError:  # a DataLoader over an IterableDataset has no length
+            return False
+        return True
+
+    @property
+    def items(self) -> list[tuple[Tensor, Tensor]] | None:
+        return self._items
+
+
+class Trainer:
+    """Base of every trainer: the shared epoch loop around ``step(x, y) -> StepOutput``.
+
+    Subclasses set ``self.model`` (a ``Network``) and implement ``step``; ``convert_batch`` moves and
+    validates one batch. ``fit(batches, epochs)`` runs the loop and returns a ``TrainingResult``."""
+
+    model: Network
+
+    def __init__(self, model: Network, observers: Iterable[Any] = (), verbose: bool | int = False) -> None:
+        self.model = model
+        self.user_observers = list(observers)
+        self.verbose = int(verbose)
+        self.stop_training = False
+        self.epochs = 0
+        self.epoch = 0
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ hooks
+    def step(self, x: Tensor, y: Tensor) -> StepOutput:
+        raise NotImplementedError
+
+    def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def make_observers(self) -> ObserverList:
+        """The user's observers plus the printer of epoch lines when verbose."""
+        extra = [EpochLinePrinter()] if self.verbose else []
+        return ObserverList([*self.user_observers, *extra])
+
+    # ------------------------------------------------------------------- loop
+    def fit(self, batches: Any, epochs: int, *, track_perf: bool = False) -> TrainingResult:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch)
+        history = History()
+        observers = self.make_observers()
+        self.observers = observers
+        self.epochs = epochs
+        self.stop_training = False
+
+        loss_history: list[float] = []
+        epoch_times: list[float] = []
+        perf: list[dict[str, float]] | None = [] if track_perf else None
+        skipped = 0
+        total_samples = 0
+        wants_batch = observers.wants("on_batch_end")
+        observers("on_train_begin", self)
+        start = time.perf_counter()
+
+        for epoch in range(epochs):
+            self.epoch = epoch
+            observers("on_epoch_begin", self, epoch)
+            epoch_start = time.perf_counter()
+            loss_sum = 0.0
+            n_batches = 0
+            samples = 0
+            extra_sums: dict[str, float] = {}
+            counted = 0
+            for x, y in source:
+                n_batches += 1
+                samples += x.shape[0]
+                out = self.step(x, y)
+                self.global_step += 1
+                if out.status is StepStatus.NAN_LOSS:
+                    skipped += 1
+                    if self.verbose:
+                        print(NAN_LOSS_MESSAGE.format(epoch=epoch + 1), flush=True)
+                    break
+                if out.status is StepStatus.NAN_GRAD:
+                    skipped += 1
+                    if self.verbose:
+                        print(NAN_GRAD_MESSAGE.format(epoch=epoch + 1), flush=True)
+                    continue
+                loss_sum += out.loss
+                counted += 1
+                if out.logs:
+                    for k, v in out.logs.items():
+                        extra_sums[k] = extra_sums.get(k, 0.0) + v
+                if wants_batch:
+                    observers("on_batch_end", self, self.global_step - 1, {"loss": out.loss, **(out.logs or {})})
+            if source.sized:
+                n_total = len(source)
+                if n_batches < n_total:  # abandoned epoch: count the batches it did not reach too
+                    skipped += n_total - n_batches
+            else:
+                n_total = n_batches
+            epoch_time = time.perf_counter() - epoch_start
+            total_samples += samples
+            elapsed = time.perf_counter() - start
+            avg_loss = loss_sum / max(n_total, 1)
+            loss_history.append(avg_loss)
+            epoch_times.append(epoch_time)
+            logs = {
+                "loss": avg_loss,
+                **{k: v / counted for k, v in extra_sums.items() if counted},
+                "epoch_time": epoch_time,
+                "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
+                "eta": elapsed / (epoch + 1) * (epochs - epoch - 1),
+            }
+            if perf is not None:
+                perf.append(
+                    {
+                        "epoch": float(epoch),
+                        "samples_per_second": samples / epoch_time if epoch_time > 0 else 0.0,
+                        "step_time": epoch_time / max(n_batches, 1),
+                    }
+                )
+            history.on_epoch_end(self, epoch, logs)
+            observers("on_epoch_end", self, epoch, logs)
+            if self.stop_training:
+                break
+
+        total_time = time.perf_counter() - start
+        result = TrainingResult(
+            final_loss=loss_history[-1],
+            total_time=total_time,
+            loss_history=loss_history,
+            epoch_times=epoch_times,
+            samples_per_second=total_samples / total_time if total_time > 0 else 0.0,
+            skipped_batches=skipped,
+            history=history,
+            perf=perf,
+        )
+        observers("on_train_end", self, result)
+        return result
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """True when every element of every tensor is finite (one host sync)."""
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def is_finite(v: float) -> bool:
+    return math.isfinite(v)

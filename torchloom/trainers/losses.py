@@ -1,0 +1,114 @@
+"""Losses of SPEC §4 — value and gradient w.r.t. the network output, functional API.
+
+| ``loss_type``      | value                                    | gradient               |
+|--------------------|------------------------------------------|------------------------|
+| ``"mse"``          | (1/N) Σ (o−y)²                           | 2(o−y)/N               |
+| ``"cross_entropy"``| (1/B) Σ_b −Σ_j y_bj log softmax(o_b)_j   | (softmax(o) − y)/B     |
+| ``"crossentropy"`` | (1/N) Σ −y·ln(o + 1e-10)  (o = probs)    | −y/(o+1e-10)/N         |
+
+``N`` = number of output elements, ``B`` = number of rows (all dimensions but the last).
+``"cross_entropy"`` takes integer class labels ``[...]`` (the output's shape without its last
+dimension) or one-hot / soft targets of the output's shape. Each loss runs a fused Triton kernel on
+CUDA tensors and its PyTorch reference elsewhere (``torchloom.kernels``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import Tensor
+
+__all__ = ["LOSS_TYPES", "check_loss_type", "check_target", "loss_and_grad", "compute_loss", "loss_gradient"]
+
+LOSS_TYPES = ("mse", "cross_entropy", "crossentropy")
+
+# loss_type → (kernel module, launcher name)
+_KERNELS = {
+    "mse": ("torchloom.kernels.mse", "mse_loss_grad"),
+    "cross_entropy": ("torchloom.kernels.softmax_ce", "softmax_ce_loss_grad"),
+    "crossentropy": ("torchloom.kernels.loom_ce", "loom_ce_loss_grad"),
+}
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_loss_type(loss_type: str) -> str:
+    """Return ``loss_type`` if it is one of ``LOSS_TYPES``; else ``ValueError`` listing them."""
+    if loss_type not in LOSS_TYPES:
+        hint = ""
+        if isinstance(loss_type, str) and loss_type.lower().replace("-", "_") in LOSS_TYPES:
+            hint = f" (names are case-sensitive: did you mean {loss_type.lower().replace('-', '_')!r}?)"
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(map(repr, LOSS_TYPES))}{hint}")
+    return loss_type
+
+
+def is_label_target(target: Tensor) -> bool:
+    return target.dtype in _INT_DTYPES
+
+
+def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, loss_type: str, *, check_labels: bool = True) -> None:
+    """Raise ``ValueError`` unless ``target`` fits an output of ``output_shape`` for ``loss_type``.
+
+    Integer class labels (``"cross_entropy"`` only) must have shape ``output_shape[:-1]`` and values in
+    ``[0, C)``; the label range check reads the labels (a device sync on GPU): ``check_labels=False``
+    skips it where the caller already checked."""
+    check_loss_type(loss_type)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    output_shape = tuple(output_shape)
+    if is_label_target(target):
+        if loss_type != "cross_entropy":
+            raise ValueError(
+                f"integer class labels are only accepted by loss_type='cross_entropy'; "
+                f"loss_type={loss_type!r} needs a float target of shape {list(output_shape)}"
+            )
+        if tuple(target.shape) != output_shape[:-1]:
+            raise ValueError(
+                f"class labels must have shape {list(output_shape[:-1])} for an output of shape "
+                f"{list(output_shape)}, got {list(target.shape)}"
+            )
+        if check_labels and target.numel() > 0:
+            lo, hi = int(target.min()), int(target.max())
+            if lo < 0 or hi >= output_shape[-1]:
+                raise ValueError(
+                    f"class labels must lie in [0, {output_shape[-1]}), got values in [{lo}, {hi}]"
+                )
+        return
+    if not target.is_floating_point():
+        raise TypeError(f"target must be a floating tensor or integer class labels, got dtype {target.dtype}")
+    if tuple(target.shape) != output_shape:
+        raise ValueError(
+            f"target shape {list(target.shape)} does not match output shape {list(output_shape)} "
+            f"for loss_type={loss_type!r}"
+        )
+
+
+def loss_and_grad(output: Tensor, target: Tensor, loss_type: str = "mse", *, validate: bool = True, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Loss value and its gradient w.r.t. ``output``, in one fused pass where a kernel exists.
+
+    Returns ``(loss, grad)``: ``loss`` a 0-d tensor on ``output``'s device (float64 from the
+    references, float32 from the kernels), ``grad`` of ``output``'s shape and dtype. ``validate=False``
+    skips the checks (the trainers validate every batch once, up front)."""
+    if validate:
+        if not isinstance(output, Tensor):
+            raise TypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
+        check_target(output.shape, target, loss_type)
+    return _launcher(loss_type)(output, target, backend=backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(loss_type: str):
+    module, name = _KERNELS[check_loss_type(loss_type)]
+    return getattr(importlib.import_module(module), name)
+
+
+def compute_loss(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """The loss value only (0-d tensor). Same checks as ``loss_and_grad``."""
+    return loss_and_grad(output, target, loss_type)[0]
+
+
+def loss_gradient(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """The gradient of the loss w.r.t. ``output`` only (shape of ``output``)."""
+    return loss_and_grad(output, target, loss_type)[1]

@@ -1,0 +1,270 @@
+"""``torchloom.train()``: Loom's one-call ``Train()`` API (SPEC §5).
+
+    result = torchloom.train(model, batches, TrainingConfig(epochs=10, learning_rate=0.01, loss_type="mse"))
+
+One step (``BackpropTrainer.step``), as Loom ``poly.Train``'s CPU path:
+
+1. forward through the layers' explicit forward (no autograd graph);
+2. loss and output gradient in one pass (``loss_and_grad``: fused kernel on CUDA);
+3. if the loss is NaN/Inf, report ``NAN_LOSS`` (the loop abandons the epoch; weights untouched);
+4. backward through the layers' hand-written backward;
+5. if any gradient is NaN/Inf, report ``NAN_GRAD`` (the update is skipped);
+6. optional clip: global L2 norm (``clip_mode="norm"``, Loom's documents) or per element
+   (``clip_mode="value"``, Loom ``poly``'s code);
+7. optimizer update, then one scheduler step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from ..layers.base import Layer
+from ..layers.network import Network
+from .loop import StepOutput, StepStatus, Trainer, TrainingResult, all_finite
+from .losses import check_loss_type, check_target, is_label_target, loss_and_grad
+from .optim import OPTIMIZERS, make_optimizer
+
+__all__ = ["TrainingConfig", "BackpropTrainer", "train", "resolve_device", "as_network"]
+
+CLIP_MODES = ("norm", "value")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class TrainingConfig:
+    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case, SPEC §5)."""
+
+    epochs: int = 10  # passes over the batches; >= 1
+    learning_rate: float = 0.01  # > 0; used when the optimizer is given by name
+    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (SPEC §4)
+    gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
+    clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
+    verbose: bool | int = True  # one line per epoch in Loom's format
+    use_gpu: bool = False  # True = device "cuda:<device_id>"
+    device: str | torch.device | None = None  # explicit device; None = the model's own device
+    device_id: int = 0  # which GPU when use_gpu=True
+    optimizer: str | Optimizer = "sgd"  # "sgd" | "momentum" | ... or a torch.optim.Optimizer instance
+    scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
+    observers: Sequence[Any] = ()  # SPEC §10
+    track_perf: bool = False  # record per-epoch samples/s and step time in the result
+    seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
+        if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
+            raise ValueError(f"TrainingConfig: learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        try:
+            check_loss_type(self.loss_type)
+        except ValueError as e:
+            raise ValueError(f"TrainingConfig: {e}") from None
+        if not _is_number(self.gradient_clip) or not math.isfinite(self.gradient_clip) or self.gradient_clip < 0:
+            raise ValueError(f"TrainingConfig: gradient_clip must be a finite number >= 0 (0 = off), got {self.gradient_clip!r}")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.verbose not in (True, False, 0, 1, 2):
+            raise ValueError(f"TrainingConfig: verbose must be a bool or 0, 1, 2, got {self.verbose!r}")
+        if not isinstance(self.use_gpu, bool):
+            raise TypeError(f"TrainingConfig: use_gpu must be a bool, got {self.use_gpu!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"TrainingConfig: device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from None
+        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
+            raise ValueError(f"TrainingConfig: device_id must be an int >= 0, got {self.device_id!r}")
+        if isinstance(self.optimizer, str):
+            if self.optimizer.lower() not in OPTIMIZERS:
+                raise ValueError(
+                    f"TrainingConfig: unknown optimizer {self.optimizer!r}; valid names: "
+                    f"{', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance"
+                )
+        elif not isinstance(self.optimizer, Optimizer):
+            raise TypeError(f"TrainingConfig: optimizer must be a name or a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        if isinstance(self.observers, (str, bytes)) or not hasattr(self.observers, "__iter__"):
+            raise TypeError(f"TrainingConfig: observers must be a sequence of observers, got {type(self.observers).__name__}")
+        self.observers = tuple(self.observers)
+        if not isinstance(self.track_perf, bool):
+            raise TypeError(f"TrainingConfig: track_perf must be a bool, got {self.track_perf!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
+
+
+def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: int, model: torch.nn.Module) -> torch.device:
+    """The device training runs on: ``device`` if given, ``cuda:<device_id>`` if ``use_gpu``, else the
+    model's own. Raises ``RuntimeError`` when CUDA is asked for and not available."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", device_id)
+    elif use_gpu:
+        dev = torch.device("cuda", device_id)
+    else:
+        first = next(model.parameters(), None)
+        dev = first.device if first is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"training on {dev} was requested (use_gpu/device) but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"training on {dev} was requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
+
+
+def as_network(model: Any) -> Network:
+    """``model`` as a ``Network``: a Network as is, a torchloom layer or a list of layers wrapped.
+    Any other module is a ``TypeError``: torchloom trains through hand-written backwards only."""
+    if isinstance(model, Network):
+        return model
+    if isinstance(model, Layer):
+        return Network(model)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, Layer) for m in model):
+        return Network(*model)
+    raise TypeError(
+        f"model must be a torchloom Network, a torchloom layer or a list of them, got {type(model).__name__}; "
+        "torchloom trains through the layers' hand-written backward, so plain nn.Modules are not accepted"
+    )
+
+
+def as_scheduler(spec: Any, optimizer: Optimizer) -> LRScheduler | None:
+    """A per-batch ``LRScheduler`` from ``train()``'s ``scheduler`` setting."""
+    if spec is None:
+        return None
+    if isinstance(spec, LRScheduler):
+        if spec.optimizer is not optimizer:
+            raise ValueError(
+                "scheduler is an LRScheduler bound to another optimizer; pass that optimizer as "
+                "TrainingConfig(optimizer=...) or give a schedule (see torchloom.schedules) instead"
+            )
+        return spec
+    from .schedules import ScheduleLR
+
+    return ScheduleLR(optimizer, spec)
+
+
+class BackpropTrainer(Trainer):
+    """``train()``'s trainer: exact gradients through the hand-written backward, any optimizer."""
+
+    def __init__(self, model: Network, config: TrainingConfig) -> None:
+        super().__init__(model, observers=config.observers, verbose=config.verbose)
+        self.config = config
+        self.params = list(model.parameters())
+        if not self.params:
+            raise ValueError("model has no parameters to train")
+        self.device = resolve_device(config.device, config.use_gpu, config.device_id, model)
+        self.dtype = self.params[0].dtype
+        self.loss_type = config.loss_type
+        self._out_shapes: dict[tuple, tuple[int, ...]] = {}
+        model.to(self.device)
+        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
+        self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
+        self.clip = float(config.gradient_clip)
+        self._value_clip_in_optimizer = False
+        if self.clip > 0 and config.clip_mode == "value" and self._owns_optimizer and "clip_value" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:  # fused into the update pass
+                group["clip_value"] = self.clip
+            self._value_clip_in_optimizer = True
+        self.scheduler = as_scheduler(config.scheduler, self.optimizer)
+
+    # --------------------------------------------------------------- batches
+    def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
+        """Move one batch to the device and dtype of the model and check it against the model's
+        output shape (a forward of its first row, once per distinct input shape)."""
+        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+        y = y if isinstance(y, Tensor) else torch.as_tensor(y)
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"batch {index}: input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        if y.dim() == 0 or y.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"batch {index}: target must have the input's batch size {x.shape[0]} as its first "
+                f"dimension, got shape {list(y.shape)}"
+            )
+        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None, non_blocking=True)
+        if is_label_target(y):
+            y = y.to(self.device, dtype=torch.long, non_blocking=True)
+        else:
+            y = y.to(self.device, dtype=self.dtype, non_blocking=True)
+        key = (tuple(x.shape[1:]), x.dtype)
+        if key not in self._out_shapes:
+            with torch.no_grad():
+                try:
+                    out, _ = self.model.forward_saved(x[:1])
+                except ValueError as e:
+                    raise ValueError(f"batch {index}: {e}") from None
+            self._out_shapes[key] = tuple(out.shape[1:])
+        try:
+            check_target((x.shape[0], *self._out_shapes[key]), y, self.loss_type)
+        except ValueError as e:
+            raise ValueError(f"batch {index}: {e}") from None
+        return x, y
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, x: Tensor, y: Tensor) -> StepOutput:
+        out, saved = self.model.forward_saved(x)
+        loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        loss = float(loss_t)
+        if not math.isfinite(loss):
+            return StepOutput(loss, StepStatus.NAN_LOSS)
+        _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
+        if not all_finite(grads):
+            return StepOutput(loss, StepStatus.NAN_GRAD)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self._clip(grads)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return StepOutput(loss)
+
+    def _clip(self, grads: Sequence[Tensor]) -> None:
+        if self.clip <= 0 or self._value_clip_in_optimizer:
+            return
+        if self.config.clip_mode == "value":
+            for g in grads:
+                g.clamp_(-self.clip, self.clip)
+        else:
+            from ..kernels.grad_norm import clip_grad_norm_
+
+            clip_grad_norm_(list(grads), self.clip)
+
+
+def train(model: Network | Layer | Sequence[Layer], batches: Any, config: TrainingConfig | None = None, **overrides: Any) -> TrainingResult:
+    """Train ``model`` on ``batches`` with Loom's loop and return a ``TrainingResult``.
+
+    Args:
+        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
+        batches: a list of ``TrainingBatch(input, target)`` or ``(input, target)`` pairs, or a
+            ``DataLoader`` yielding pairs; inputs ``[batch, ...]``, targets as ``config.loss_type``
+            needs (SPEC §4). Lists are moved to the device once, not per epoch.
+        config: a ``TrainingConfig``; keyword ``overrides`` replace its fields
+            (``train(net, data, epochs=5, loss_type="cross_entropy")``).
+
+    Bad settings or batches raise ``ValueError``/``TypeError`` before any weight changes.
+    """
+    config = config if config is not None else TrainingConfig()
+    if not isinstance(config, TrainingConfig):
+        raise TypeError(f"config must be a TrainingConfig, got {type(config).__name__}")
+    if overrides:
+        names = {f.name for f in dataclasses.fields(TrainingConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"train() got unknown setting(s) {unknown}; TrainingConfig fields: {sorted(names)}")
+        config = dataclasses.replace(config, **overrides)
+    net = as_network(model)
+    trainer = BackpropTrainer(net, config)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    return trainer.fit(batches, config.epochs, track_perf=config.track_perf)
+
