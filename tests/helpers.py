@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# Independent references for the activations of SPEC §2: torch's own functions.
+ACTIVATION_REFERENCE = {
+    "relu": torch.relu,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.01),
+    "relu2": lambda x: torch.relu(x) ** 2,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "linear": lambda x: x.clone(),
+}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str, rtol: float, atol: float) -> None:

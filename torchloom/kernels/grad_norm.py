@@ -12,8 +12,10 @@ __all__ = ["grad_norm_ref", "grad_norm", "clip_grad_norm_"]
 
 
 def grad_norm_ref(grads: list[Tensor]) -> Tensor:
-    """Reference: the global L2 norm of ``grads`` as a 0-d float32 tensor (accumulated in float32)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    """Reference: the global L2 norm of ``grads`` as a 0-d tensor, accumulated in float32 (float64 for
+    float64 gradients)."""
+    acc = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in grads]))
 
 
 def grad_norm(grads: list[Tensor], backend: str | None = None) -> Tensor:
