@@ -164,3 +164,21 @@ def test_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     x = torch.randn(3, 4, dtype=torch.float64)
     assert torch.equal(a(x), b(x))
+
+
+def test_a_layer_used_twice_gets_the_sum_of_its_gradients():
+    shared = Dense(4, 4, "tanh", dtype=torch.float64)
+    net = Network(shared, Dense(4, 4, "relu", dtype=torch.float64), shared, record_history=True)
+    assert len(list(net.parameters())) == 4  # parameters() lists the shared layer once
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    net.backward(g) if net(x) is not None else None
+    got = [p.grad.clone() for p in net.parameters()]
+    net.record_history = False
+    ref = torch.autograd.grad(net(x), list(net.parameters()), g)
+    for i, (a, r) in enumerate(zip(got, ref)):
+        assert_close(a, r, name=f"param {i}", rtol=1e-12, atol=1e-12)
+    _, saved = net.forward_saved(x)
+    _, grads = net.backward_saved(g, saved)
+    for i, (a, r) in enumerate(zip(grads, ref)):
+        assert_close(a, r, name=f"backward_saved param {i}", rtol=1e-12, atol=1e-12)

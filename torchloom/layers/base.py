@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Layer", "LayerFunction", "LayerRecord", "check_input"]
+__all__ = ["Layer", "LayerFunction", "LayerRecord", "check_input", "gather_param_grads"]
 
 
 class LayerRecord(NamedTuple):
@@ -76,6 +76,17 @@ def check_input(x: Tensor, name: str, trailing: tuple[int | None, ...], layer: s
     if not ok:
         want = ", ".join(["batch"] + ["*" if t is None else str(t) for t in trailing])
         raise ValueError(f"{layer}: {name} must have shape [{want}], got {list(x.shape)}")
+
+
+def gather_param_grads(owner: nn.Module, children, child_grads) -> tuple[Tensor, ...]:
+    """The children's parameter gradients in ``tuple(owner.parameters())`` order. A parameter that
+    several children share (the same layer used twice, tied weights) gets the sum of its gradients,
+    as autograd would give; ``parameters()`` lists it once."""
+    acc: dict[int, Tensor] = {}
+    for child, grads in zip(children, child_grads):
+        for p, g in zip(child.parameters(), grads):
+            acc[id(p)] = g if id(p) not in acc else acc[id(p)] + g
+    return tuple(acc[id(p)] for p in owner.parameters())
 
 
 # --------------------------------------------------------------------------------------------

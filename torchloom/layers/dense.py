@@ -32,11 +32,27 @@ class DenseSaved(NamedTuple):
     has_bias: bool
 
 
+def _small_batch_kernels(x2: Tensor, activation: Activation):
+    """The fused small-batch kernel module when it handles this call (CUDA, float32, few rows), else
+    None. Imported on the first CUDA call only: CPU code never imports the kernels."""
+    if not x2.is_cuda:
+        return None
+    from ..kernels import dense_small
+
+    return dense_small if dense_small.supports(x2, activation.name) else None
+
+
 def dense_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
 ) -> tuple[Tensor, DenseSaved]:
-    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd."""
+    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd.
+    On CUDA, small float32 batches run one fused kernel (``kernels/dense_small.py``)."""
     x2 = x.reshape(-1, x.shape[-1])
+    fused = _small_batch_kernels(x2, activation)
+    if fused is not None and weight.dtype == torch.float32:
+        pre, out = fused.dense_small_forward(x2, weight, bias, activation.name)
+        shape = (*x.shape[:-1], weight.shape[0])
+        return out.view(shape), DenseSaved(x, weight, pre.view(shape), activation, bias is not None)
     pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
     pre = pre.view(*x.shape[:-1], weight.shape[0])
     return activation.forward(pre), DenseSaved(x, weight, pre, activation, bias is not None)
@@ -48,8 +64,15 @@ def dense_backward(
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``, ``dW = gPreᵀ x`` (summed over the batch),
     ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``."""
     x, weight, pre, activation, has_bias = saved
-    g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
     x2 = x.reshape(-1, weight.shape[1])
+    fused = _small_batch_kernels(x2, activation)
+    if fused is not None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
+        grad_x, grad_w, grad_b = fused.dense_small_backward(
+            grad_out.reshape(-1, weight.shape[0]), pre.reshape(-1, weight.shape[0]), x2, weight,
+            activation.name, has_bias, needs_input_grad,
+        )
+        return (grad_x.view(x.shape) if grad_x is not None else None), (grad_w, grad_b)
+    g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
     grad_w = torch.mm(g_pre.t(), x2)
     grad_b = g_pre.sum(0) if has_bias else None
     grad_x = torch.mm(g_pre, weight).view(x.shape) if needs_input_grad else None

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .base import Layer, LayerRecord
+from .base import Layer, LayerRecord, gather_param_grads
 
 __all__ = ["Sequential", "Network"]
 
@@ -87,7 +87,7 @@ class Sequential(Layer):
         g = grad_out
         for i in range(len(self.layers) - 1, -1, -1):
             g, grads[i] = self.layers[i].backward_saved(g, saved[i], needs_input_grad or i > 0)
-        return g, tuple(pg for layer_grads in grads for pg in layer_grads)
+        return g, gather_param_grads(self, self.layers, grads)
 
     def pre_activation(self, saved):
         return None
@@ -171,13 +171,14 @@ class Network(Sequential):
             got = list(grad_output.shape) if isinstance(grad_output, Tensor) else type(grad_output).__name__
             raise ValueError(f"Network.backward: grad_output must have shape {list(out.shape)}, got {got}")
         g = grad_output
+        grads: list[tuple[Tensor, ...]] = [()] * len(self.layers)
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
             if on_layer is not None:
                 on_layer(i, layer, g)
-            g, param_grads = layer.backward_saved(g, history[i].saved, input_grad or i > 0)
-            for p, pg in zip(layer.parameters(), param_grads):
-                p.grad = pg
+            g, grads[i] = layer.backward_saved(g, history[i].saved, input_grad or i > 0)
+        for p, pg in zip(self.parameters(), gather_param_grads(self, self.layers, grads)):
+            p.grad = pg
         return g
 
     # ----------------------------------------------------------------- update

@@ -1,0 +1,285 @@
+"""MultiHeadAttention: hand-written backward against gradcheck and ``F.scaled_dot_product_attention``
+with an independent RoPE and GQA through ``repeat_interleave`` (SPEC §3, §13)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close
+from torchloom.layers.attention import MultiHeadAttention, MultiHeadAttentionFunction, multi_head_attention
+from torchloom.layers.dense import Dense
+from torchloom.layers.network import Network
+from torchloom.trainers.train import TrainingConfig, train
+
+# (B, S, d_model, heads, kv_heads, causal, rope, bias): odd sequence lengths, batch > 1, plain MHA,
+# grouped-query (G = 3), multi-query (one kv head), no mask, no RoPE, no bias, head size 2.
+CASES = [
+    (2, 5, 12, 6, 2, True, True, True),
+    (3, 4, 8, 2, 2, True, True, False),
+    (2, 3, 6, 3, 1, False, True, True),
+    (3, 5, 9, 3, 3, True, False, True),
+    (2, 7, 8, 4, 2, False, False, False),
+]
+
+
+def _ids(c):
+    b, s, d, h, kv, causal, rope, bias = c
+    return f"B{b}S{s}d{d}H{h}K{kv}-{'causal' if causal else 'full'}-{'rope' if rope else 'norope'}-{'bias' if bias else 'nobias'}"
+
+
+def _layer(case, dtype=torch.float64, theta=10000.0):
+    b, s, d, h, kv, causal, rope, bias = case
+    layer = MultiHeadAttention(d, h, kv, causal=causal, rope=rope, bias=bias, rope_theta=theta, dtype=dtype)
+    with torch.no_grad():  # non-zero biases, so a missing bias gradient shows
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    return layer
+
+
+# ------------------------------------------------------------------------------ independent reference
+def _rope_reference(t: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE as complex multiplication: the pair (t_i, t_{i+D/2}) is the complex number
+    t_i + j·t_{i+D/2}, multiplied by e^{j·s/θ^(2i/D)} at position s (Loom's formula). ``t [B,H,S,D]``."""
+    s, d = t.shape[-2], t.shape[-1]
+    half = d // 2
+    pos = torch.arange(s, dtype=torch.float64)
+    freq = torch.tensor([1.0 / theta ** (2 * i / d) for i in range(half)], dtype=torch.float64)
+    rot = torch.polar(torch.ones(s, half, dtype=torch.float64), pos[:, None] * freq[None, :])
+    z = torch.complex(t[..., :half].double(), t[..., half:].double()) * rot
+    return torch.cat((z.real, z.imag), dim=-1).to(t.dtype)
+
+
+def _reference(x, params, heads, kv_heads, causal, rope, theta=10000.0):
+    """Attention written with F.linear, the RoPE above, repeat_interleave for GQA and
+    F.scaled_dot_product_attention (default scale 1/√D)."""
+    qw, kw, vw, ow, *biases = params
+    qb, kb, vb, ob = biases if biases else (None,) * 4
+    b, s, d = x.shape
+    hd = d // heads
+    q = F.linear(x, qw, qb).view(b, s, heads, hd).transpose(1, 2)
+    k = F.linear(x, kw, kb).view(b, s, kv_heads, hd).transpose(1, 2)
+    v = F.linear(x, vw, vb).view(b, s, kv_heads, hd).transpose(1, 2)
+    if rope:
+        q, k = _rope_reference(q, theta), _rope_reference(k, theta)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    merged = o.transpose(1, 2).reshape(b, s, d)
+    return F.linear(merged, ow, ob), merged
+
+
+# ------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gradcheck_float64(case):
+    b, s, d, h, kv, causal, rope, bias = case
+    layer = _layer(case)
+    x = torch.randn(b, s, d, dtype=torch.float64, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in layer._params() if p is not None]
+    if not bias:
+        params += [None] * 4
+    assert torch.autograd.gradcheck(MultiHeadAttentionFunction.apply, (x, *params, layer.spec))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_matches_sdpa_reference(case, dtype, tol):
+    """Forward and every gradient equal the SDPA reference with weights copied across, through the
+    module (autograd Function) and through ``backward_saved``; ``pre`` is the merged heads."""
+    b, s, d, h, kv, causal, rope, bias = case
+    layer = _layer(case, dtype)
+    params = tuple(layer.parameters())
+    names = [n for n, _ in layer.named_parameters()]
+    refs = [p.detach().clone().requires_grad_() for p in params]
+    x = torch.randn(b, s, d, dtype=dtype)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(xo)
+    y_ref, merged = _reference(xr, refs, h, kv, causal, rope)
+    assert_close(y, y_ref, name="output", rtol=tol, atol=tol)
+    g = torch.randn_like(y_ref)
+    y.backward(g)
+    ref_grads = torch.autograd.grad(y_ref, [xr, *refs], g)
+    assert_close(xo.grad, ref_grads[0], name="grad input", rtol=tol, atol=tol)
+    for p, r, n in zip(params, ref_grads[1:], names):
+        assert_close(p.grad, r, name=f"grad {n}", rtol=tol, atol=tol)
+
+    with torch.no_grad():
+        y2, saved = layer.forward_saved(x)
+        gx, grads = layer.backward_saved(g, saved)
+    assert len(grads) == len(params) == (8 if bias else 4)
+    assert_close(y2, y_ref, name="forward_saved output", rtol=tol, atol=tol)
+    assert_close(layer.pre_activation(saved), merged, name="pre (merged heads)", rtol=tol, atol=tol)
+    assert_close(gx, ref_grads[0], name="backward_saved grad input", rtol=tol, atol=tol)
+    for got, r, n in zip(grads, ref_grads[1:], names):
+        assert_close(got, r, name=f"backward_saved grad {n}", rtol=tol, atol=tol)
+    assert layer.backward_saved(g, saved, needs_input_grad=False)[0] is None
+
+
+def test_rope_theta_is_used():
+    case = (2, 6, 8, 2, 1, True, True, True)
+    layer = _layer(case, theta=50.0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    y_ref, _ = _reference(x, tuple(layer.parameters()), 2, 1, True, True, theta=50.0)
+    assert_close(layer(x), y_ref, name="output theta=50", rtol=1e-11, atol=1e-11)
+    y_default, _ = _reference(x, tuple(layer.parameters()), 2, 1, True, True)
+    assert (layer(x) - y_default).abs().max() > 1e-3
+
+
+def test_rope_positions_start_at_zero_in_every_sample():
+    """Loom's KV cache continues positions across the batch; here sample b at position s uses angle
+    s·θ^(−2i/D) whatever b is, so the same sequence gives the same output in any batch slot."""
+    layer = _layer((3, 4, 8, 2, 2, True, True, True))
+    seq = torch.randn(1, 4, 8, dtype=torch.float64)
+    x = torch.cat([torch.randn(1, 4, 8, dtype=torch.float64), seq, torch.randn(1, 4, 8, dtype=torch.float64)])
+    assert_close(layer(x)[1:2], layer(seq), name="slot 1 vs alone", rtol=1e-13, atol=1e-13)
+
+
+def test_functional_matches_module_and_rejects_partial_biases():
+    layer = _layer((2, 5, 12, 6, 3, True, True, True))
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    y = multi_head_attention(x, *layer.parameters(), num_heads=6, num_kv_heads=3)
+    assert torch.equal(y, layer(x))
+    with pytest.raises(ValueError, match="all four biases"):
+        multi_head_attention(x, *list(layer.parameters())[:5], num_heads=6, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_batch_independence(causal):
+    """Output and gradients of samples 1.. do not depend on sample 0 (Loom attends across the batch
+    through its KV cache: SPEC §13)."""
+    layer = _layer((4, 5, 8, 4, 2, causal, True, True), dtype=torch.float32)
+    x = torch.randn(4, 5, 8)
+    x2 = x.clone()
+    x2[0] = torch.randn(5, 8) * 3
+    y, y2 = layer(x), layer(x2)
+    assert not torch.allclose(y[0], y2[0])
+    assert torch.equal(y[1:], y2[1:])
+    xr = x.clone().requires_grad_()
+    layer(xr)[1:].sum().backward()
+    assert torch.count_nonzero(xr.grad[0]) == 0 and torch.count_nonzero(xr.grad[1:]) > 0
+
+
+def test_causal_mask_hides_the_future():
+    layer = _layer((2, 6, 8, 2, 1, True, True, True))
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, 4:] = torch.randn(2, 2, 8, dtype=torch.float64)
+    y, y2 = layer(x), layer(x2)
+    assert torch.equal(y[:, :4], y2[:, :4])
+    assert not torch.allclose(y[:, 4:], y2[:, 4:])
+
+
+def test_inside_network_with_history():
+    """Dense → MultiHeadAttention → Dense in Loom mode: history and the hand-written backward equal
+    autograd through the SDPA reference."""
+    dt = torch.float64
+    mha = _layer((3, 5, 8, 4, 2, True, True, True))
+    net = Network(Dense(3, 8, "tanh", dtype=dt), mha, Dense(8, 2, dtype=dt), record_history=True)
+    x = torch.randn(3, 5, 3, dtype=dt)
+    y = net(x)
+    g = torch.randn_like(y)
+    gx = net.backward(g, input_grad=True)
+    got = [p.grad.clone() for p in net.parameters()]
+    params = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    xr = x.clone().requires_grad_()
+    h0 = torch.tanh(F.linear(xr, params[0], params[1]))
+    h1, merged = _reference(h0, params[2:10], 4, 2, True, True)
+    y_ref = F.linear(h1, params[10], params[11])
+    assert_close(y, y_ref, name="output", rtol=1e-11, atol=1e-11)
+    assert_close(net.history[1].pre, merged, name="history pre", rtol=1e-11, atol=1e-11)
+    ref = torch.autograd.grad(y_ref, [xr, *params], g)
+    assert_close(gx, ref[0], name="grad input", rtol=1e-10, atol=1e-11)
+    for i, (a, r) in enumerate(zip(got, ref[1:])):
+        assert_close(a, r, name=f"param {i}", rtol=1e-10, atol=1e-11)
+
+
+def test_parameter_names_shapes_order_and_init():
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(64, 8, 2)
+    kv = 2 * 8
+    assert [(n, tuple(p.shape)) for n, p in layer.named_parameters()] == [
+        ("q_weight", (64, 64)), ("k_weight", (kv, 64)), ("v_weight", (kv, 64)), ("o_weight", (64, 64)),
+        ("q_bias", (64,)), ("k_bias", (kv,)), ("v_bias", (kv,)), ("o_bias", (64,)),
+    ]
+    assert abs(layer.q_weight.std().item() - 1 / 8) < 0.01
+    assert all(torch.count_nonzero(getattr(layer, f"{c}_bias")) == 0 for c in "qkvo")
+    nb = MultiHeadAttention(6, 3, bias=False, rope=False, causal=False, dtype=torch.float64)
+    assert [n for n, _ in nb.named_parameters()] == ["q_weight", "k_weight", "v_weight", "o_weight"]
+    assert nb.num_kv_heads == 3 and nb.head_dim == 2 and nb.q_weight.dtype == torch.float64
+    assert "d_model=6, num_heads=3, num_kv_heads=3, causal=False, rope=False, bias=False" in repr(nb)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,pattern",
+    [
+        ((10, 4), {}, ValueError, r"d_model \(10\) must be divisible by num_heads \(4\)"),
+        ((12, 6, 4), {}, ValueError, r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"),
+        ((9, 3), {}, ValueError, r"rope=True needs an even head size d_model/num_heads, got 9/3 = 3"),
+        ((0, 2), {}, ValueError, "d_model must be a positive int, got 0"),
+        ((8, 0), {}, ValueError, "num_heads must be a positive int, got 0"),
+        ((8, 2, 0), {}, ValueError, "num_kv_heads must be a positive int, got 0"),
+        ((8, 2), {"rope_theta": 0.0}, ValueError, "rope_theta must be a finite number > 0, got 0.0"),
+        ((8, 2), {"causal": 1}, TypeError, "causal must be a bool, got 1"),
+    ],
+)
+def test_bad_constructor_args(args, kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        MultiHeadAttention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 6), (5, 8), (2, 0, 8)], ids=["wrong-d", "2d", "empty-seq"])
+def test_bad_input_shape(shape):
+    layer = MultiHeadAttention(8, 2)
+    want = rf"\[batch, seq, 8\], got \[{', '.join(map(str, shape))}\]"
+    with pytest.raises(ValueError, match=want):
+        layer(torch.randn(*shape))
+    with pytest.raises(ValueError, match=want):
+        layer.forward_saved(torch.randn(*shape))
+
+
+def _sequence_batches(device, n=96, batch=16, seq=6):
+    """Target at step t: the running mean of the first input feature over steps 0..t (needs causal
+    attention spread evenly over the past)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, seq, 4, generator=g)
+    y = torch.cumsum(x[..., :1], dim=1) / torch.arange(1, seq + 1).view(1, seq, 1)
+    return [(x[i : i + batch].to(device), y[i : i + batch].to(device)) for i in range(0, n, batch)]
+
+
+def _train_attention_net(device):
+    torch.manual_seed(0)
+    net = Network(Dense(4, 8), MultiHeadAttention(8, 2, 1), Dense(8, 1)).to(device)
+    res = train(net, _sequence_batches(device), TrainingConfig(epochs=25, learning_rate=0.05, optimizer="momentum", verbose=False))
+    return res.loss_history[0], res.final_loss
+
+
+def test_train_reduces_loss():
+    first, last = _train_attention_net("cpu")
+    assert last < 0.3 * first, (first, last)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_reference_and_trains():
+    """On CUDA (softmax in the fused kernels) forward and every gradient equal the float64 SDPA
+    reference on the CPU, and training reduces the loss."""
+    case = (3, 37, 32, 4, 2, True, True, True)
+    layer = _layer(case)
+    x = torch.randn(3, 37, 32, dtype=torch.float64)
+    refs = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    xr = x.clone().requires_grad_()
+    y_ref, _ = _reference(xr, refs, 4, 2, True, True)
+    g = torch.randn_like(y_ref)
+    ref_grads = torch.autograd.grad(y_ref, [xr, *refs], g)
+    cuda_layer = layer.float().cuda()
+    xc = x.float().cuda().requires_grad_()
+    y = cuda_layer(xc)
+    y.backward(g.float().cuda())
+    assert_close(y, y_ref, name="output", rtol=1e-4, atol=1e-4)
+    assert_close(xc.grad, ref_grads[0], name="grad input", rtol=1e-4, atol=1e-4)
+    for (n, p), r in zip(cuda_layer.named_parameters(), ref_grads[1:]):
+        assert_close(p.grad, r, name=f"grad {n}", rtol=1e-4, atol=1e-3)
+    first, last = _train_attention_net("cuda")
+    assert last < 0.3 * first, (first, last)

@@ -1,0 +1,365 @@
+"""Multi-head attention with RoPE and grouped-query heads, with a hand-written backward (SPEC §3).
+
+Shapes: ``B`` batch, ``S`` sequence, ``d`` = d_model, ``H`` query heads, ``K`` kv heads, ``G = H/K``
+query heads per kv head, ``D = d/H`` head size. Input ``x [B, S, d]`` → output ``[B, S, d]``.
+
+Forward, for every sample on its own (nothing crosses samples):
+
+1. ``q = x W_qᵀ + b_q [B,S,H·D]``, ``k = x W_kᵀ + b_k``, ``v = x W_vᵀ + b_v [B,S,K·D]``, split into heads.
+2. RoPE on ``q`` and ``k`` (rotate-half convention, as Loom and GPT-NeoX/LLaMA-HF): at position
+   ``s`` (0-based inside the sample) and pair ``i < D/2`` with angle ``s · θ^(−2i/D)``, the pair
+   ``(x_i, x_{i+D/2})`` is rotated: ``(x_i cos − x_{i+D/2} sin, x_i sin + x_{i+D/2} cos)``.
+3. Query head ``h`` uses kv head ``h // G``. The ``G`` query heads of one group are stacked along
+   the rows, ``q [B, K, G·S, D]``, so one batched product ``q kᵀ`` serves the whole group.
+4. ``P = softmax(q kᵀ / √D)`` over the keys, with keys after the query masked out when causal.
+5. ``o = P v``, heads merged back to ``[B, S, d]`` (Loom's pre-activation), ``y = o W_oᵀ + b_o``.
+
+Backward (the same steps in reverse):
+
+    dW_o = gyᵀ o, db_o = Σ gy, do = gy W_o
+    dP = do vᵀ,  dv = Pᵀ do              (dv sums over the G query heads sharing the kv head)
+    dS = P ⊙ (dP − ⟨dP, P⟩) / √D         (softmax backward; masked entries have P = 0)
+    dq = dS k,   dk = dSᵀ q              (dk sums over the group too)
+    RoPE backward = rotation by −angle (a rotation's transpose is its inverse)
+    dW_{q,k,v} = d{q,k,v}ᵀ x, db = Σ d{q,k,v},  dx = dq W_q + dk W_k + dv W_v
+
+Loom's code keeps keys and values in a KV cache that spans the batch, so sample ``b`` attends to the
+samples before it and its RoPE positions continue from theirs (SPEC §13): not replicated. The
+softmax runs in the fused kernels of ``torchloom.kernels.softmax`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import Layer
+
+__all__ = [
+    "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved",
+    "multi_head_attention", "attention_forward", "attention_backward",
+    "rope_tables", "rope_rotate", "rope_rotate_inverse",
+]
+
+
+def _kernels():
+    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
+    from ..kernels import softmax as kernels
+
+    return kernels
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention's fixed settings: head counts, causal mask, RoPE on/off and its base θ.
+    (A dataclass, not a tuple, so autograd and gradcheck treat it as one opaque argument.)"""
+
+    num_heads: int
+    num_kv_heads: int
+    causal: bool
+    rope: bool
+    rope_theta: float
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``[S, D/2]``: angle ``s · θ^(−2i/D)`` for position ``s`` and pair ``i``.
+    Computed in float64, then cast, so the tables are exact to the working precision."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angle = torch.arange(seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on ``x [..., S, D]`` with ``cos, sin [S, D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def rope_rotate_inverse(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The backward of ``rope_rotate``: rotation by the opposite angle (the transpose)."""
+    g1, g2 = g.chunk(2, dim=-1)
+    return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1)
+
+
+# ------------------------------------------------------------------------------- forward/backward
+class AttentionSaved(NamedTuple):
+    """What the backward needs. ``q [B,K,G·S,D]`` and ``k [B,K,S,D]`` after RoPE, ``v [B,K,S,D]``,
+    ``probs [B,K,G·S,S]``, ``pre [B,S,d]`` (the merged heads before the output projection, Loom's
+    pre-activation), the input, the four weights, whether there are biases and the spec."""
+
+    input: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    probs: Tensor
+    pre: Tensor
+    q_weight: Tensor
+    k_weight: Tensor
+    v_weight: Tensor
+    o_weight: Tensor
+    has_bias: bool
+    spec: AttentionSpec
+
+
+def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+
+
+def _causal_mask(seq_len: int, groups: int, device) -> Tensor:
+    """``[G·S, S]`` bool, True where key ``j`` comes after the query's position ``r mod S``."""
+    pos = torch.arange(seq_len, device=device)
+    return (pos[None, :] > pos[:, None]).repeat(groups, 1)
+
+
+def attention_forward(
+    x: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    v_weight: Tensor,
+    o_weight: Tensor,
+    q_bias: Tensor | None,
+    k_bias: Tensor | None,
+    v_bias: Tensor | None,
+    o_bias: Tensor | None,
+    spec: AttentionSpec,
+) -> tuple[Tensor, AttentionSaved]:
+    """``x [B, S, d]`` → ``(y [B, S, d], saved)``. Biases: all four or none. No autograd."""
+    b, s, d = x.shape
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hd, g = d // h, h // kv
+    x2 = x.reshape(b * s, d)
+    q = _linear(x2, q_weight, q_bias).view(b, s, h, hd).transpose(1, 2)  # [B,H,S,D]
+    k = _linear(x2, k_weight, k_bias).view(b, s, kv, hd).transpose(1, 2)  # [B,K,S,D]
+    v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd).transpose(1, 2).contiguous()
+    if spec.rope:
+        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, x.dtype)
+        q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+    q = q.reshape(b, kv, g * s, hd)  # query heads h = kv·G + j → group kv, rows j·S … j·S+S−1
+    k = k.contiguous()
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [B,K,G·S,S], unscaled: the softmax divides by √D
+    if spec.causal:
+        scores.masked_fill_(_causal_mask(s, g, x.device), float("-inf"))
+    probs = _kernels().softmax(scores, math.sqrt(hd))
+    o = torch.matmul(probs, v)  # [B,K,G·S,D]
+    pre = o.view(b, h, s, hd).transpose(1, 2).reshape(b, s, d)
+    y = _linear(pre.reshape(b * s, d), o_weight, o_bias).view(b, s, d)
+    saved = AttentionSaved(x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, q_bias is not None, spec)
+    return y, saved
+
+
+def attention_backward(
+    grad_out: Tensor, saved: AttentionSaved, needs_input_grad: bool = True
+) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+    """Hand-written backward. Returns ``(dx or None, (dW_q, dW_k, dW_v, dW_o[, db_q, db_k, db_v, db_o]))``,
+    the order of ``MultiHeadAttention.parameters()``."""
+    x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, has_bias, spec = saved
+    b, s, d = x.shape
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hd, g = d // h, h // kv
+    gy = grad_out.reshape(b * s, d)
+    x2 = x.reshape(b * s, d)
+
+    d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
+    d_o = torch.mm(gy, o_weight).view(b, s, h, hd).transpose(1, 2).reshape(b, kv, g * s, hd)
+    d_probs = torch.matmul(d_o, v.transpose(-1, -2))  # [B,K,G·S,S]
+    d_v = torch.matmul(probs.transpose(-1, -2), d_o)  # [B,K,S,D], summed over the group's heads
+    d_scores = _kernels().softmax_backward(d_probs, probs, math.sqrt(hd))
+    d_q = torch.matmul(d_scores, k).view(b, h, s, hd)
+    d_k = torch.matmul(d_scores.transpose(-1, -2), q)  # [B,K,S,D], summed over the group's heads
+    if spec.rope:
+        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, x.dtype)
+        d_q, d_k = rope_rotate_inverse(d_q, cos, sin), rope_rotate_inverse(d_k, cos, sin)
+    d_q = d_q.transpose(1, 2).reshape(b * s, d)
+    d_k = d_k.transpose(1, 2).reshape(b * s, kv * hd)
+    d_v = d_v.transpose(1, 2).reshape(b * s, kv * hd)
+
+    grads: tuple[Tensor, ...] = (torch.mm(d_q.t(), x2), torch.mm(d_k.t(), x2), torch.mm(d_v.t(), x2), d_o_weight)
+    if has_bias:
+        grads += (d_q.sum(0), d_k.sum(0), d_v.sum(0), gy.sum(0))
+    dx = None
+    if needs_input_grad:
+        dx = torch.mm(d_q, q_weight).addmm_(d_k, k_weight).addmm_(d_v, v_weight).view(b, s, d)
+    return dx, grads
+
+
+class MultiHeadAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
+        y, saved = attention_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec)
+        ctx.save_for_backward(*saved[:-2])
+        ctx.has_bias, ctx.spec = saved.has_bias, spec
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = AttentionSaved(*ctx.saved_tensors, ctx.has_bias, ctx.spec)
+        dx, grads = attention_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        biases = grads[4:] if ctx.has_bias else (None,) * 4
+        return (dx, *grads[:4], *biases, None)
+
+
+def multi_head_attention(
+    x: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    v_weight: Tensor,
+    o_weight: Tensor,
+    q_bias: Tensor | None = None,
+    k_bias: Tensor | None = None,
+    v_bias: Tensor | None = None,
+    o_bias: Tensor | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = True,
+    rope: bool = True,
+    rope_theta: float = 10000.0,
+) -> Tensor:
+    """Functional multi-head attention on ``x [B, S, d]`` (weights as ``MultiHeadAttention``'s);
+    differentiable through the hand-written backward. Biases: all four or none."""
+    biases = (q_bias, k_bias, v_bias, o_bias)
+    if any(t is None for t in biases) and not all(t is None for t in biases):
+        raise ValueError("multi_head_attention: pass all four biases (q, k, v, o) or none of them")
+    spec = AttentionSpec(num_heads, num_heads if num_kv_heads is None else num_kv_heads, causal, rope, float(rope_theta))
+    return MultiHeadAttentionFunction.apply(x, q_weight, k_weight, v_weight, o_weight, *biases, spec)
+
+
+# ------------------------------------------------------------------------------------------ module
+def _positive_int(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {v!r}")
+
+
+class MultiHeadAttention(Layer):
+    """Per-sample multi-head self-attention with RoPE and grouped-query heads (see the module doc).
+
+    Args:
+        d_model: model width ``d``; must be divisible by ``num_heads`` (head size ``D = d/H``).
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``K`` (default ``H``); ``H`` must be divisible by it, and each
+            group of ``H/K`` consecutive query heads shares one kv head.
+        causal: mask keys after the query (default True).
+        rope: rotary position embedding on q and k (default True; needs an even head size).
+        bias: learnable biases on the four projections (default True).
+        rope_theta: RoPE base θ (default 10000, Loom's).
+
+    Parameters (in this order): ``q_weight [d, d]``, ``k_weight [K·D, d]``, ``v_weight [K·D, d]``,
+    ``o_weight [d, d]``, then ``q_bias [d]``, ``k_bias [K·D]``, ``v_bias [K·D]``, ``o_bias [d]`` (Loom's
+    storage order). Weights start at ``N(0, 1/fan_in)``, biases at 0.
+
+    Shapes: input ``[batch, seq, d_model]`` → output ``[batch, seq, d_model]``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        causal: bool = True,
+        rope: bool = True,
+        bias: bool = True,
+        rope_theta: float = 10000.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _positive_int("d_model", d_model)
+        _positive_int("num_heads", num_heads)
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        _positive_int("num_kv_heads", num_kv_heads)
+        if d_model % num_heads:
+            raise ValueError(f"MultiHeadAttention: d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"MultiHeadAttention: num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            )
+        for name, flag in (("causal", causal), ("rope", rope), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"MultiHeadAttention: {name} must be a bool, got {flag!r}")
+        head_dim = d_model // num_heads
+        if rope and head_dim % 2:
+            raise ValueError(
+                f"MultiHeadAttention: rope=True needs an even head size d_model/num_heads, got "
+                f"{d_model}/{num_heads} = {head_dim}"
+            )
+        theta_ok = isinstance(rope_theta, (int, float)) and not isinstance(rope_theta, bool) and math.isfinite(rope_theta)
+        if not theta_ok or rope_theta <= 0:
+            raise ValueError(f"MultiHeadAttention: rope_theta must be a finite number > 0, got {rope_theta!r}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.spec = AttentionSpec(num_heads, num_kv_heads, causal, rope, float(rope_theta))
+        kv_dim = num_kv_heads * head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_weight = nn.Parameter(torch.empty(d_model, d_model, **factory))
+        self.k_weight = nn.Parameter(torch.empty(kv_dim, d_model, **factory))
+        self.v_weight = nn.Parameter(torch.empty(kv_dim, d_model, **factory))
+        self.o_weight = nn.Parameter(torch.empty(d_model, d_model, **factory))
+        if bias:
+            self.q_bias = nn.Parameter(torch.empty(d_model, **factory))
+            self.k_bias = nn.Parameter(torch.empty(kv_dim, **factory))
+            self.v_bias = nn.Parameter(torch.empty(kv_dim, **factory))
+            self.o_bias = nn.Parameter(torch.empty(d_model, **factory))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
+        self.reset_parameters()
+
+    @property
+    def causal(self) -> bool:
+        return self.spec.causal
+
+    @property
+    def rope(self) -> bool:
+        return self.spec.rope
+
+    @property
+    def rope_theta(self) -> float:
+        return self.spec.rope_theta
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in (self.q_weight, self.k_weight, self.v_weight, self.o_weight):
+                w.normal_(0.0, 1.0 / math.sqrt(w.shape[1]))
+            for b in (self.q_bias, self.k_bias, self.v_bias, self.o_bias):
+                if b is not None:
+                    b.zero_()
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
+            raise ValueError(
+                f"MultiHeadAttention(d_model={self.d_model}): input must have shape "
+                f"[batch, seq, {self.d_model}], got {list(x.shape)}"
+            )
+
+    def _params(self) -> tuple[Tensor | None, ...]:
+        return (
+            self.q_weight, self.k_weight, self.v_weight, self.o_weight,
+            self.q_bias, self.k_bias, self.v_bias, self.o_bias,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return MultiHeadAttentionFunction.apply(x, *self._params(), self.spec)
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, AttentionSaved]:
+        self._check(x)
+        return attention_forward(x, *self._params(), self.spec)
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        return attention_backward(grad_out, saved, needs_input_grad)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (
+            f"d_model={self.d_model}, num_heads={s.num_heads}, num_kv_heads={s.num_kv_heads}, "
+            f"causal={s.causal}, rope={s.rope}, bias={self.q_bias is not None}, rope_theta={s.rope_theta}"
+        )

@@ -1,0 +1,226 @@
+"""Elman ``RNN`` (Loom ``RNN``) with full backpropagation through time written by hand, and
+``LastStep``, which keeps a sequence's last time step (SPEC §3).
+
+Read top to bottom: ``rnn_forward`` / ``rnn_backward`` (the math, side by side), ``RNNFunction``
+(the autograd bridge), ``rnn`` (functional), ``RNN`` (module), then ``LastStep``.
+
+For an input ``x [B, T, I]``, with ``h_0 = 0``::
+
+    pre_t = x_t W_ihᵀ + h_{t−1} W_hhᵀ + b        (pre-activation, [B, H])
+    h_t   = tanh(pre_t)                         (returned for every t: [B, T, H])
+
+One bias ``b`` (Loom's layout): it equals ``nn.RNN`` with ``bias_ih = b`` and ``bias_hh = 0``. The
+input projections ``x_t W_ihᵀ + b`` of all steps are one matmul; only the recurrent product runs per
+step. BPTT goes backward over t with ``dh_t = gOut_t + gPre_{t+1} W_hh`` and
+``gPre_t = dh_t ⊙ (1 − h_t²)``; the weight and input gradients are then one matmul each over all steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import Layer
+
+__all__ = ["RNN", "RNNFunction", "RNNSaved", "LastStep", "rnn", "rnn_forward", "rnn_backward"]
+
+_RNN_INITS = ("uniform", "loom_uniform")
+
+
+class RNNSaved(NamedTuple):
+    """What the RNN's backward needs: input ``[B, T, I]``, ``weight_ih [H, I]``, ``weight_hh [H, H]``,
+    pre-activations ``[B, T, H]``, hidden states ``h_1 … h_T`` ``[B, T, H]`` (the output) and whether
+    there is a bias."""
+
+    input: Tensor
+    weight_ih: Tensor
+    weight_hh: Tensor
+    pre: Tensor
+    hidden: Tensor
+    has_bias: bool
+
+
+@torch.no_grad()
+def rnn_forward(
+    x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None
+) -> tuple[Tensor, RNNSaved]:
+    """``x [B, T, I]`` → ``(h [B, T, H], saved)``: ``h_t = tanh(x_t W_ihᵀ + h_{t−1} W_hhᵀ + b)``,
+    ``h_0 = 0``. No autograd graph is built."""
+    B, T, I = x.shape
+    H = weight_hh.shape[0]
+    x2 = x.reshape(B * T, I)
+    # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
+    pre = (torch.mm(x2, weight_ih.t()) if bias is None else torch.addmm(bias, x2, weight_ih.t())).view(B, T, H)
+    hidden = torch.empty_like(pre)
+    for t in range(T):
+        if t > 0:  # h_0 = 0 contributes nothing
+            pre[:, t].addmm_(hidden[:, t - 1], weight_hh.t())
+        torch.tanh(pre[:, t], out=hidden[:, t])
+    return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
+
+
+@torch.no_grad()
+def rnn_backward(
+    grad_out: Tensor, saved: RNNSaved, needs_input_grad: bool = True
+) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
+    """Hand-written BPTT over all steps. With ``gPre_t = (gOut_t + gPre_{t+1} W_hh) ⊙ (1 − h_t²)``:
+    ``dW_ih = Σ_t gPre_tᵀ x_t``, ``dW_hh = Σ_{t≥2} gPre_tᵀ h_{t−1}``, ``db = Σ_{b,t} gPre_t``,
+    ``dx_t = gPre_t W_ih``. Returns ``(dx [B, T, I] or None, (dW_ih, dW_hh, db or None))``."""
+    x, weight_ih, weight_hh, _, hidden, has_bias = saved
+    B, T, I = x.shape
+    H = weight_hh.shape[0]
+    g_pre = 1.0 - hidden * hidden  # tanh'(pre_t) = 1 − h_t², turned into gPre in place below
+    g_pre[:, T - 1].mul_(grad_out[:, T - 1])
+    for t in range(T - 2, -1, -1):
+        dh = torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh)  # gOut_t + gPre_{t+1} W_hh
+        g_pre[:, t].mul_(dh)
+    g2 = g_pre.reshape(B * T, H)
+    grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
+    grad_w_hh = torch.mm(g_pre[:, 1:].reshape(-1, H).t(), hidden[:, :-1].reshape(-1, H))
+    grad_b = g2.sum(0) if has_bias else None
+    grad_x = torch.mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
+    return grad_x, (grad_w_ih, grad_w_hh, grad_b)
+
+
+class RNNFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_ih, weight_hh, bias):
+        hidden, saved = rnn_forward(x, weight_ih, weight_hh, bias)
+        ctx.save_for_backward(x, weight_ih, weight_hh, hidden)
+        ctx.has_bias = bias is not None
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight_ih, weight_hh, hidden = ctx.saved_tensors
+        saved = RNNSaved(x, weight_ih, weight_hh, None, hidden, ctx.has_bias)  # pre is not needed
+        grad_x, (gw_ih, gw_hh, gb) = rnn_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        return grad_x, gw_ih, gw_hh, gb
+
+
+def rnn(x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Functional Elman RNN: ``x [B, T, I]`` → all hidden states ``[B, T, H]``; differentiable
+    through the hand-written BPTT."""
+    return RNNFunction.apply(x, weight_ih, weight_hh, bias)
+
+
+def _check_positive(owner: str, **sizes: int) -> None:
+    for arg, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{owner}: {arg} must be a positive int, got {v!r}")
+
+
+def check_sequence(x: Tensor, input_size: int, owner: str, dtype: torch.dtype) -> None:
+    """Raise unless ``x`` is a ``[batch, time, input_size]`` tensor of ``dtype`` (time >= 1)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[2] != input_size or x.shape[1] < 1:
+        raise ValueError(f"{owner}: input must have shape [batch, time, {input_size}] (time >= 1), got {list(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"{owner}: input dtype {x.dtype} differs from the weight dtype {dtype}")
+
+
+class RNN(Layer):
+    """Elman RNN ``h_t = tanh(x_t W_ihᵀ + h_{t−1} W_hhᵀ + b)``, ``h_0 = 0``, all steps returned.
+
+    Args:
+        input_size: ``I``; hidden_size: ``H``.
+        bias: a learnable ``bias [H]`` (one merged bias, Loom's layout; ``nn.RNN`` with
+            ``bias_ih = bias``, ``bias_hh = 0`` computes the same).
+        init: ``"uniform"`` (default: ``U(−1/√H, 1/√H)`` for every parameter, ``nn.RNN``'s rule, which
+            keeps tanh out of saturation) or ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``).
+
+    Parameters: ``weight_ih [H, I]``, ``weight_hh [H, H]``, ``bias [H]``.
+    Shapes: input ``[B, T, I]`` → output ``[B, T, H]`` (every hidden state).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        init: str = "uniform",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_positive("RNN", input_size=input_size, hidden_size=hidden_size)
+        if not isinstance(bias, bool):
+            raise ValueError(f"RNN: bias must be a bool, got {bias!r}")
+        if init not in _RNN_INITS:
+            raise ValueError(f"RNN: init must be one of {_RNN_INITS}, got {init!r}")
+        self.input_size, self.hidden_size, self.init = input_size, hidden_size, init
+        factory = {"device": device, "dtype": dtype}
+        self.weight_ih = nn.Parameter(torch.empty(hidden_size, input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(hidden_size, hidden_size, **factory))
+        self.bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.hidden_size) if self.init == "uniform" else 0.1
+        with torch.no_grad():
+            for p in self.parameters():
+                p.uniform_(-bound, bound)
+
+    def _check(self, x: Tensor) -> None:
+        check_sequence(x, self.input_size, f"RNN({self.input_size}→{self.hidden_size})", self.weight_ih.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return RNNFunction.apply(x, self.weight_ih, self.weight_hh, self.bias)
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, RNNSaved]:
+        self._check(x)
+        return rnn_forward(x, self.weight_ih, self.weight_hh, self.bias)
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        grad_x, (gw_ih, gw_hh, gb) = rnn_backward(grad_out, saved, needs_input_grad)
+        return grad_x, (gw_ih, gw_hh) if gb is None else (gw_ih, gw_hh, gb)
+
+    def extra_repr(self) -> str:
+        return f"input_size={self.input_size}, hidden_size={self.hidden_size}, bias={self.bias is not None}"
+
+
+# --------------------------------------------------------------------------------------------
+# LastStep: a sequence classifier reads the last hidden state. Loom's RNN/LSTM hand their whole
+# [B, T, H] output on; torchloom keeps that and offers this layer to pick the last step.
+
+
+class LastStepSaved(NamedTuple):
+    """What LastStep's backward needs: the input's shape."""
+
+    shape: tuple[int, ...]
+
+
+class LastStep(Layer):
+    """Keeps the last time step of a sequence: ``[B, T, H] → [B, H]`` (``x[:, -1]``).
+
+    Backward: the gradient goes to step ``T`` and every earlier step gets zero. Input at least 3-d
+    (``[B, T, ...]``, time is dimension 1). No parameters."""
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"LastStep: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 3 or x.shape[1] < 1:
+            raise ValueError(f"LastStep: input must have shape [batch, time, ...] with time >= 1, got {list(x.shape)}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return super().forward(x)
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, LastStepSaved]:
+        self._check(x)
+        return x[:, -1].contiguous(), LastStepSaved(tuple(x.shape))
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        if not needs_input_grad:
+            return None, ()
+        grad_x = grad_out.new_zeros(saved.shape)
+        grad_x[:, -1] = grad_out
+        return grad_x, ()
+
+    def reset_parameters(self) -> None:  # no parameters
+        pass

@@ -1,0 +1,210 @@
+"""SwiGLU feed-forward block with a hand-written backward (SPEC §3).
+
+    forward   g = x W_gateᵀ + b_gate,   u = x W_upᵀ + b_up          [*, m]
+              a = silu(g) ⊙ u                                       [*, m]  (Loom's pre-activation)
+              y = a W_downᵀ + b_down                                [*, h]
+    backward  dW_down = gyᵀ a,   db_down = Σ gy,   da = gy W_down
+              dg = da ⊙ u ⊙ silu'(g),   du = da ⊙ silu(g)
+              dW_gate = dgᵀ x,   dW_up = duᵀ x,   db_gate = Σ dg,   db_up = Σ du
+              dx = dg W_gate + du W_up
+
+Sums run over every row (all leading dimensions). Loom's code accumulates the down projection's
+weight gradient transposed (into ``[m, h]`` positions of an ``[h, m]`` weight, SPEC §13); torchloom
+computes ``gyᵀ a``, the ``[h, m]`` gradient. The gate (``silu(g) ⊙ u`` and its backward) runs in the
+fused Triton kernels of ``torchloom.kernels.swiglu`` on CUDA, their reference elsewhere; the
+projections are ordinary matrix products.
+
+Read top to bottom: ``swiglu_forward`` / ``swiglu_backward`` (the math), ``SwiGLUFunction`` (the
+autograd bridge), ``swiglu`` (functional), ``SwiGLU`` (module).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import Layer
+
+__all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
+
+
+def _kernels():
+    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
+    from ..kernels import swiglu as kernels
+
+    return kernels
+
+
+def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x2 [rows, in] Wᵀ + b`` → ``[rows, out]``."""
+    return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+
+
+class SwiGLUSaved(NamedTuple):
+    """What the backward needs: input ``[*, h]``, gate and up projections ``g, u [*, m]``, the gated
+    intermediate ``pre = silu(g) ⊙ u [*, m]`` (Loom's pre-activation), the three weights and whether
+    there are biases."""
+
+    input: Tensor
+    gate: Tensor
+    up: Tensor
+    pre: Tensor
+    gate_weight: Tensor
+    up_weight: Tensor
+    down_weight: Tensor
+    has_bias: bool
+
+
+def swiglu_forward(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Tensor | None = None,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> tuple[Tensor, SwiGLUSaved]:
+    """``x [*, h]``, ``gate_weight, up_weight [m, h]``, ``down_weight [h, m]``, biases ``[m], [m], [h]``
+    (all or none) → ``(y [*, h], saved)``. No autograd."""
+    x2 = x.reshape(-1, x.shape[-1])
+    g = _linear(x2, gate_weight, gate_bias)
+    u = _linear(x2, up_weight, up_bias)
+    a = _kernels().swiglu(g, u)
+    y = _linear(a, down_weight, down_bias).view(*x.shape[:-1], down_weight.shape[0])
+    return y, SwiGLUSaved(x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None)
+
+
+def swiglu_backward(
+    grad_out: Tensor, saved: SwiGLUSaved, needs_input_grad: bool = True
+) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+    """Hand-written backward. Returns ``(dx or None, (dW_gate, dW_up, dW_down[, db_gate, db_up, db_down]))``,
+    the order of ``SwiGLU.parameters()``."""
+    x, g, u, a, gate_weight, up_weight, down_weight, has_bias = saved
+    gy = grad_out.reshape(-1, down_weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    d_down = torch.mm(gy.t(), a)  # [h, m]: the correct orientation (Loom's code transposes it)
+    da = torch.mm(gy, down_weight)  # [rows, m]
+    dg, du = _kernels().swiglu_backward(da, g, u)
+    d_gate = torch.mm(dg.t(), x2)
+    d_up = torch.mm(du.t(), x2)
+    grads: tuple[Tensor, ...] = (d_gate, d_up, d_down)
+    if has_bias:
+        grads += (dg.sum(0), du.sum(0), gy.sum(0))
+    dx = None
+    if needs_input_grad:
+        dx = torch.addmm(torch.mm(dg, gate_weight), du, up_weight).view(x.shape)
+    return dx, grads
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
+        y, saved = swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+        ctx.save_for_backward(*saved[:-1])
+        ctx.has_bias = saved.has_bias
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = SwiGLUSaved(*ctx.saved_tensors, ctx.has_bias)
+        dx, grads = swiglu_backward(grad_out, saved, ctx.needs_input_grad[0])
+        biases = grads[3:] if ctx.has_bias else (None, None, None)
+        return (dx, *grads[:3], *biases)
+
+
+def swiglu(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Tensor | None = None,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    """Functional SwiGLU ``(silu(x W_gateᵀ + b_g) ⊙ (x W_upᵀ + b_u)) W_downᵀ + b_d``; differentiable
+    through the hand-written backward. Biases: all three or none."""
+    biases = (gate_bias, up_bias, down_bias)
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("swiglu: pass all three biases (gate_bias, up_bias, down_bias) or none of them")
+    return SwiGLUFunction.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+
+
+class SwiGLU(Layer):
+    """SwiGLU feed-forward block: ``(silu(x W_gateᵀ + b_gate) ⊙ (x W_upᵀ + b_up)) W_downᵀ + b_down``.
+
+    Args:
+        hidden: ``h``, the input and output size.
+        intermediate: ``m``, the size of the gated intermediate.
+        bias: learnable ``gate_bias [m]``, ``up_bias [m]``, ``down_bias [h]`` (default True).
+
+    Parameters: ``gate_weight [m, h]``, ``up_weight [m, h]``, ``down_weight [h, m]`` (then the biases),
+    weights drawn from ``N(0, 1/fan_in)`` (keeps the activations' scale through the linear
+    projections), biases 0.
+
+    Shapes: input ``[batch, ..., h]`` → output ``[batch, ..., h]``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for arg, v in (("hidden", hidden), ("intermediate", intermediate)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SwiGLU: {arg} must be a positive int, got {v!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"SwiGLU: bias must be a bool, got {bias!r}")
+        self.hidden = hidden
+        self.intermediate = intermediate
+        factory = {"device": device, "dtype": dtype}
+        self.gate_weight = nn.Parameter(torch.empty(intermediate, hidden, **factory))
+        self.up_weight = nn.Parameter(torch.empty(intermediate, hidden, **factory))
+        self.down_weight = nn.Parameter(torch.empty(hidden, intermediate, **factory))
+        if bias:
+            self.gate_bias = nn.Parameter(torch.empty(intermediate, **factory))
+            self.up_bias = nn.Parameter(torch.empty(intermediate, **factory))
+            self.down_bias = nn.Parameter(torch.empty(hidden, **factory))
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in (self.gate_weight, self.up_weight, self.down_weight):
+                w.normal_(0.0, 1.0 / math.sqrt(w.shape[1]))
+            for b in (self.gate_bias, self.up_bias, self.down_bias):
+                if b is not None:
+                    b.zero_()
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2 or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"SwiGLU({self.hidden}→{self.intermediate}→{self.hidden}): input must have shape "
+                f"[batch, ..., {self.hidden}], got {list(x.shape)}"
+            )
+
+    def _params(self) -> tuple[Tensor | None, ...]:
+        return (self.gate_weight, self.up_weight, self.down_weight, self.gate_bias, self.up_bias, self.down_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return SwiGLUFunction.apply(x, *self._params())
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, SwiGLUSaved]:
+        self._check(x)
+        return swiglu_forward(x, *self._params())
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        return swiglu_backward(grad_out, saved, needs_input_grad)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, intermediate={self.intermediate}, bias={self.gate_bias is not None}"
