@@ -1,28 +1,47 @@
-"""The one place that decides whether an op runs its Triton kernel or its PyTorch reference.
+"""The one place that decides whether an op runs its Triton kernel or its PyTorch reference, and how
+a kernel is launched (block size, warps, grid).
 
 Triton runs on CUDA tensors when it is installed. On CPU tensors it runs only through Triton's
 interpreter (``TRITON_INTERPRET=1`` set before the first kernel module is imported), which is how CI,
 without a GPU, checks every kernel. ``import torchloom`` never imports Triton: kernel modules import
-it when an op is first dispatched.
+it (through ``_tl``) when an op is first dispatched; this file imports it only when asked whether it
+is available.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.util
 import os
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["triton_available", "interpreter_enabled", "use_triton", "check_backend", "BACKENDS"]
+__all__ = [
+    "BACKENDS",
+    "KERNEL_DTYPES",
+    "triton_available",
+    "interpreter_enabled",
+    "use_triton",
+    "check_backend",
+    "elementwise_settings",
+    "row_settings",
+    "launch_override",
+]
 
 BACKENDS = (None, "triton", "reference")
+
+# dtypes the kernels of this package handle (they load these, compute in float32 and store back);
+# float64 runs the reference, which is exact in float64.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """True when the ``triton`` package can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the ``triton`` package imports (imported here, on the first question)."""
+    from ._tl import triton
+
+    return triton is not None
 
 
 def interpreter_enabled() -> bool:
@@ -35,18 +54,21 @@ def check_backend(backend: str | None) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
+def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
     """Pick the implementation for an op on ``tensor``.
 
-    ``backend=None``: Triton for CUDA tensors when Triton is installed, else the reference.
-    ``backend="reference"``: always the reference. ``backend="triton"``: Triton, required; on a CPU
-    tensor this needs the interpreter. Raises ``RuntimeError`` when Triton was asked for and cannot run.
+    ``backend=None``: Triton for CUDA tensors when Triton is installed (and ``tensor.dtype`` is in
+    ``dtypes`` when given), else the reference. ``backend="reference"``: always the reference.
+    ``backend="triton"``: Triton, required; on a CPU tensor this needs the interpreter. Raises
+    ``RuntimeError`` when Triton was asked for and cannot run, ``ValueError`` when it was asked for
+    a dtype outside ``dtypes``.
     """
     check_backend(backend)
     if backend == "reference":
         return False
+    dtype_ok = dtypes is None or tensor.dtype in dtypes
     if backend is None:
-        return tensor.is_cuda and triton_available() and not interpreter_enabled()
+        return tensor.is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
     if not triton_available():
         raise RuntimeError("backend='triton' was requested but the triton package is not installed")
     if not tensor.is_cuda and not interpreter_enabled():
@@ -54,4 +76,60 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
             "backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
             "before importing torchloom's kernels"
         )
+    if not dtype_ok:
+        raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {tensor.dtype}; use backend=None or 'reference'")
     return True
+
+
+# ------------------------------------------------------------------------------- launch settings
+# Streaming kernels (one element per lane, nothing reused): BLOCK 1024 with 4 warps is 8 values per
+# thread, two 16-byte vector loads per tensor, the setting of Triton's own vector-add tutorial that
+# runs at the copy bandwidth; bench/bench_kernels.py --sweep re-checks it on the GPU at hand.
+_CUDA_ELEMENTWISE = (1024, 4)
+# The interpreter runs programs one after another in Python: few large blocks keep a 1M-element
+# launch to a few hundred milliseconds.
+_INTERPRETER_MAX_BLOCK = 1 << 16
+# One row per program: a row up to this length sits in registers in one piece; longer rows loop.
+_CUDA_MAX_ROW_BLOCK = 8192
+
+_override: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def launch_override(block: int, num_warps: int) -> Iterator[None]:
+    """Within the block, streaming kernels on CUDA use ``block`` and ``num_warps`` (for the benchmark's
+    sweep; nothing else sets it)."""
+    global _override
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    previous, _override = _override, (block, num_warps)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def elementwise_settings(n: int, is_cuda: bool) -> tuple[int, int, int]:
+    """``(BLOCK, num_warps, programs)`` for a kernel where each program streams ``BLOCK`` of ``n``
+    elements, on CUDA or (``is_cuda=False``) in the interpreter."""
+    if is_cuda:
+        block, num_warps = _override or _CUDA_ELEMENTWISE
+    else:
+        block, num_warps = min(max(_next_pow2(n), 16), _INTERPRETER_MAX_BLOCK), 4
+    return block, num_warps, max(-(-n // block), 1)
+
+
+def row_settings(n_cols: int, is_cuda: bool) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` for a one-row-per-program kernel: the row length rounded up to a power of
+    two (capped: longer rows loop over chunks), one warp per 256 values (8 per thread) up to 16 warps,
+    so short rows (10 classes) do not leave three idle warps per program."""
+    cap = _CUDA_MAX_ROW_BLOCK if is_cuda else _INTERPRETER_MAX_BLOCK
+    block = min(max(_next_pow2(n_cols), 16), cap)
+    num_warps = min(max(block // 256, 1), 16)
+    return block, num_warps

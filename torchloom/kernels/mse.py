@@ -1,6 +1,11 @@
 """Fused MSE gradient + loss (Loom ``DispatchMSEGradPartialLoss``, SPEC §11).
 
 ``loss = (1/N) Σ (o−y)²`` and ``grad = 2(o−y)/N`` over all ``N`` elements of ``output``.
+
+The kernel reads ``o`` and ``y`` once and writes ``grad`` once (12 bytes per float32 element) plus
+one partial sum ``Σ_block (o−y)²/N`` per block; the loss is the sum of those partials, a 0-d tensor
+that stays on the device (no host sync). Eager PyTorch needs four passes for the same
+(``d = o−y``, ``d*d``, the mean, ``2d/N``).
 """
 
 from __future__ import annotations
@@ -8,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import use_triton
+from ._tl import jit, tl
+from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
 
 __all__ = ["mse_loss_grad_ref", "mse_loss_grad"]
 
@@ -23,8 +29,36 @@ def mse_loss_grad_ref(output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return loss, grad
 
 
+@jit
+def _mse_kernel(
+    grad_ptr,  # [N] out, output's dtype
+    partial_ptr,  # [programs] out, float32: Σ_block (o−y)²/N
+    out_ptr,  # [N]
+    tgt_ptr,  # [N]
+    n,
+    inv_n,  # 1/N
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # int64: offsets past 2^31 elements stay exact
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(tgt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = o - y  # masked lanes are 0 - 0: they add nothing to the partial
+    tl.store(grad_ptr + offs, (d * (2.0 * inv_n)).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.store(partial_ptr + pid, tl.sum(d * d, axis=0) * inv_n)
+
+
 def mse_loss_grad(output: Tensor, target: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """``(loss, grad)`` of MSE; the Triton kernel on CUDA, the reference elsewhere."""
-    if use_triton(output, backend):
-        raise NotImplementedError("Triton MSE kernel not written yet")
-    return mse_loss_grad_ref(output, target)
+    """``(loss, grad)`` of MSE for ``output``, ``target`` of one shape: the Triton kernel on CUDA
+    (``loss`` 0-d float32, the sum of per-block partials, no host sync), the reference elsewhere."""
+    if not use_triton(output, backend, KERNEL_DTYPES) or output.numel() == 0:
+        return mse_loss_grad_ref(output, target)
+    o = output.contiguous()
+    y = target.contiguous()
+    n = o.numel()
+    block, num_warps, programs = elementwise_settings(n, o.is_cuda)
+    grad = torch.empty_like(o)
+    partials = torch.empty(programs, device=o.device, dtype=torch.float32)
+    _mse_kernel[(programs,)](grad, partials, o, y, n, 1.0 / n, BLOCK=block, num_warps=num_warps)
+    return partials.sum(), grad.view(output.shape)

@@ -1,13 +1,25 @@
 """Optimizers (SPEC §6) as ``torch.optim.Optimizer`` subclasses, and the names ``train()`` accepts.
 
-Each optimizer's step is one functional entry that updates a whole group; numerics match
-``torch.optim`` with the same settings (the test reference). ``clip_value > 0`` clamps every gradient
-element to ``±clip_value`` inside the update (Loom ``poly``'s per-element clip).
+Each optimizer's ``step`` gathers a group's parameters, gradients and state and makes one call to a
+functional update in ``torchloom.kernels`` (``sgd_update_``, ``adamw_update_``, ``rmsprop_update_``):
+a fused Triton kernel on CUDA (one pass over each tensor, no host sync), the plain-PyTorch reference
+on CPU. Numerics match ``torch.optim`` with the same settings, which is the test reference.
+
+Beyond ``torch.optim``:
+
+* ``clip_value > 0`` clamps every gradient element to ``±clip_value`` inside the update (Loom
+  ``poly``'s per-element clip);
+* ``step(grad_scale=..., found_inf=...)``: 0-d device tensors; the gradient is multiplied by
+  ``grad_scale`` before the clip and the update (a global-norm clip scale computed on the device),
+  and a nonzero ``found_inf`` leaves weights and state untouched (the NaN/Inf guard inside a CUDA graph);
+* ``lr`` may be a 0-d tensor on the parameters' device, read by the kernel (CUDA-graph replays see
+  its current value; ``LRScheduler``s update it in place).
+
+The kernel modules are imported inside ``step``, so importing this file never imports Triton.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,20 +27,47 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["SGD", "make_optimizer", "OPTIMIZERS", "sgd_step"]
+from ..kernels._triton import check_backend
+from ..kernels._update import check_number
+
+__all__ = ["SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "sgd_step", "flatten_optimizer_"]
 
 
-def _check_number(owner: str, name: str, value: Any, *, low: float = 0.0, low_inclusive: bool = True, high: float | None = None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value >= low if low_inclusive else value > low
-    if ok and high is not None:
-        ok = value < high
-    if not ok:
-        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
-        raise ValueError(f"{owner}: {name} must be a finite number {bound}, got {value!r}")
+def _check_lr(owner: str, lr: Any) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{owner}: lr as a tensor must be a floating tensor with one value, got shape {list(lr.shape)} dtype {lr.dtype}")
+        return
+    check_number(owner, "lr", lr, low_inclusive=False)
 
 
+def _check_backend(owner: str, backend: Any) -> None:
+    try:
+        check_backend(backend)
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e}") from None
+
+
+def _run_closure(closure: Callable[[], float] | None) -> float | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _params_with_grads(group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+    params, grads = [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise TypeError("torchloom optimizers take dense gradients only; got a sparse gradient")
+        params.append(p)
+        grads.append(p.grad)
+    return params, grads
+
+
+# ------------------------------------------------------------------------------------------ SGD
 @torch.no_grad()
 def sgd_step(
     params: list[Tensor],
@@ -42,90 +81,283 @@ def sgd_step(
     weight_decay: float,
     clip_value: float,
 ) -> None:
-    """SGD as ``torch.optim.SGD``: ``g = clip(g) + wd·w``; with momentum ``v = μv + (1−dampening)g``
-    (``v = g`` on the first step, as torch), ``g = g + μv`` for Nesterov else ``v``; ``w −= lr·g``.
-    Updates ``params`` and ``momentum_buffers`` in place (a ``None`` buffer is created)."""
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if clip_value > 0:
-            g = g.clamp(-clip_value, clip_value)
-        if weight_decay != 0:
-            g = g.add(p, alpha=weight_decay)
-        if momentum != 0:
-            buf = momentum_buffers[i]
-            if buf is None:
-                buf = momentum_buffers[i] = g.detach().clone()
-            else:
-                buf.mul_(momentum).add_(g, alpha=1.0 - dampening)
-            g = g.add(buf, alpha=momentum) if nesterov else buf
-        p.add_(g, alpha=-lr)
+    """SGD as ``torch.optim.SGD`` on a list of tensors (``kernels.sgd.sgd_update_`` with the default
+    backend): ``g = clip(g) + wd·w``; with momentum ``v = μv + (1−dampening)g`` (``v = g`` on the first
+    step, as torch), ``g = g + μv`` for Nesterov else ``v``; ``w −= lr·g``. Updates ``params`` and
+    ``momentum_buffers`` in place (a ``None`` buffer is created)."""
+    from ..kernels.sgd import sgd_update_
+
+    sgd_update_(
+        params, grads, momentum_buffers, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+        weight_decay=weight_decay, clip_value=clip_value,
+    )
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent, optionally with momentum (SPEC §6).
+    """Stochastic gradient descent, optionally with momentum (SPEC §6), as ``torch.optim.SGD``.
 
-    Args: ``lr`` (> 0), ``momentum`` μ (>= 0), ``dampening``, ``nesterov`` (needs μ > 0 and
-    dampening 0), ``weight_decay`` (L2, added to the gradient), ``clip_value`` (per-element clip, 0 = off).
+    One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``; with momentum
+    ``v = g`` on the first step, then ``v = μ·v + (1 − dampening)·g``, and ``g = g + μ·v`` (Nesterov)
+    or ``g = v``; finally ``w −= lr·g``. Note: Loom starts ``v`` at 0, so with ``dampening ≠ 0`` its
+    first step is ``(1 − dampening)`` times torch's; torchloom follows torch.
+
+    Args: ``lr`` (> 0, or a 0-d tensor), ``momentum`` μ (>= 0), ``dampening`` (>= 0), ``nesterov``
+    (needs μ > 0 and dampening 0), ``weight_decay`` (L2, added to the gradient), ``clip_value``
+    (per-element clip, 0 = off), ``backend`` (None: Triton on CUDA, the reference elsewhere;
+    ``"triton"`` / ``"reference"`` to force one).
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 0.01,
+        lr: float | Tensor = 0.01,
         momentum: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
         clip_value: float = 0.0,
+        *,
+        backend: str | None = None,
     ) -> None:
-        _check_number("SGD", "lr", lr, low_inclusive=False)
-        _check_number("SGD", "momentum", momentum)
-        _check_number("SGD", "dampening", dampening)
-        _check_number("SGD", "weight_decay", weight_decay)
-        _check_number("SGD", "clip_value", clip_value)
+        _check_lr("SGD", lr)
+        check_number("SGD", "momentum", momentum)
+        check_number("SGD", "dampening", dampening)
+        check_number("SGD", "weight_decay", weight_decay)
+        check_number("SGD", "clip_value", clip_value)
+        _check_backend("SGD", backend)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"SGD: nesterov must be a bool, got {nesterov!r}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(f"SGD: nesterov needs momentum > 0 and dampening 0, got momentum={momentum}, dampening={dampening}")
+        self.backend = backend
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, clip_value=clip_value
         )
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
+    ) -> float | None:
+        """One update of every parameter with a gradient; returns the closure's loss if given."""
+        from ..kernels.sgd import sgd_update_
+
+        loss = _run_closure(closure)
         for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                params.append(p)
-                grads.append(p.grad)
-                bufs.append(self.state[p].get("momentum_buffer"))
+            params, grads = _params_with_grads(group)
             if not params:
                 continue
-            sgd_step(
-                params,
-                grads,
-                bufs,
-                lr=group["lr"],
-                momentum=group["momentum"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                clip_value=group["clip_value"],
+            uses_momentum = group["momentum"] != 0
+            bufs = [self.state[p].get("momentum_buffer") for p in params] if uses_momentum else None
+            sgd_update_(
+                params, grads, bufs, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                nesterov=group["nesterov"], weight_decay=group["weight_decay"], clip_value=group["clip_value"],
+                grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
             )
-            if group["momentum"] != 0:
+            if uses_momentum:
                 for p, buf in zip(params, bufs):
-                    self.state[p]["momentum_buffer"] = buf
+                    if buf is not None:
+                        self.state[p]["momentum_buffer"] = buf
         return loss
 
 
-# train()'s optimizer names → factory(params, lr)
+# ---------------------------------------------------------------------------------------- AdamW
+def _split_decay(params: Iterable[Any]) -> list[Any]:
+    """Plain parameters (not groups) → a group of tensors with >= 2 dims (decayed) and a group of the
+    rest, biases and norm weights, with ``weight_decay=0`` (Loom decays kernels, never biases)."""
+    items = list(params)
+    if not items or isinstance(items[0], dict):
+        return items
+    tensor = lambda item: item[1] if isinstance(item, tuple) else item  # noqa: E731 - (name, param) pairs too
+    decay = [it for it in items if tensor(it).dim() >= 2]
+    no_decay = [it for it in items if tensor(it).dim() < 2]
+    groups = []
+    if decay:
+        groups.append({"params": decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (SPEC §6), as ``torch.optim.AdamW``.
+
+    One step ``t``, per element: ``g = clamp(g·grad_scale, ±clip_value)``, ``w = w·(1 − lr·wd)``,
+    ``m = β1·m + (1−β1)·g``, ``v = β2·v + (1−β2)·g²``,
+    ``w −= lr/(1−β1^t) · m / (√v/√(1−β2^t) + ε)``.
+
+    **No decay on biases by default** (Loom's rule): given plain parameters, those with fewer than 2
+    dimensions (biases, norm weights) go into a second param group with ``weight_decay=0``; to decay
+    them, pass param groups yourself (groups are used as given). ``torch.optim.AdamW`` with the same
+    two groups gives the same numbers.
+
+    Args: ``lr`` (> 0, or a 0-d tensor), ``betas`` (each in [0, 1)), ``eps`` (>= 0), ``weight_decay``
+    (>= 0), ``clip_value`` (per-element clip, 0 = off), ``capturable`` (keep the step count on the
+    parameters' device and let the kernel read it: nothing on the host changes between steps, so a
+    CUDA graph can capture ``step()``), ``backend`` (as ``SGD``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        clip_value: float = 0.0,
+        *,
+        capturable: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        _check_lr("AdamW", lr)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        check_number("AdamW", "betas[0]", betas[0], high=1.0)
+        check_number("AdamW", "betas[1]", betas[1], high=1.0)
+        check_number("AdamW", "eps", eps)
+        check_number("AdamW", "weight_decay", weight_decay)
+        check_number("AdamW", "clip_value", clip_value)
+        _check_backend("AdamW", backend)
+        if not isinstance(capturable, bool):
+            raise TypeError(f"AdamW: capturable must be a bool, got {capturable!r}")
+        self.backend = backend
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, clip_value=clip_value, capturable=capturable
+        )
+        super().__init__(_split_decay(params), defaults)
+
+    def _state_of(self, p: Tensor, capturable: bool) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            # float32 step as torch keeps it; on the device only when capturable (else a CPU tensor
+            # whose value is read without touching the GPU)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
+    ) -> float | None:
+        """One update of every parameter with a gradient; returns the closure's loss if given."""
+        from ..kernels.adamw import adamw_update_
+
+        loss = _run_closure(closure)
+        for group in self.param_groups:
+            params, grads = _params_with_grads(group)
+            if not params:
+                continue
+            capturable = group["capturable"]
+            states = [self._state_of(p, capturable) for p in params]
+            step_tensors = [s["step"] for s in states]
+            # The step count advances only when the update is applied (found_inf == 0).
+            if capturable:
+                for t, p in zip(step_tensors, params):
+                    if t.device != p.device:
+                        raise ValueError(f"AdamW: capturable=True needs the step count on {p.device}, it is on {t.device}")
+                advance = 1.0 if found_inf is None else (found_inf.reshape(()) == 0).to(torch.float32)
+                # on the device, no host sync; once per distinct tensor (flatten_optimizer_ lets a
+                # group's parameters share one step count)
+                torch._foreach_add_(list({id(t): t for t in step_tensors}.values()), advance)
+                steps: list[Any] = step_tensors
+            else:
+                if found_inf is not None and bool(found_inf.item() != 0):  # host read: not capturable
+                    continue
+                for t in {id(t): t for t in step_tensors}.values():  # once per distinct tensor
+                    t += 1.0
+                steps = [float(t) for t in step_tensors]  # CPU tensors: no device sync
+            beta1, beta2 = group["betas"]
+            adamw_update_(
+                params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                clip_value=group["clip_value"], grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
+            )
+        return loss
+
+
+# -------------------------------------------------------------------------------------- RMSprop
+class RMSprop(Optimizer):
+    """RMSprop (SPEC §6), as ``torch.optim.RMSprop``.
+
+    One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``,
+    ``s = α·s + (1−α)·g²``, ``avg = √s + ε`` (centered: ``√(s − ḡ²) + ε`` with ``ḡ`` the running mean
+    of ``g``); with momentum ``b = μ·b + g/avg``, ``w −= lr·b``, else ``w −= lr·g/avg``. ε sits outside
+    the root as in Loom's documents and torch; Loom's code puts it inside.
+
+    Args: ``lr`` (> 0, or a 0-d tensor), ``alpha`` (in [0, 1)), ``eps`` (>= 0), ``weight_decay``,
+    ``momentum`` (>= 0), ``centered``, ``clip_value`` (per-element clip, 0 = off), ``backend`` (as ``SGD``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 0.01,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        clip_value: float = 0.0,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        _check_lr("RMSprop", lr)
+        check_number("RMSprop", "alpha", alpha, high=1.0)
+        check_number("RMSprop", "eps", eps)
+        check_number("RMSprop", "weight_decay", weight_decay)
+        check_number("RMSprop", "momentum", momentum)
+        check_number("RMSprop", "clip_value", clip_value)
+        _check_backend("RMSprop", backend)
+        if not isinstance(centered, bool):
+            raise TypeError(f"RMSprop: centered must be a bool, got {centered!r}")
+        self.backend = backend
+        defaults = dict(
+            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered, clip_value=clip_value
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
+    ) -> float | None:
+        """One update of every parameter with a gradient; returns the closure's loss if given."""
+        from ..kernels.rmsprop import rmsprop_update_
+
+        loss = _run_closure(closure)
+        for group in self.param_groups:
+            params, grads = _params_with_grads(group)
+            if not params:
+                continue
+            centered, uses_momentum = group["centered"], group["momentum"] > 0
+            states = []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if uses_momentum:
+                        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if centered:
+                        state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                states.append(state)
+            rmsprop_update_(
+                params, grads, [s["square_avg"] for s in states],
+                [s["grad_avg"] for s in states] if centered else None,
+                [s["momentum_buffer"] for s in states] if uses_momentum else None,
+                lr=group["lr"], alpha=group["alpha"], eps=group["eps"], weight_decay=group["weight_decay"],
+                momentum=group["momentum"], centered=centered, clip_value=group["clip_value"],
+                grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
+            )
+        return loss
+
+
+# --------------------------------------------------------------------------------- train()'s names
+# train()'s optimizer names → factory(params, lr); the other settings are each optimizer's defaults.
 OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {
     "sgd": lambda params, lr: SGD(params, lr=lr),
     "momentum": lambda params, lr: SGD(params, lr=lr, momentum=0.9),
+    "adamw": lambda params, lr: AdamW(params, lr=lr),
+    "rmsprop": lambda params, lr: RMSprop(params, lr=lr),
 }
 
 
@@ -140,3 +372,60 @@ def make_optimizer(spec: str | Optimizer, params: Iterable[Tensor], lr: float) -
             raise ValueError(f"unknown optimizer {spec!r}; valid names: {', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance")
         return OPTIMIZERS[key](list(params), lr)
     raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a torch.optim.Optimizer, got {type(spec).__name__}")
+
+
+# ------------------------------------------------------------------------------- flat layout
+def _rehome(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` as consecutive views of one new buffer (same values)."""
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    views, offset = [], 0
+    for t in tensors:
+        view = buf[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += t.numel()
+    return views
+
+
+@torch.no_grad()
+def flatten_optimizer_(optimizer: Optimizer, *, grads: bool = True) -> None:
+    """Lay each param group's parameters, their gradients (``grads=True``: zeros where absent) and
+    their per-parameter state back to back, one buffer per group and kind, as views holding the same
+    values. torchloom's fused updates and the gradient norm then treat a whole group as one tensor:
+    one launch per group instead of one per parameter (``kernels._update.coalesce``).
+
+    Parameters keep their identity (``p.data`` is re-pointed), so the model and the optimizer see
+    the same objects. State tensors shaped like their parameter are re-homed; per-parameter step
+    counts (AdamW) that are equal become one shared tensor (read once on the host here). Groups
+    mixing dtypes or devices, or with a single parameter, are left as they are. Call it again after
+    the optimizer's first step to lay out state created lazily; code that later replaces ``p.grad``
+    or a state tensor undoes the layout harmlessly (the updates then go tensor by tensor)."""
+    for group in optimizer.param_groups:
+        params = list(group["params"])
+        if len(params) < 2 or any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
+            continue
+        if not _flat_already(params):
+            for p, view in zip(params, _rehome([p.data for p in params])):
+                p.data = view
+        if grads and not _flat_already([p.grad for p in params]):
+            current = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for p, view in zip(params, _rehome(current)):
+                p.grad = view
+        states = [optimizer.state.get(p, {}) for p in params]
+        for key in states[0]:
+            values = [st.get(key) for st in states]
+            if not all(isinstance(v, Tensor) for v in values):
+                continue
+            if all(v.shape == p.shape and v.device == p.device for v, p in zip(values, params)):
+                if not _flat_already(values):
+                    for st, view in zip(states, _rehome(values)):
+                        st[key] = view
+            elif all(v.dim() == 0 for v in values) and all(bool(torch.equal(v, values[0])) for v in values):
+                for st in states:  # equal scalars, e.g. AdamW's step count: one shared tensor
+                    st[key] = values[0]
+
+
+def _flat_already(tensors: list[Tensor | None]) -> bool:
+    from ..kernels._update import coalesce
+
+    return coalesce(tensors) is not None

@@ -1,20 +1,254 @@
-"""Learning-rate schedules (SPEC §7): ``get_lr(step)`` functions, and ``ScheduleLR``, the
-``LRScheduler`` that applies one to any torch optimizer (stepped once per batch by ``train()``)."""
+"""Learning-rate schedules (SPEC §7, Loom ``nn/scheduler.go``): ``get_lr(step)`` objects, and
+``ScheduleLR``, the ``LRScheduler`` that applies one to any torch optimizer (stepped once per batch by
+``train()``; ``train(..., scheduler=cosine_annealing(0.1, 0.001, 1000))`` wraps it for you).
+
+``step`` is 0-based: the first batch trains with ``get_lr(0)``.
+
+| schedule | lr(step) |
+|---|---|
+| ``constant(lr)`` | lr |
+| ``linear_decay(lr0, lr_final, total)`` | lr0 + (lr_final − lr0)·step/total; lr_final from ``total`` on |
+| ``cosine_annealing(lr0, lr_min, total)`` | lr_min + (lr0 − lr_min)(1 + cos(π·step/total))/2; lr_min from ``total`` on |
+| ``cosine_warm_restarts(lr0, lr_min, period)`` | the cosine over (step mod period)/period |
+| ``exponential_decay(lr0, rate, decay_steps)`` | lr0 · rate^(step/decay_steps) |
+| ``step_decay(lr0, gamma, step_size)`` | lr0 · gamma^⌊step/step_size⌋ |
+| ``polynomial_decay(lr0, lr_final, total, power)`` | (lr0 − lr_final)(1 − step/total)^power + lr_final; lr_final from ``total`` on |
+| ``warmup(warmup_steps, warmup_lr, base_lr, after=None)`` | warmup_lr + (base_lr − warmup_lr)·step/warmup_steps, then ``after(step − warmup_steps)`` or base_lr |
+
+Each schedule is a frozen dataclass whose arguments are checked when it is made; Loom computes in
+float32, torchloom in float64 (the values agree to float32 rounding).
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["ScheduleLR"]
+__all__ = [
+    "Schedule",
+    "ScheduleLR",
+    "constant",
+    "linear_decay",
+    "cosine_annealing",
+    "cosine_warm_restarts",
+    "exponential_decay",
+    "step_decay",
+    "polynomial_decay",
+    "warmup",
+    "SCHEDULES",
+]
+
+
+def _check_lr(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: {name} must be a finite learning rate >= 0, got {value!r}")
+
+
+def _check_steps(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_positive(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+
+
+class Schedule:
+    """Base of the schedules: ``get_lr(step) -> float`` for a 0-based step; calling the schedule is
+    the same. ``scheduler(optimizer)`` wraps it as an ``LRScheduler``."""
+
+    def get_lr(self, step: int) -> float:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"{type(self).__name__}.get_lr: step must be an int >= 0, got {step!r}")
+        return float(self._lr(int(step)))
+
+    def __call__(self, step: int) -> float:
+        return self.get_lr(step)
+
+    def scheduler(self, optimizer: Optimizer) -> ScheduleLR:
+        """This schedule as an ``LRScheduler`` of ``optimizer`` (``.step()`` once per batch)."""
+        return ScheduleLR(optimizer, self)
+
+    def _lr(self, step: int) -> float:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class constant(Schedule):  # noqa: N801 - SPEC §7's names
+    """``lr`` at every step."""
+
+    lr: float
+
+    def __post_init__(self) -> None:
+        _check_lr("constant", "lr", self.lr)
+
+    def _lr(self, step: int) -> float:
+        return self.lr
+
+
+@dataclass(frozen=True)
+class linear_decay(Schedule):  # noqa: N801
+    """From ``lr0`` at step 0 linearly to ``lr_final`` at step ``total``, then ``lr_final``."""
+
+    lr0: float
+    lr_final: float
+    total: int
+
+    def __post_init__(self) -> None:
+        _check_lr("linear_decay", "lr0", self.lr0)
+        _check_lr("linear_decay", "lr_final", self.lr_final)
+        _check_steps("linear_decay", "total", self.total)
+
+    def _lr(self, step: int) -> float:
+        if step >= self.total:
+            return self.lr_final
+        return self.lr0 + (self.lr_final - self.lr0) * (step / self.total)
+
+
+@dataclass(frozen=True)
+class cosine_annealing(Schedule):  # noqa: N801
+    """Half a cosine from ``lr0`` at step 0 to ``lr_min`` at step ``total``, then ``lr_min``."""
+
+    lr0: float
+    lr_min: float
+    total: int
+
+    def __post_init__(self) -> None:
+        _check_lr("cosine_annealing", "lr0", self.lr0)
+        _check_lr("cosine_annealing", "lr_min", self.lr_min)
+        _check_steps("cosine_annealing", "total", self.total)
+
+    def _lr(self, step: int) -> float:
+        if step >= self.total:
+            return self.lr_min
+        return self.lr_min + (self.lr0 - self.lr_min) * (1.0 + math.cos(math.pi * step / self.total)) / 2.0
+
+
+@dataclass(frozen=True)
+class cosine_warm_restarts(Schedule):  # noqa: N801
+    """The cosine from ``lr0`` towards ``lr_min`` over ``period`` steps, restarting at ``lr0`` every
+    ``period`` steps."""
+
+    lr0: float
+    lr_min: float
+    period: int
+
+    def __post_init__(self) -> None:
+        _check_lr("cosine_warm_restarts", "lr0", self.lr0)
+        _check_lr("cosine_warm_restarts", "lr_min", self.lr_min)
+        _check_steps("cosine_warm_restarts", "period", self.period)
+
+    def _lr(self, step: int) -> float:
+        progress = (step % self.period) / self.period
+        return self.lr_min + (self.lr0 - self.lr_min) * (1.0 + math.cos(math.pi * progress)) / 2.0
+
+
+@dataclass(frozen=True)
+class exponential_decay(Schedule):  # noqa: N801
+    """``lr0 · rate^(step/decay_steps)``: multiplied by ``rate`` every ``decay_steps``, smoothly."""
+
+    lr0: float
+    rate: float
+    decay_steps: int
+
+    def __post_init__(self) -> None:
+        _check_lr("exponential_decay", "lr0", self.lr0)
+        _check_positive("exponential_decay", "rate", self.rate)
+        _check_steps("exponential_decay", "decay_steps", self.decay_steps)
+
+    def _lr(self, step: int) -> float:
+        return self.lr0 * self.rate ** (step / self.decay_steps)
+
+
+@dataclass(frozen=True)
+class step_decay(Schedule):  # noqa: N801
+    """``lr0 · gamma^⌊step/step_size⌋``: multiplied by ``gamma`` every ``step_size`` steps."""
+
+    lr0: float
+    gamma: float
+    step_size: int
+
+    def __post_init__(self) -> None:
+        _check_lr("step_decay", "lr0", self.lr0)
+        _check_positive("step_decay", "gamma", self.gamma)
+        _check_steps("step_decay", "step_size", self.step_size)
+
+    def _lr(self, step: int) -> float:
+        return self.lr0 * self.gamma ** (step // self.step_size)
+
+
+@dataclass(frozen=True)
+class polynomial_decay(Schedule):  # noqa: N801
+    """``(lr0 − lr_final)(1 − step/total)^power + lr_final`` up to ``total``, then ``lr_final``."""
+
+    lr0: float
+    lr_final: float
+    total: int
+    power: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_lr("polynomial_decay", "lr0", self.lr0)
+        _check_lr("polynomial_decay", "lr_final", self.lr_final)
+        _check_steps("polynomial_decay", "total", self.total)
+        _check_positive("polynomial_decay", "power", self.power)
+
+    def _lr(self, step: int) -> float:
+        if step >= self.total:
+            return self.lr_final
+        return (self.lr0 - self.lr_final) * (1.0 - step / self.total) ** self.power + self.lr_final
+
+
+@dataclass(frozen=True)
+class warmup(Schedule):  # noqa: N801
+    """Linear warm-up from ``warmup_lr`` (step 0) towards ``base_lr`` over ``warmup_steps`` steps; then
+    ``after(step − warmup_steps)`` (any schedule or callable ``step -> lr``) or ``base_lr``."""
+
+    warmup_steps: int
+    warmup_lr: float
+    base_lr: float
+    after: Schedule | Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        _check_steps("warmup", "warmup_steps", self.warmup_steps, minimum=0)
+        _check_lr("warmup", "warmup_lr", self.warmup_lr)
+        _check_lr("warmup", "base_lr", self.base_lr)
+        if self.after is not None and not callable(getattr(self.after, "get_lr", self.after)):
+            raise TypeError(f"warmup: after must be None, a schedule or a callable step -> lr, got {type(self.after).__name__}")
+
+    def _lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.warmup_lr + (self.base_lr - self.warmup_lr) * (step / self.warmup_steps)
+        if self.after is not None:
+            return float(getattr(self.after, "get_lr", self.after)(step - self.warmup_steps))
+        return self.base_lr
+
+
+# Loom's scheduler names (``nn/scheduler.go``) → the schedule.
+SCHEDULES: dict[str, type[Schedule]] = {
+    "constant": constant,
+    "linear_decay": linear_decay,
+    "cosine_annealing": cosine_annealing,
+    "cosine_warm_restarts": cosine_warm_restarts,
+    "exponential_decay": exponential_decay,
+    "step_decay": step_decay,
+    "polynomial_decay": polynomial_decay,
+    "warmup": warmup,
+}
 
 
 class ScheduleLR(LRScheduler):
     """Set every group's lr to ``schedule(step)`` (0-based step = number of ``.step()`` calls so far).
 
-    ``schedule`` is any callable ``step -> lr`` or an object with ``get_lr(step)``."""
+    ``schedule`` is any callable ``step -> lr`` or an object with ``get_lr(step)``. A group whose lr
+    is a tensor is updated in place (``LRScheduler`` does), so a captured CUDA graph reading it sees
+    the new value."""
 
     def __init__(self, optimizer: Optimizer, schedule: Callable[[int], float], last_epoch: int = -1) -> None:
         fn = getattr(schedule, "get_lr", schedule)
@@ -25,4 +259,6 @@ class ScheduleLR(LRScheduler):
 
     def get_lr(self) -> list[float]:
         lr = float(self.schedule(self.last_epoch))
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"ScheduleLR: the schedule gave lr={lr!r} at step {self.last_epoch}; it must be finite and >= 0")
         return [lr for _ in self.optimizer.param_groups]

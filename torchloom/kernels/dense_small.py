@@ -1,0 +1,264 @@
+"""Fused Dense forward and backward for small batches (SPEC §11 "layer kernels").
+
+At batch sizes of a few rows a Dense step is a handful of tiny kernels whose cost is their launches:
+``addmm`` + activation forward; activation gradient, ``dW = gPreᵀx``, ``db = Σ gPre`` and
+``dx = gPre W`` backward. Here the forward is one kernel (bias and activation in the GEMM's epilogue,
+writing the pre-activation and the output) and the whole backward is one kernel whose programs split
+into two roles: ``dW``/``db`` tiles, and ``dx`` tiles, each recomputing ``gPre = g ⊙ f'(pre)`` for its
+own slice (a few rows: cheaper than a round trip through memory). Large batches keep cuBLAS, which
+wins there; ``SMALL_BATCH_MAX`` is the switch (bench/bench_train.py measured it).
+
+Products run in IEEE float32 (``input_precision="ieee"``), not TF32, so results match the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._tl import jit, tl, triton
+from ._triton import use_triton
+
+__all__ = ["ACT_CODES", "SMALL_BATCH_MAX", "dense_small_forward_ref", "dense_small_backward_ref",
+           "dense_small_forward", "dense_small_backward", "supports"]
+
+# Activations the kernels implement (the others keep the torch path).
+ACT_CODES = {"linear": 0, "relu": 1, "leaky_relu": 2, "relu2": 3, "sigmoid": 4, "tanh": 5, "silu": 6}
+# Batches of at most this many rows use the fused kernels on CUDA.
+SMALL_BATCH_MAX = 16
+_BLOCK_M = 16  # tl.dot needs ≥ 16 rows; smaller batches are masked
+_FWD_BLOCK_N, _FWD_BLOCK_K = 16, 128
+_BWD_BLOCK_N, _BWD_BLOCK_K = 32, 64
+
+
+def supports(x2: Tensor, activation_name: str) -> bool:
+    """Whether the fused kernels handle this 2-D input and activation (else use the torch path)."""
+    return (
+        x2.is_cuda
+        and x2.dtype == torch.float32
+        and x2.shape[0] <= SMALL_BATCH_MAX
+        and activation_name in ACT_CODES
+        and use_triton(x2)
+    )
+
+
+# ------------------------------------------------------------------------------------ references
+def _act_ref(pre: Tensor, code: int) -> Tensor:
+    if code == 0:
+        return pre
+    if code == 1:
+        return torch.relu(pre)
+    if code == 2:
+        return torch.where(pre >= 0, pre, pre * 0.01)
+    if code == 3:
+        return torch.relu(pre) ** 2
+    if code == 4:
+        return torch.sigmoid(pre)
+    if code == 5:
+        return torch.tanh(pre)
+    return pre * torch.sigmoid(pre)
+
+
+def _act_grad_ref(g: Tensor, pre: Tensor, code: int) -> Tensor:
+    if code == 0:
+        return g
+    if code == 1:
+        return torch.where(pre > 0, g, torch.zeros_like(g))
+    if code == 2:
+        return torch.where(pre > 0, g, g * 0.01)
+    if code == 3:
+        return g * 2.0 * torch.relu(pre)
+    if code == 4:
+        s = torch.sigmoid(pre)
+        return g * s * (1 - s)
+    if code == 5:
+        t = torch.tanh(pre)
+        return g * (1 - t * t)
+    s = torch.sigmoid(pre)
+    return g * s * (1 + pre * (1 - s))
+
+
+def dense_small_forward_ref(x: Tensor, w: Tensor, b: Tensor | None, act: str) -> tuple[Tensor, Tensor]:
+    """``x [M, K]``, ``w [N, K]``, ``b [N]`` → ``(pre [M, N], out [M, N])``."""
+    pre = x @ w.t() if b is None else torch.addmm(b, x, w.t())
+    return pre, _act_ref(pre, ACT_CODES[act])
+
+
+def dense_small_backward_ref(
+    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: str, has_bias: bool, need_dx: bool
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``g, pre [M, N]``, ``x [M, K]``, ``w [N, K]`` → ``(dx [M, K] or None, dW [N, K], db [N] or None)``."""
+    gp = _act_grad_ref(g, pre, ACT_CODES[act])
+    return (gp @ w if need_dx else None), gp.t() @ x, (gp.sum(0) if has_bias else None)
+
+
+# --------------------------------------------------------------------------------------- kernels
+@jit
+def _act(x, ACT: tl.constexpr):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = tl.where(x >= 0, x, x * 0.01)
+    elif ACT == 3:
+        r = tl.maximum(x, 0.0)
+        x = r * r
+    elif ACT == 4:
+        x = 1.0 / (1.0 + tl.exp(-x))
+    elif ACT == 5:
+        x = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    elif ACT == 6:
+        x = x / (1.0 + tl.exp(-x))
+    return x
+
+
+@jit
+def _act_grad(g, p, ACT: tl.constexpr):
+    if ACT == 1:
+        g = tl.where(p > 0, g, 0.0)
+    elif ACT == 2:
+        g = tl.where(p > 0, g, g * 0.01)
+    elif ACT == 3:
+        g = g * 2.0 * tl.maximum(p, 0.0)
+    elif ACT == 4:
+        s = 1.0 / (1.0 + tl.exp(-p))
+        g = g * s * (1.0 - s)
+    elif ACT == 5:
+        t = 2.0 / (1.0 + tl.exp(-2.0 * p)) - 1.0
+        g = g * (1.0 - t * t)
+    elif ACT == 6:
+        s = 1.0 / (1.0 + tl.exp(-p))
+        g = g * s * (1.0 + p * (1.0 - s))
+    return g
+
+
+@jit
+def _dense_fwd_kernel(
+    pre_ptr, out_ptr,  # [M, N] out
+    x_ptr, w_ptr, b_ptr,  # [M, K], [N, K], [N]
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    o_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(pre_ptr + o_offs, acc, mask=mask)
+    tl.store(out_ptr + o_offs, _act(acc, ACT), mask=mask)
+
+
+@jit
+def _dense_bwd_kernel(
+    dw_ptr, db_ptr, dx_ptr,  # [N, K], [N], [M, K] out
+    g_ptr, pre_ptr, x_ptr, w_ptr,  # [M, N], [M, N], [M, K], [N, K]
+    M, N, K,
+    stride_gm, stride_xm, stride_wn,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    n_dw = tl.cdiv(N, BLOCK_N) * tiles_k
+    if pid < n_dw:
+        # Role 1: one [BLOCK_N, BLOCK_K] tile of dW = gPreᵀ x (and db for the tiles of column 0).
+        pn = pid // tiles_k
+        pk = pid % tiles_k
+        offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            gmask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=gmask, other=0.0)
+            p = tl.load(pre_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=gmask, other=0.0)
+            gp = _act_grad(g, p, ACT)  # masked rows have g = 0, hence gp = 0
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            acc += tl.dot(tl.trans(gp), x, input_precision="ieee")
+            db += tl.sum(gp, axis=0)
+        tl.store(dw_ptr + offs_n[:, None] * K + offs_k[None, :], acc,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        if HAS_BIAS:
+            if pk == 0:  # one tile column writes db
+                tl.store(db_ptr + offs_n, db, mask=offs_n < N)
+    else:
+        # Role 2: one [BLOCK_M, BLOCK_K] tile of dx = gPre W.
+        q = pid - n_dw
+        pm = q // tiles_k
+        pk = q % tiles_k
+        offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            gmask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=gmask, other=0.0)
+            p = tl.load(pre_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=gmask, other=0.0)
+            gp = _act_grad(g, p, ACT)
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+            acc += tl.dot(gp, w, input_precision="ieee")
+        tl.store(dx_ptr + offs_m[:, None] * K + offs_k[None, :], acc,
+                 mask=(offs_m[:, None] < M) & (offs_k[None, :] < K))
+
+
+# -------------------------------------------------------------------------------------- launchers
+def _contig(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def dense_small_forward(x: Tensor, w: Tensor, b: Tensor | None, act: str, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """``(pre, out)`` of a Dense layer for ``x [M, K]`` (row stride free, unit column stride),
+    ``w [N, K]``, ``b [N]``; one kernel on CUDA, the reference elsewhere."""
+    if not use_triton(x, backend):
+        return dense_small_forward_ref(x, w, b, act)
+    x, w = _contig(x), w.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    pre = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    out = torch.empty_like(pre)
+    grid = (triton.cdiv(n, _FWD_BLOCK_N), triton.cdiv(m, _BLOCK_M))
+    _dense_fwd_kernel[grid](
+        pre, out, x, w, b if b is not None else w, m, n, k, x.stride(0), w.stride(0), pre.stride(0),
+        ACT=ACT_CODES[act], HAS_BIAS=b is not None,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_FWD_BLOCK_N, BLOCK_K=_FWD_BLOCK_K, num_warps=4,
+    )
+    return pre, out
+
+
+def dense_small_backward(
+    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: str, has_bias: bool, need_dx: bool, backend: str | None = None
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``(dx or None, dW, db or None)`` of a Dense layer from the output gradient ``g [M, N]``, the
+    saved ``pre [M, N]`` and ``x [M, K]`` and the weight ``w [N, K]``: one kernel on CUDA."""
+    if not use_triton(g, backend):
+        return dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
+    g, pre, x, w = g.contiguous(), pre.contiguous(), _contig(x), w.contiguous()
+    m, n = g.shape
+    k = x.shape[1]
+    dw = torch.empty(n, k, device=g.device, dtype=torch.float32)
+    db = torch.empty(n, device=g.device, dtype=torch.float32) if has_bias else None
+    dx = torch.empty(m, k, device=g.device, dtype=torch.float32) if need_dx else None
+    tiles_k = triton.cdiv(k, _BWD_BLOCK_K)
+    programs = triton.cdiv(n, _BWD_BLOCK_N) * tiles_k + (triton.cdiv(m, _BLOCK_M) * tiles_k if need_dx else 0)
+    _dense_bwd_kernel[(programs,)](
+        dw, db if db is not None else dw, dx if dx is not None else dw,
+        g, pre, x, w, m, n, k, g.stride(0), x.stride(0), w.stride(0),
+        ACT=ACT_CODES[act], HAS_BIAS=has_bias,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BWD_BLOCK_N, BLOCK_K=_BWD_BLOCK_K, num_warps=4,
+    )
+    return dx, dw, db

@@ -1,0 +1,94 @@
+"""The NaN/Inf guard of one training step, decided on the device (SPEC §5, GPU path).
+
+Loom's loop checks every batch on the host: a NaN/Inf loss abandons the rest of the epoch, a NaN/Inf
+gradient skips the batch's update. A graph-captured step cannot branch on the host, so this op turns
+the batch's loss and the global gradient norm into device flags the fused optimizer obeys
+(``found_inf``: nonzero means "write nothing") and records per step what happened, read once per
+epoch:
+
+==========  ==================================================================================
+status      meaning
+==========  ==================================================================================
+0 OK        loss and gradients finite: update applied, loss counted
+1 NAN_LOSS  loss NaN/Inf: update skipped and the epoch abandoned from here on
+2 NAN_GRAD  a gradient NaN/Inf (loss finite): update skipped, loss not counted
+3 NOT_RUN   an earlier batch of this epoch abandoned it: update skipped, loss not counted
+==========  ==================================================================================
+
+It also writes the clip-by-global-norm scale ``min(1, max_norm / norm)`` (1 when clipping is off).
+One program, a handful of scalars: a single tiny launch instead of a dozen eager scalar ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._tl import jit, tl
+from ._triton import use_triton
+
+__all__ = ["OK", "NAN_LOSS", "NAN_GRAD", "NOT_RUN", "step_guard_ref", "step_guard_"]
+
+OK, NAN_LOSS, NAN_GRAD, NOT_RUN = 0, 1, 2, 3
+
+
+@torch.no_grad()
+def step_guard_ref(
+    loss: Tensor, norm: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
+    found_inf: Tensor, grad_scale: Tensor, max_norm: float,
+) -> None:
+    """Reference in torch ops (no host sync). All arguments are one-element tensors on one device:
+    ``loss``, ``norm`` read; ``dead`` (int32, read and updated), ``step_loss`` (float32),
+    ``step_status`` (int32), ``found_inf`` (float32), ``grad_scale`` (float32, or float64 for float64
+    models) written."""
+    was_dead = dead.reshape(()) != 0
+    loss_ok = torch.isfinite(loss.reshape(()))
+    grad_ok = torch.isfinite(norm.reshape(()))
+    status = torch.where(was_dead, NOT_RUN, torch.where(~loss_ok, NAN_LOSS, torch.where(~grad_ok, NAN_GRAD, OK)))
+    ok = status == OK
+    step_status.copy_(status.reshape(step_status.shape))
+    step_loss.copy_(torch.where(ok, loss.reshape(()).float(), 0.0).reshape(step_loss.shape))
+    found_inf.copy_((~ok).float().reshape(found_inf.shape))
+    dead.copy_((was_dead | ~loss_ok).to(dead.dtype).reshape(dead.shape))
+    n = norm.reshape(()).to(grad_scale.dtype)
+    if max_norm > 0:
+        scale = torch.where(n > max_norm, max_norm / n.clamp_min(1e-30), torch.ones_like(n))
+    else:
+        scale = torch.ones_like(n)
+    grad_scale.copy_(scale.reshape(grad_scale.shape))
+
+
+@jit
+def _step_guard_kernel(
+    dead_ptr, step_loss_ptr, step_status_ptr, found_inf_ptr, grad_scale_ptr,  # written
+    loss_ptr, norm_ptr,  # read
+    max_norm,
+    CLIP: tl.constexpr,
+):
+    loss = tl.load(loss_ptr).to(tl.float32)
+    norm = tl.load(norm_ptr).to(tl.float32)
+    was_dead = tl.load(dead_ptr) != 0
+    loss_ok = tl.abs(loss) < float("inf")  # False for NaN and ±Inf
+    grad_ok = norm < float("inf")  # a norm is >= 0 or NaN
+    status = tl.where(was_dead, 3, tl.where(loss_ok, tl.where(grad_ok, 0, 2), 1))
+    tl.store(step_status_ptr, status)
+    tl.store(step_loss_ptr, tl.where(status == 0, loss, 0.0))
+    tl.store(found_inf_ptr, tl.where(status == 0, 0.0, 1.0))
+    tl.store(dead_ptr, tl.where(was_dead | (~loss_ok), 1, 0))
+    if CLIP:
+        tl.store(grad_scale_ptr, tl.where(norm > max_norm, max_norm / tl.maximum(norm, 1e-30), 1.0))
+    else:
+        tl.store(grad_scale_ptr, 1.0)
+
+
+def step_guard_(
+    loss: Tensor, norm: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
+    found_inf: Tensor, grad_scale: Tensor, max_norm: float = 0.0, backend: str | None = None,
+) -> None:
+    """Decide one step's fate on the device (see the module docstring); one launch on CUDA."""
+    if not use_triton(loss, backend) or grad_scale.dtype != torch.float32:
+        return step_guard_ref(loss, norm, dead, step_loss, step_status, found_inf, grad_scale, max_norm)
+    _step_guard_kernel[(1,)](
+        dead, step_loss, step_status, found_inf, grad_scale, loss, norm, float(max_norm),
+        CLIP=max_norm > 0, num_warps=1,
+    )

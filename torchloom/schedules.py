@@ -1,0 +1,30 @@
+"""``torchloom.schedules``: the learning-rate schedules of SPEC §7 as ``get_lr(step)`` objects, and
+``ScheduleLR``, which applies one to any torch optimizer."""
+
+from .trainers.schedules import (
+    SCHEDULES,
+    Schedule,
+    ScheduleLR,
+    constant,
+    cosine_annealing,
+    cosine_warm_restarts,
+    exponential_decay,
+    linear_decay,
+    polynomial_decay,
+    step_decay,
+    warmup,
+)
+
+__all__ = [
+    "Schedule",
+    "ScheduleLR",
+    "SCHEDULES",
+    "constant",
+    "linear_decay",
+    "cosine_annealing",
+    "cosine_warm_restarts",
+    "exponential_decay",
+    "step_decay",
+    "polynomial_decay",
+    "warmup",
+]
