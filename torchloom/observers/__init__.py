@@ -1,7 +1,31 @@
-"""Observers of training (SPEC §10): the protocol, history and console output."""
+"""Observers of training (SPEC §10): the protocol, history, console output, files and callbacks."""
 
 from .base import HOOKS, Observer, ObserverList
+from .callbacks import Checkpoint, EarlyStopping
+from .console import ConsoleObserver
+from .csv_logger import CSVLogger
+from .gradient_stats import print_gradient_stats
 from .history import History
-from .progress import EpochLinePrinter, format_duration, format_epoch_line
+from .layer_stats import LayerEvent, LayerEvents, LayerStats
+from .plots import LossPlot
+from .progress import EpochLinePrinter, ProgressObserver, format_duration, format_epoch_line
 
-__all__ = ["HOOKS", "Observer", "ObserverList", "History", "EpochLinePrinter", "format_duration", "format_epoch_line"]
+__all__ = [
+    "HOOKS",
+    "Observer",
+    "ObserverList",
+    "History",
+    "EpochLinePrinter",
+    "ProgressObserver",
+    "ConsoleObserver",
+    "LayerStats",
+    "LayerEvent",
+    "LayerEvents",
+    "print_gradient_stats",
+    "LossPlot",
+    "CSVLogger",
+    "EarlyStopping",
+    "Checkpoint",
+    "format_duration",
+    "format_epoch_line",
+]

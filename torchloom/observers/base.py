@@ -5,7 +5,7 @@ Any object with a matching method is an observer; it need not inherit from ``Obs
 * ``on_train_begin(trainer)``, ``on_train_end(trainer, result)``
 * ``on_epoch_begin(trainer, epoch)``, ``on_epoch_end(trainer, epoch, logs)``
 * ``on_batch_end(trainer, step, logs)``
-* ``on_layer_forward(event)``, ``on_layer_backward(event)`` (per layer, see ``torchloom.observers``)
+* ``on_layer_forward(event)``, ``on_layer_backward(event)`` (per layer: ``layer_stats.LayerEvent``)
 
 ``epoch`` and ``step`` are 0-based; ``logs`` are plain Python floats. A hook that sets
 ``trainer.stop_training = True`` ends training after the current epoch.
@@ -42,9 +42,12 @@ class Observer:
 
 def _implements(obs: Any, hook: str) -> bool:
     """True when ``obs`` has ``hook`` and it is not ``Observer``'s no-op."""
+    own = getattr(obs, "__dict__", {})
+    if hook in own:  # set on the instance (e.g. ProgressObserver's bar hook, only on a terminal)
+        return callable(own[hook])
     method = getattr(type(obs), hook, None)
     if method is None:
-        return callable(getattr(obs, hook, None))  # set on the instance
+        return callable(getattr(obs, hook, None))  # provided by __getattr__
     return method is not getattr(Observer, hook, None)
 
 
