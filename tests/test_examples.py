@@ -25,3 +25,16 @@ def test_digits_example_exceeds_90_percent():
     pytest.importorskip("sklearn")
     accuracy = load_example("02_digits.py").main(verbose=False)
     assert accuracy > 0.90
+
+
+def test_layers_example():
+    pytest.importorskip("sklearn")
+    conv_acc, seq_acc = load_example("05_layers.py").main(verbose=False)
+    assert conv_acc > 0.9 and seq_acc > 0.9
+
+
+def test_target_prop_example():
+    pytest.importorskip("sklearn")
+    results = load_example("03_target_prop.py").main(epochs=30, verbose=False)
+    assert results["TargetProp, chain rule (lr 0.01)"] >= 0.95
+    assert results["TargetProp, pure (lr 0.001)"] > 0.85

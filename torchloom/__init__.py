@@ -12,37 +12,71 @@ Quick start::
     net = Network(Dense(1, 1))
     c = torch.tensor([[-40.], [-10.], [0.], [8.], [15.], [38.]])
     batches = [(c / 100, (1.8 * c + 32) / 100)]
-    result = torchloom.train(net, batches, TrainingConfig(epochs=2000, learning_rate=0.5, verbose=False))
+    result = torchloom.train(net, batches, TrainingConfig(epochs=1500, learning_rate=0.9, verbose=False))
 """
 
-from . import optim
+from . import optim, schedules
+from .interop import from_loom_json, load_loom, save_loom, to_loom_json
 from .layers import (
     ACTIVATIONS,
+    LSTM,
+    RNN,
     Activation,
+    Conv1D,
+    Conv2D,
+    Conv3D,
     Dense,
     DenseFunction,
+    Embedding,
+    Flatten,
+    LastStep,
     Layer,
     LayerFunction,
+    LayerNorm,
     LayerRecord,
+    MultiHeadAttention,
     Network,
+    Parallel,
+    Residual,
+    RMSNorm,
     Sequential,
+    Softmax,
+    SwiGLU,
     activation_names,
     dense,
     get_activation,
 )
-from .observers import History, Observer
+from .observers import (
+    Checkpoint,
+    ConsoleObserver,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LayerEvent,
+    LayerStats,
+    LossPlot,
+    Observer,
+    ProgressObserver,
+    print_gradient_stats,
+)
 from .trainers import (
     LOSS_TYPES,
     BackpropTrainer,
     StepOutput,
     StepStatus,
+    TargetPropConfig,
+    TargetPropState,
+    TargetPropTrainer,
     Trainer,
     TrainingBatch,
     TrainingConfig,
     TrainingResult,
+    apply_target_prop_gaps,
     compute_loss,
     loss_and_grad,
     loss_gradient,
+    target_prop_backward,
+    target_prop_forward,
     train,
 )
 
@@ -51,6 +85,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "optim",
+    "schedules",
     # layers
     "ACTIVATIONS",
     "Activation",
@@ -59,11 +94,26 @@ __all__ = [
     "Layer",
     "LayerFunction",
     "LayerRecord",
+    "Network",
+    "Sequential",
     "Dense",
     "DenseFunction",
     "dense",
-    "Network",
-    "Sequential",
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "Flatten",
+    "RNN",
+    "LSTM",
+    "LastStep",
+    "Embedding",
+    "MultiHeadAttention",
+    "SwiGLU",
+    "RMSNorm",
+    "LayerNorm",
+    "Softmax",
+    "Residual",
+    "Parallel",
     # losses
     "LOSS_TYPES",
     "compute_loss",
@@ -78,7 +128,28 @@ __all__ = [
     "BackpropTrainer",
     "StepOutput",
     "StepStatus",
+    # TargetProp
+    "TargetPropConfig",
+    "TargetPropState",
+    "TargetPropTrainer",
+    "target_prop_forward",
+    "target_prop_backward",
+    "apply_target_prop_gaps",
     # observers
     "Observer",
     "History",
+    "ProgressObserver",
+    "ConsoleObserver",
+    "LayerStats",
+    "LayerEvent",
+    "print_gradient_stats",
+    "LossPlot",
+    "CSVLogger",
+    "EarlyStopping",
+    "Checkpoint",
+    # Loom interop
+    "from_loom_json",
+    "to_loom_json",
+    "load_loom",
+    "save_loom",
 ]

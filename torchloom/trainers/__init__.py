@@ -2,8 +2,17 @@
 
 from .loop import StepOutput, StepStatus, Trainer, TrainingBatch, TrainingResult
 from .losses import LOSS_TYPES, compute_loss, loss_and_grad, loss_gradient
-from .optim import SGD, make_optimizer
-from .schedules import ScheduleLR
+from .optim import SGD, AdamW, RMSprop, flatten_optimizer_, make_optimizer
+from .schedules import SCHEDULES, Schedule, ScheduleLR
+from .target_prop import (
+    TargetPropConfig,
+    TargetPropState,
+    TargetPropTrainer,
+    apply_target_prop_gaps,
+    estimate_input_target,
+    target_prop_backward,
+    target_prop_forward,
+)
 from .train import BackpropTrainer, TrainingConfig, train
 
 __all__ = [
@@ -17,9 +26,21 @@ __all__ = [
     "loss_and_grad",
     "loss_gradient",
     "SGD",
+    "AdamW",
+    "RMSprop",
     "make_optimizer",
+    "flatten_optimizer_",
+    "Schedule",
     "ScheduleLR",
+    "SCHEDULES",
     "BackpropTrainer",
     "TrainingConfig",
     "train",
+    "TargetPropConfig",
+    "TargetPropState",
+    "TargetPropTrainer",
+    "target_prop_forward",
+    "target_prop_backward",
+    "apply_target_prop_gaps",
+    "estimate_input_target",
 ]

@@ -12,6 +12,10 @@ One step (``BackpropTrainer.step``), as Loom ``poly.Train``'s CPU path:
 6. optional clip: global L2 norm (``clip_mode="norm"``, Loom's documents) or per element
    (``clip_mode="value"``, Loom ``poly``'s code);
 7. optimizer update, then one scheduler step.
+
+Per-layer observer events (``on_layer_forward`` / ``on_layer_backward``): only when an observer
+implements one of them does the step record history (``forward_record``) and send one event per
+layer; otherwise steps 1 and 4 stay the lean ``forward_saved`` / ``backward_saved`` pair.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..layers.base import Layer
 from ..layers.network import Network
+from ..observers.layer_stats import LayerEvents
 from .loop import StepOutput, StepStatus, Trainer, TrainingResult, all_finite
 from .losses import check_loss_type, check_target, is_label_target, loss_and_grad
 from .optim import OPTIMIZERS, make_optimizer
@@ -51,7 +56,7 @@ class TrainingConfig:
     loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (SPEC §4)
     gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
     clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
-    verbose: bool | int = True  # one line per epoch in Loom's format
+    verbose: bool | int = True  # 0 silent; 1 (= True) progress bar on a terminal + epoch lines; 2 epoch lines only
     use_gpu: bool = False  # True = device "cuda:<device_id>"
     device: str | torch.device | None = None  # explicit device; None = the model's own device
     device_id: int = 0  # which GPU when use_gpu=True
@@ -60,6 +65,7 @@ class TrainingConfig:
     observers: Sequence[Any] = ()  # SPEC §10
     track_perf: bool = False  # record per-epoch samples/s and step time in the result
     seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
+    cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
 
     def __post_init__(self) -> None:
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
@@ -75,7 +81,10 @@ class TrainingConfig:
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.verbose not in (True, False, 0, 1, 2):
-            raise ValueError(f"TrainingConfig: verbose must be a bool or 0, 1, 2, got {self.verbose!r}")
+            raise ValueError(
+                "TrainingConfig: verbose must be a bool or 0, 1, 2 (0/False silent, 1/True progress bar on a "
+                f"terminal + epoch lines, 2 epoch lines only), got {self.verbose!r}"
+            )
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"TrainingConfig: use_gpu must be a bool, got {self.use_gpu!r}")
         if self.device is not None:
@@ -100,6 +109,8 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: track_perf must be a bool, got {self.track_perf!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
 
 
 def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: int, model: torch.nn.Module) -> torch.device:
@@ -175,12 +186,46 @@ class BackpropTrainer(Trainer):
             for group in self.optimizer.param_groups:  # fused into the update pass
                 group["clip_value"] = self.clip
             self._value_clip_in_optimizer = True
+        if self.device.type == "cuda" and self._owns_optimizer and "capturable" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:  # step counts on the device: graph-capturable
+                group["capturable"] = True
         self.scheduler = as_scheduler(config.scheduler, self.optimizer)
+        self._cuda = None
+        if self.device.type == "cuda":
+            from .cuda_path import CudaRunner, guarded_optimizer
+
+            if guarded_optimizer(self.optimizer):
+                self._cuda = CudaRunner(self)
+            elif config.cuda_graph:
+                raise ValueError(
+                    "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
+                    f"capturable=True), got {type(self.optimizer).__name__}"
+                )
+
+    # ----------------------------------------------------------------- epochs
+    def run_epoch(self, source, epoch):
+        """On CUDA with a torchloom optimizer and no per-batch or per-layer observer, the device path
+        (``cuda_path.py``: guarded steps, graph replay, one sync per epoch); otherwise Loom's loop of
+        host-checked steps. The schedule advances once per batch of the epoch either way."""
+        if self._cuda is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
+            if self.config.cuda_graph and epoch == 0:
+                from .cuda_path import graph_eligible
+
+                if not graph_eligible(self, source):
+                    raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
+            return self._cuda.run_epoch(source, epoch)
+        if self.config.cuda_graph and epoch == 0:
+            raise ValueError("TrainingConfig(cuda_graph=True) cannot be honoured: it needs CUDA and no per-batch or per-layer observers")
+        out = super().run_epoch(source, epoch)
+        if self.scheduler is not None and source.sized:
+            for _ in range(len(source) - out.batches_run):  # batches an abandoned epoch did not reach
+                self.scheduler.step()
+        return out
 
     # --------------------------------------------------------------- batches
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the device and dtype of the model and check it against the model's
-        output shape (a forward of its first row, once per distinct input shape)."""
+        output shape (a forward without update, once per distinct input shape)."""
         x = x if isinstance(x, Tensor) else torch.as_tensor(x)
         y = y if isinstance(y, Tensor) else torch.as_tensor(y)
         if x.dim() == 0 or x.shape[0] == 0:
@@ -199,7 +244,7 @@ class BackpropTrainer(Trainer):
         if key not in self._out_shapes:
             with torch.no_grad():
                 try:
-                    out, _ = self.model.forward_saved(x[:1])
+                    out, _ = self.model.forward_saved(x)
                 except ValueError as e:
                     raise ValueError(f"batch {index}: {e}") from None
             self._out_shapes[key] = tuple(out.shape[1:])
@@ -210,22 +255,34 @@ class BackpropTrainer(Trainer):
         return x, y
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
-        out, saved = self.model.forward_saved(x)
+        """One host-checked step (steps 1-7 of the module docstring), then one scheduler step."""
+        out = self._step(x, y)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return out
+
+    @torch.no_grad()
+    def _step(self, x: Tensor, y: Tensor) -> StepOutput:
+        events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
+        if events is None:
+            out, saved = self.model.forward_saved(x)
+        else:
+            out = events.run_forward(self.model, x)
         loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
         loss = float(loss_t)
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
-        _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
+        if events is None:
+            _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
+        else:
+            grads = events.run_backward(self.model, grad)
         if not all_finite(grads):
             return StepOutput(loss, StepStatus.NAN_GRAD)
         for p, g in zip(self.params, grads):
             p.grad = g
         self._clip(grads)
         self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
         return StepOutput(loss)
 
     def _clip(self, grads: Sequence[Tensor]) -> None:

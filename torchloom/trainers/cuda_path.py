@@ -1,0 +1,235 @@
+"""``train()`` on CUDA: the whole step on the device, graph-captured, read back once per epoch.
+
+Loom's GPU trainer records forward, loss gradient, backward and update of a batch into one command
+buffer and reads back only partial loss sums. Here one step (``device_step``) is:
+
+1. forward through the layers' explicit forward (small batches: one fused kernel per Dense layer);
+2. loss and output gradient in one fused kernel (per-block partial sums of the loss);
+3. backward through the layers' hand-written backward;
+4. the global gradient norm (one reduction) and the step guard (``kernels/step_guard.py``): from the
+   loss and the norm it decides on the device whether the update may happen (NaN/Inf loss: no, and
+   the rest of the epoch is abandoned; NaN/Inf gradient: no), records the step's loss and status in
+   per-epoch arrays, and computes the clip-by-norm scale;
+5. the fused optimizer update, masked by the guard's ``found_inf`` and scaled by its ``grad_scale``.
+
+Nothing in a step reads a device value on the host, so steps queue up back to back. The first epoch
+runs the steps eagerly (compiling kernels and creating optimizer state); then, when the batches are a
+list (shapes fixed per position, a ragged last batch included) and the optimizer is one of
+torchloom's, every batch position's step is captured once into CUDA graphs of up to
+``STEPS_PER_GRAPH`` steps each (sharing one memory pool) and replayed every later epoch. A
+``DataLoader`` (new tensors every epoch) keeps the eager device steps. At the end of an epoch one
+host sync reads the per-step losses and statuses, prints Loom's NaN messages and fills the epoch log.
+
+Learning-rate schedules: the schedule is advanced on the host once per batch of the epoch ahead of
+time, and each captured step reads its learning rate from a device table filled at epoch start.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .loop import BatchSource, EpochOutcome, StepStatus
+from .losses import loss_and_grad
+
+if TYPE_CHECKING:
+    from .train import BackpropTrainer
+
+__all__ = ["CudaRunner", "STEPS_PER_GRAPH", "graph_eligible"]
+
+# Steps recorded into one CUDA graph: enough to amortise a replay's launch cost (~10 µs) over many
+# steps, few enough that capture and instantiation stay short.
+STEPS_PER_GRAPH = 64
+
+_STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD}
+
+
+def guarded_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """True for torchloom's optimizers, whose ``step`` takes ``found_inf`` / ``grad_scale`` tensors and
+    never reads them on the host (AdamW only with ``capturable=True``)."""
+    from .optim import SGD, AdamW, RMSprop
+
+    if isinstance(optimizer, AdamW):
+        return all(g["capturable"] for g in optimizer.param_groups)
+    return isinstance(optimizer, (SGD, RMSprop))
+
+
+def graph_eligible(trainer: "BackpropTrainer", source: BatchSource) -> bool:
+    """Whether ``trainer`` may replay captured graphs over ``source`` (see the module docstring)."""
+    return trainer.device.type == "cuda" and trainer.config.cuda_graph is not False and source.items is not None
+
+
+class CudaRunner:
+    """Runs the epochs of one ``train()`` call on CUDA (see the module docstring)."""
+
+    def __init__(self, trainer: "BackpropTrainer") -> None:
+        self.t = trainer
+        dev = trainer.device
+        self.dead = torch.zeros((), dtype=torch.int32, device=dev)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+        # the clip scale multiplies the gradients: float64 models keep it in float64
+        scale_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
+        self.grad_scale = torch.ones((), dtype=scale_dtype, device=dev)
+        self.step_loss = torch.zeros(0, dtype=torch.float32, device=dev)
+        self.step_status = torch.zeros(0, dtype=torch.int32, device=dev)
+        self.lr_table: Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self._streamed_samples = 0
+        self.clip_norm = trainer.clip if trainer.config.clip_mode == "norm" else 0.0
+        self.capture_count = 0  # graphs captured (for tests and curiosity)
+        self._layout()
+
+    def _layout(self) -> None:
+        """Parameters, gradients and optimizer state back to back, one buffer per param group, so
+        the gradient norm and the update are one launch per group (``flatten_optimizer_``). Each
+        step copies the fresh gradients into the fixed ``.grad`` views (one launch)."""
+        from .optim import flatten_optimizer_
+        from ..kernels._update import coalesce
+
+        t = self.t
+        flatten_optimizer_(t.optimizer)
+        for p in t.params:  # parameters the optimizer does not update still need a gradient home
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grad_views = [p.grad for p in t.params]
+        norm_inputs = []
+        for group in t.optimizer.param_groups:
+            grads = [p.grad for p in group["params"]]
+            flat = coalesce(grads)
+            norm_inputs.extend(flat[0] if flat is not None else grads)
+        in_groups = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+        norm_inputs.extend(p.grad for p in t.params if id(p) not in in_groups)
+        self.norm_inputs = norm_inputs
+
+    # ------------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def device_step(self, x: Tensor, y: Tensor, slot: int) -> None:
+        """One guarded training step writing its loss and status into ``slot``; no host sync."""
+        from ..kernels.grad_norm import grad_norm
+        from ..kernels.step_guard import step_guard_
+
+        t = self.t
+        out, saved = t.model.forward_saved(x)
+        loss, grad = loss_and_grad(out, y, t.loss_type, validate=False)
+        _, grads = t.model.backward_saved(grad, saved, needs_input_grad=False)
+        torch._foreach_copy_(self.grad_views, list(grads))
+        norm = grad_norm(self.norm_inputs)
+        step_guard_(
+            loss, norm, self.dead, self.step_loss[slot], self.step_status[slot],
+            self.found_inf, self.grad_scale, self.clip_norm,
+        )
+        if t.clip > 0 and t.config.clip_mode == "value" and not t._value_clip_in_optimizer:
+            torch._foreach_clamp_min_(self.grad_views, -t.clip)
+            torch._foreach_clamp_max_(self.grad_views, t.clip)
+        t.optimizer.step(grad_scale=self.grad_scale if self.clip_norm > 0 else None, found_inf=self.found_inf)
+
+    # ---------------------------------------------------------------------- one epoch
+    @torch.no_grad()
+    def run_epoch(self, source: BatchSource, epoch: int) -> EpochOutcome:
+        t = self.t
+        n = len(source) if source.sized else None
+        self._prepare_arrays(n)
+        self.dead.zero_()
+        if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
+            from .optim import flatten_optimizer_
+
+            flatten_optimizer_(t.optimizer)
+        if self.graphs is None and epoch > 0 and graph_eligible(t, source):
+            self._capture(source)
+        if self.graphs is not None:
+            if t.scheduler is not None:
+                self.lr_table.copy_(self._epoch_lrs(n))
+            for graph in self.graphs:
+                graph.replay()
+            count = n
+        else:
+            count = 0
+            self._streamed_samples = 0
+            for k, (x, y) in enumerate(source):
+                if k >= self.step_loss.numel():
+                    self._grow_arrays()
+                self.device_step(x, y, k)
+                if t.scheduler is not None:
+                    t.scheduler.step()
+                count += 1
+                self._streamed_samples += x.shape[0]
+        t.global_step += count
+        return self._read_back(count, epoch, source)
+
+    # ------------------------------------------------------------------------- helpers
+    def _prepare_arrays(self, n: int | None) -> None:
+        size = n if n is not None else max(self.step_loss.numel(), 64)
+        if self.step_loss.numel() != size:
+            dev = self.t.device
+            self.step_loss = torch.zeros(size, dtype=torch.float32, device=dev)
+            self.step_status = torch.zeros(size, dtype=torch.int32, device=dev)
+
+    def _grow_arrays(self) -> None:
+        old_loss, old_status = self.step_loss, self.step_status
+        self.step_loss = torch.zeros(2 * old_loss.numel(), dtype=torch.float32, device=old_loss.device)
+        self.step_status = torch.zeros(2 * old_status.numel(), dtype=torch.int32, device=old_status.device)
+        self.step_loss[: old_loss.numel()] = old_loss
+        self.step_status[: old_status.numel()] = old_status
+
+    def _epoch_lrs(self, n: int) -> Tensor:
+        """This epoch's learning rates ``[n, groups]``, found on the host by advancing the scheduler
+        once per batch ahead of the replay."""
+        groups = self.t.optimizer.param_groups
+        rows = []
+        for _ in range(n):
+            rows.append([float(g["lr"]) for g in groups])
+            self.t.scheduler.step()
+        return torch.tensor(rows, dtype=torch.float32)
+
+    def _capture(self, source: BatchSource) -> None:
+        """Record every batch position's step into graphs of up to ``STEPS_PER_GRAPH`` steps that
+        share one memory pool (captured and replayed in the same order)."""
+        t = self.t
+        items = source.items
+        groups = t.optimizer.param_groups
+        host_lrs = [g["lr"] for g in groups]
+        if t.scheduler is not None:  # each captured step reads its lr from its row of the table
+            self.lr_table = torch.zeros(len(items), len(groups), dtype=torch.float32, device=t.device)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        torch.cuda.synchronize(t.device)
+        try:
+            for start in range(0, len(items), STEPS_PER_GRAPH):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    for k in range(start, min(start + STEPS_PER_GRAPH, len(items))):
+                        if self.lr_table is not None:
+                            for j, g in enumerate(groups):
+                                g["lr"] = self.lr_table[k, j]
+                        self.device_step(*items[k], k)
+                graphs.append(graph)
+                self.capture_count += 1
+        finally:
+            for g, lr in zip(groups, host_lrs):
+                g["lr"] = lr
+        self.graphs = graphs
+
+    def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
+        """One host sync: the epoch's per-step losses and statuses → an ``EpochOutcome``, with Loom's
+        messages for skipped updates."""
+        losses = self.step_loss[:count].double().cpu().tolist()
+        statuses = self.step_status[:count].cpu().tolist()
+        sizes = source.batch_sizes
+        out = EpochOutcome()
+        for k, status in enumerate(statuses):
+            if status == 3:  # not run: an earlier batch abandoned the epoch
+                break
+            out.batches_run += 1
+            out.samples += sizes[k] if sizes is not None else 0
+            if status == 0:
+                out.add(losses[k])
+                continue
+            out.skipped += 1
+            self.t.report_nan(_STATUS[status], epoch)
+            if status == 1:
+                break
+        if sizes is None:
+            out.samples = self._streamed_samples
+        return out
