@@ -38,3 +38,9 @@ def test_target_prop_example():
     results = load_example("03_target_prop.py").main(epochs=30, verbose=False)
     assert results["TargetProp, chain rule (lr 0.01)"] >= 0.95
     assert results["TargetProp, pure (lr 0.001)"] > 0.85
+
+
+def test_tweening_example():
+    pytest.importorskip("sklearn")
+    results = load_example("04_tweening.py").main()
+    assert results["tween"] >= 0.95 and results["backprop"] >= 0.95

@@ -71,6 +71,9 @@ from .trainers import (
     TrainingBatch,
     TrainingConfig,
     TrainingResult,
+    TweenConfig,
+    TweenState,
+    TweenTrainer,
     apply_target_prop_gaps,
     compute_loss,
     loss_and_grad,
@@ -135,6 +138,10 @@ __all__ = [
     "target_prop_forward",
     "target_prop_backward",
     "apply_target_prop_gaps",
+    # Neural Tweening
+    "TweenConfig",
+    "TweenState",
+    "TweenTrainer",
     # observers
     "Observer",
     "History",

@@ -38,7 +38,10 @@ def test_guard_follows_loom_rules(backend, loss, norm, dead, max_norm):
     step_loss = torch.full((4,), -7.0, device=DEVICE)
     step_status = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
     found_inf, scale = t(-7.0), t(-7.0)
-    step_guard_(t(loss), t(norm), dead_t, step_loss[2], step_status[2], found_inf, scale, max_norm, backend=backend)
+    # the loss and the squared norm arrive as partial sums (here split in two and three pieces)
+    loss_parts = t([loss / 2, loss / 2])
+    sq_parts = t([norm**2 / 4, norm**2 / 2, norm**2 / 4])
+    step_guard_(loss_parts, sq_parts, dead_t, step_loss[2], step_status[2], found_inf, scale, max_norm, backend=backend)
     status, kept, f_inf, new_dead, exp_scale = _expected(loss, norm, dead, max_norm)
     assert step_status.tolist() == [-7, -7, status, -7]  # only its own slot is written
     assert step_loss[2].item() == pytest.approx(kept) and step_loss[0].item() == -7.0

@@ -166,3 +166,25 @@ def test_gpu_dataloader_and_cuda_graph_true_errors():
         net = _net(torch.float32).cuda()
         train(net, _batches(dtype=torch.float32), epochs=1, verbose=False, use_gpu=True, cuda_graph=True,
               optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+class _HostReadingDense(Dense):
+    """A Dense layer whose forward reads a value back to the host: it cannot be graph-captured."""
+
+    def forward_saved(self, x):
+        float(x.sum())
+        return super().forward_saved(x)
+
+
+@pytest.mark.cuda
+def test_a_step_that_cannot_be_captured_warns_and_runs_eagerly():
+    torch.manual_seed(0)
+    net = Network(_HostReadingDense(5, 8, "tanh"), Dense(8, 3))
+    ref = copy.deepcopy(net)
+    batches = _batches(dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="cannot be captured in a CUDA graph"):
+        r_gpu = train(net, batches, epochs=3, learning_rate=0.1, verbose=False, use_gpu=True)
+    r_cpu = train(ref, batches, epochs=3, learning_rate=0.1, verbose=False)
+    np.testing.assert_allclose(r_gpu.loss_history, r_cpu.loss_history, rtol=2e-5)
+    with pytest.raises(RuntimeError):
+        train(copy.deepcopy(ref), batches, epochs=2, learning_rate=0.1, verbose=False, use_gpu=True, cuda_graph=True)

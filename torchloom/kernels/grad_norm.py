@@ -18,7 +18,7 @@ from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
 from ._update import coalesce
 
-__all__ = ["grad_norm_ref", "clip_scale_ref", "grad_norm", "grad_norm_clip_scale", "clip_grad_norm_"]
+__all__ = ["grad_norm_ref", "clip_scale_ref", "grad_norm", "grad_sq_partials", "grad_norm_clip_scale", "clip_grad_norm_"]
 
 
 def grad_norm_ref(grads: list[Tensor]) -> Tensor:
@@ -94,7 +94,9 @@ def _layout(numels: tuple[int, ...], is_cuda: bool) -> tuple[list[tuple[int, int
     return out, offset
 
 
-def _kernel_norm(grads: list[Tensor], max_norm: float | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _kernel_sq_partials(grads: list[Tensor]) -> tuple[Tensor, int]:
+    """The partial sums of squares of ``grads`` (one launch per gradient, or one for gradients laid
+    back to back) and how many there are (at least one slot, zero when every gradient is empty)."""
     device = grads[0].device
     flat = coalesce(grads)
     if flat is not None:  # gradients laid back to back: one launch reads them all
@@ -107,6 +109,12 @@ def _kernel_norm(grads: list[Tensor], max_norm: float | None) -> tuple[Tensor, T
         if g.numel() == 0:
             continue
         _sum_squares_kernel[(programs,)](partials[offset:], g.contiguous(), g.numel(), BLOCK=block, num_warps=num_warps)
+    return partials, total
+
+
+def _kernel_norm(grads: list[Tensor], max_norm: float | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    device = grads[0].device
+    partials, total = _kernel_sq_partials(grads)
     norm = torch.empty((), device=device, dtype=torch.float32)
     clip = max_norm is not None
     scale = torch.empty((), device=device, dtype=torch.float32) if clip else norm
@@ -130,6 +138,17 @@ def grad_norm(grads: list[Tensor], backend: str | None = None) -> Tensor:
     if not _on_triton(grads, backend):
         return grad_norm_ref(list(grads))
     return _kernel_norm(list(grads), None)[0]
+
+
+def grad_sq_partials(grads: list[Tensor], backend: str | None = None) -> Tensor:
+    """Partial sums of ``g²`` over all of ``grads``: a 1-D tensor whose sum is the squared global norm
+    (NaN/Inf if any gradient is), left unreduced for a later kernel to add up (the CUDA training
+    step's guard). One launch per gradient on CUDA (one in all for gradients laid back to back); the
+    reference returns the one-element squared norm."""
+    _check_grads(grads)
+    if not _on_triton(grads, backend):
+        return grad_norm_ref(list(grads)).square().reshape(1)
+    return _kernel_sq_partials(list(grads))[0]
 
 
 def grad_norm_clip_scale(grads: list[Tensor], max_norm: float, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:

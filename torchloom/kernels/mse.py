@@ -49,11 +49,14 @@ def _mse_kernel(
     tl.store(partial_ptr + pid, tl.sum(d * d, axis=0) * inv_n)
 
 
-def mse_loss_grad(output: Tensor, target: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
+def mse_loss_grad(output: Tensor, target: Tensor, backend: str | None = None, *, unreduced: bool = False) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of MSE for ``output``, ``target`` of one shape: the Triton kernel on CUDA
-    (``loss`` 0-d float32, the sum of per-block partials, no host sync), the reference elsewhere."""
+    (``loss`` 0-d float32, the sum of per-block partials, no host sync), the reference elsewhere.
+    ``unreduced=True`` returns the 1-D partial sums instead of the loss (their sum is the loss), so a
+    later kernel can add them up in its own pass."""
     if not use_triton(output, backend, KERNEL_DTYPES) or output.numel() == 0:
-        return mse_loss_grad_ref(output, target)
+        loss, grad = mse_loss_grad_ref(output, target)
+        return (loss.reshape(1) if unreduced else loss), grad
     o = output.contiguous()
     y = target.contiguous()
     n = o.numel()
@@ -61,4 +64,4 @@ def mse_loss_grad(output: Tensor, target: Tensor, backend: str | None = None) ->
     grad = torch.empty_like(o)
     partials = torch.empty(programs, device=o.device, dtype=torch.float32)
     _mse_kernel[(programs,)](grad, partials, o, y, n, 1.0 / n, BLOCK=block, num_warps=num_warps)
-    return partials.sum(), grad.view(output.shape)
+    return (partials if unreduced else partials.sum()), grad.view(output.shape)

@@ -88,12 +88,14 @@ def _softmax_ce_kernel(
     tl.store(loss_ptr + row, tl.sum(acc, axis=0) * inv_rows)
 
 
-def softmax_ce_loss_grad(logits: Tensor, target: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
+def softmax_ce_loss_grad(logits: Tensor, target: Tensor, backend: str | None = None, *, unreduced: bool = False) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of softmax cross-entropy: the Triton kernel on CUDA (``loss`` 0-d float32, the
     sum of per-row partials, no host sync), the reference elsewhere. Labels must lie in ``[0, C)``
-    (``trainers.losses.check_target`` checks them; the kernel does not)."""
+    (``trainers.losses.check_target`` checks them; the kernel does not). ``unreduced=True`` returns
+    the per-row partials instead of the loss (their sum is the loss)."""
     if not use_triton(logits, backend, KERNEL_DTYPES) or logits.numel() == 0:
-        return softmax_ce_loss_grad_ref(logits, target)
+        loss, grad = softmax_ce_loss_grad_ref(logits, target)
+        return (loss.reshape(1) if unreduced else loss), grad
     c = logits.shape[-1]
     x = logits.reshape(-1, c).contiguous()
     rows = x.shape[0]
@@ -103,4 +105,4 @@ def softmax_ce_loss_grad(logits: Tensor, target: Tensor, backend: str | None = N
     row_loss = torch.empty(rows, device=x.device, dtype=torch.float32)
     block, num_warps = row_settings(c, x.is_cuda)
     _softmax_ce_kernel[(rows,)](grad, row_loss, x, y, c, 1.0 / rows, BLOCK=block, LABELS=labels, num_warps=num_warps)
-    return row_loss.sum(), grad.view(logits.shape)
+    return (row_loss if unreduced else row_loss.sum()), grad.view(logits.shape)

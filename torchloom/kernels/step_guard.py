@@ -16,7 +16,9 @@ status      meaning
 ==========  ==================================================================================
 
 It also writes the clip-by-global-norm scale ``min(1, max_norm / norm)`` (1 when clipping is off).
-One program, a handful of scalars: a single tiny launch instead of a dozen eager scalar ops.
+The loss and the norm arrive as the unreduced partial sums their kernels wrote (loss partials; partial
+sums of squares of the gradients): one program adds them up, decides, and writes a handful of
+scalars, a single tiny launch instead of two reductions and a dozen eager scalar ops.
 """
 
 from __future__ import annotations
@@ -34,23 +36,25 @@ OK, NAN_LOSS, NAN_GRAD, NOT_RUN = 0, 1, 2, 3
 
 @torch.no_grad()
 def step_guard_ref(
-    loss: Tensor, norm: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
+    loss_partials: Tensor, sq_partials: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
     found_inf: Tensor, grad_scale: Tensor, max_norm: float,
 ) -> None:
-    """Reference in torch ops (no host sync). All arguments are one-element tensors on one device:
-    ``loss``, ``norm`` read; ``dead`` (int32, read and updated), ``step_loss`` (float32),
-    ``step_status`` (int32), ``found_inf`` (float32), ``grad_scale`` (float32, or float64 for float64
-    models) written."""
+    """Reference in torch ops (no host sync). ``loss_partials`` (sum = the batch loss) and
+    ``sq_partials`` (sum = the squared global gradient norm) are 1-D and read; ``dead`` (int32, read
+    and updated), ``step_loss`` (float32), ``step_status`` (int32), ``found_inf`` (float32) and
+    ``grad_scale`` (float32, or float64 for float64 models) are one-element tensors, written."""
+    loss = loss_partials.sum()
+    norm = sq_partials.sum().sqrt()
     was_dead = dead.reshape(()) != 0
-    loss_ok = torch.isfinite(loss.reshape(()))
-    grad_ok = torch.isfinite(norm.reshape(()))
+    loss_ok = torch.isfinite(loss)
+    grad_ok = torch.isfinite(norm)
     status = torch.where(was_dead, NOT_RUN, torch.where(~loss_ok, NAN_LOSS, torch.where(~grad_ok, NAN_GRAD, OK)))
     ok = status == OK
     step_status.copy_(status.reshape(step_status.shape))
-    step_loss.copy_(torch.where(ok, loss.reshape(()).float(), 0.0).reshape(step_loss.shape))
+    step_loss.copy_(torch.where(ok, loss.float(), 0.0).reshape(step_loss.shape))
     found_inf.copy_((~ok).float().reshape(found_inf.shape))
     dead.copy_((was_dead | ~loss_ok).to(dead.dtype).reshape(dead.shape))
-    n = norm.reshape(()).to(grad_scale.dtype)
+    n = norm.to(grad_scale.dtype)
     if max_norm > 0:
         scale = torch.where(n > max_norm, max_norm / n.clamp_min(1e-30), torch.ones_like(n))
     else:
@@ -61,12 +65,20 @@ def step_guard_ref(
 @jit
 def _step_guard_kernel(
     dead_ptr, step_loss_ptr, step_status_ptr, found_inf_ptr, grad_scale_ptr,  # written
-    loss_ptr, norm_ptr,  # read
+    loss_ptr, n_loss, sq_ptr, n_sq,  # read: the two arrays of partial sums
     max_norm,
     CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    loss = tl.load(loss_ptr).to(tl.float32)
-    norm = tl.load(norm_ptr).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    acc_loss = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_loss, BLOCK):
+        acc_loss += tl.load(loss_ptr + start + cols, mask=start + cols < n_loss, other=0.0).to(tl.float32)
+    acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_sq, BLOCK):
+        acc_sq += tl.load(sq_ptr + start + cols, mask=start + cols < n_sq, other=0.0).to(tl.float32)
+    loss = tl.sum(acc_loss, axis=0)
+    norm = tl.sqrt(tl.sum(acc_sq, axis=0))
     was_dead = tl.load(dead_ptr) != 0
     loss_ok = tl.abs(loss) < float("inf")  # False for NaN and ±Inf
     grad_ok = norm < float("inf")  # a norm is >= 0 or NaN
@@ -82,13 +94,15 @@ def _step_guard_kernel(
 
 
 def step_guard_(
-    loss: Tensor, norm: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
+    loss_partials: Tensor, sq_partials: Tensor, dead: Tensor, step_loss: Tensor, step_status: Tensor,
     found_inf: Tensor, grad_scale: Tensor, max_norm: float = 0.0, backend: str | None = None,
 ) -> None:
     """Decide one step's fate on the device (see the module docstring); one launch on CUDA."""
-    if not use_triton(loss, backend) or grad_scale.dtype != torch.float32:
-        return step_guard_ref(loss, norm, dead, step_loss, step_status, found_inf, grad_scale, max_norm)
+    if not use_triton(loss_partials, backend) or grad_scale.dtype != torch.float32:
+        return step_guard_ref(loss_partials, sq_partials, dead, step_loss, step_status, found_inf, grad_scale, max_norm)
+    n_loss, n_sq = loss_partials.numel(), sq_partials.numel()
+    block = min(max(1 << (max(n_loss, n_sq, 1) - 1).bit_length(), 16), 1024)  # one pass for up to 1024 partials
     _step_guard_kernel[(1,)](
-        dead, step_loss, step_status, found_inf, grad_scale, loss, norm, float(max_norm),
-        CLIP=max_norm > 0, num_warps=1,
+        dead, step_loss, step_status, found_inf, grad_scale, loss_partials, n_loss, sq_partials, n_sq,
+        float(max_norm), CLIP=max_norm > 0, BLOCK=block, num_warps=4,
     )

@@ -33,8 +33,8 @@ class DenseSaved(NamedTuple):
 
 
 def _small_batch_kernels(x2: Tensor, activation: Activation):
-    """The fused small-batch kernel module when it handles this call (CUDA, float32, few rows), else
-    None. Imported on the first CUDA call only: CPU code never imports the kernels."""
+    """The fused small-batch backward kernel module when it handles this call (CUDA, float32, few
+    rows), else None. Imported on the first CUDA call only: CPU code never imports the kernels."""
     if not x2.is_cuda:
         return None
     from ..kernels import dense_small
@@ -45,14 +45,8 @@ def _small_batch_kernels(x2: Tensor, activation: Activation):
 def dense_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
 ) -> tuple[Tensor, DenseSaved]:
-    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd.
-    On CUDA, small float32 batches run one fused kernel (``kernels/dense_small.py``)."""
+    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd."""
     x2 = x.reshape(-1, x.shape[-1])
-    fused = _small_batch_kernels(x2, activation)
-    if fused is not None and weight.dtype == torch.float32:
-        pre, out = fused.dense_small_forward(x2, weight, bias, activation.name)
-        shape = (*x.shape[:-1], weight.shape[0])
-        return out.view(shape), DenseSaved(x, weight, pre.view(shape), activation, bias is not None)
     pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
     pre = pre.view(*x.shape[:-1], weight.shape[0])
     return activation.forward(pre), DenseSaved(x, weight, pre, activation, bias is not None)
@@ -62,7 +56,8 @@ def dense_backward(
     grad_out: Tensor, saved: DenseSaved, needs_input_grad: bool = True
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor | None]]:
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``, ``dW = gPreᵀ x`` (summed over the batch),
-    ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``."""
+    ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``. On CUDA, small
+    float32 batches run all of it in one fused kernel (``kernels/dense_small.py``)."""
     x, weight, pre, activation, has_bias = saved
     x2 = x.reshape(-1, weight.shape[1])
     fused = _small_batch_kernels(x2, activation)

@@ -14,6 +14,7 @@ from .target_prop import (
     target_prop_forward,
 )
 from .train import BackpropTrainer, TrainingConfig, train
+from .tween import TweenConfig, TweenState, TweenTrainer
 
 __all__ = [
     "StepOutput",
@@ -43,4 +44,7 @@ __all__ = [
     "target_prop_backward",
     "apply_target_prop_gaps",
     "estimate_input_target",
+    "TweenConfig",
+    "TweenState",
+    "TweenTrainer",
 ]

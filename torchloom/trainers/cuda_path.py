@@ -6,10 +6,11 @@ buffer and reads back only partial loss sums. Here one step (``device_step``) is
 1. forward through the layers' explicit forward (small batches: one fused kernel per Dense layer);
 2. loss and output gradient in one fused kernel (per-block partial sums of the loss);
 3. backward through the layers' hand-written backward;
-4. the global gradient norm (one reduction) and the step guard (``kernels/step_guard.py``): from the
-   loss and the norm it decides on the device whether the update may happen (NaN/Inf loss: no, and
-   the rest of the epoch is abandoned; NaN/Inf gradient: no), records the step's loss and status in
-   per-epoch arrays, and computes the clip-by-norm scale;
+4. the gradients are copied into fixed ``.grad`` views laid back to back (one launch), their partial
+   sums of squares taken (one launch), and the step guard (``kernels/step_guard.py``) adds up the
+   loss and norm partials and decides on the device whether the update may happen (NaN/Inf loss:
+   no, and the rest of the epoch is abandoned; NaN/Inf gradient: no), records the step's loss and
+   status in per-epoch arrays, and computes the clip-by-norm scale;
 5. the fused optimizer update, masked by the guard's ``found_inf`` and scaled by its ``grad_scale``.
 
 Nothing in a step reads a device value on the host, so steps queue up back to back. The first epoch
@@ -26,6 +27,7 @@ time, and each captured step reads its learning rate from a device table filled 
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +81,7 @@ class CudaRunner:
         self._streamed_samples = 0
         self.clip_norm = trainer.clip if trainer.config.clip_mode == "norm" else 0.0
         self.capture_count = 0  # graphs captured (for tests and curiosity)
+        self.capture_failed = False
         self._layout()
 
     def _layout(self) -> None:
@@ -107,17 +110,17 @@ class CudaRunner:
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int) -> None:
         """One guarded training step writing its loss and status into ``slot``; no host sync."""
-        from ..kernels.grad_norm import grad_norm
+        from ..kernels.grad_norm import grad_sq_partials
         from ..kernels.step_guard import step_guard_
 
         t = self.t
         out, saved = t.model.forward_saved(x)
-        loss, grad = loss_and_grad(out, y, t.loss_type, validate=False)
+        loss_parts, grad = loss_and_grad(out, y, t.loss_type, validate=False, unreduced=True)
         _, grads = t.model.backward_saved(grad, saved, needs_input_grad=False)
         torch._foreach_copy_(self.grad_views, list(grads))
-        norm = grad_norm(self.norm_inputs)
+        sq_parts = grad_sq_partials(self.norm_inputs)
         step_guard_(
-            loss, norm, self.dead, self.step_loss[slot], self.step_status[slot],
+            loss_parts, sq_parts, self.dead, self.step_loss[slot], self.step_status[slot],
             self.found_inf, self.grad_scale, self.clip_norm,
         )
         if t.clip > 0 and t.config.clip_mode == "value" and not t._value_clip_in_optimizer:
@@ -136,8 +139,21 @@ class CudaRunner:
             from .optim import flatten_optimizer_
 
             flatten_optimizer_(t.optimizer)
-        if self.graphs is None and epoch > 0 and graph_eligible(t, source):
-            self._capture(source)
+        if self.graphs is None and not self.capture_failed and epoch > 0 and graph_eligible(t, source):
+            try:
+                self._capture(source)
+            except RuntimeError as e:  # a layer or optimizer that cannot be captured (a host read)
+                if t.config.cuda_graph:
+                    raise
+                self.capture_failed = True
+                torch.cuda.synchronize(t.device)
+                warnings.warn(
+                    f"train(): this training step cannot be captured in a CUDA graph ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]}); running it eagerly on the device instead. "
+                    "TrainingConfig(cuda_graph=False) silences this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self.graphs is not None:
             if t.scheduler is not None:
                 self.lr_table.copy_(self._epoch_lrs(n))

@@ -85,17 +85,22 @@ def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, los
         )
 
 
-def loss_and_grad(output: Tensor, target: Tensor, loss_type: str = "mse", *, validate: bool = True, backend: str | None = None) -> tuple[Tensor, Tensor]:
+def loss_and_grad(
+    output: Tensor, target: Tensor, loss_type: str = "mse", *, validate: bool = True, backend: str | None = None,
+    unreduced: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Loss value and its gradient w.r.t. ``output``, in one fused pass where a kernel exists.
 
     Returns ``(loss, grad)``: ``loss`` a 0-d tensor on ``output``'s device (float64 from the
     references, float32 from the kernels), ``grad`` of ``output``'s shape and dtype. ``validate=False``
-    skips the checks (the trainers validate every batch once, up front)."""
+    skips the checks (the trainers validate every batch once, up front). ``unreduced=True`` returns
+    a 1-D tensor of partial sums whose sum is the loss instead (the CUDA training step adds them up
+    inside its step guard, saving a launch)."""
     if validate:
         if not isinstance(output, Tensor):
             raise TypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
         check_target(output.shape, target, loss_type)
-    return _launcher(loss_type)(output, target, backend=backend)
+    return _launcher(loss_type)(output, target, backend=backend, unreduced=unreduced)
 
 
 @functools.lru_cache(maxsize=None)

@@ -259,7 +259,11 @@ class AdamW(Optimizer):
                 advance = 1.0 if found_inf is None else (found_inf.reshape(()) == 0).to(torch.float32)
                 # on the device, no host sync; once per distinct tensor (flatten_optimizer_ lets a
                 # group's parameters share one step count)
-                torch._foreach_add_(list({id(t): t for t in step_tensors}.values()), advance)
+                unique = list({id(t): t for t in step_tensors}.values())
+                if isinstance(advance, Tensor):  # the tensor-list form: no host read of ``advance``
+                    torch._foreach_add_(unique, [advance] * len(unique))
+                else:
+                    torch._foreach_add_(unique, advance)
                 steps: list[Any] = step_tensors
             else:
                 if found_inf is not None and bool(found_inf.item() != 0):  # host read: not capturable
