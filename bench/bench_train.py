@@ -48,10 +48,12 @@ def _loom_model(dev):
     return Network(Dense(SIZES[0], SIZES[1], "relu"), Dense(SIZES[1], SIZES[2], "relu"), Dense(SIZES[2], SIZES[3])).to(dev)
 
 
-def _make_opt(params, name, lr):
+def _make_opt(params, name, lr, capturable=False):
+    """torch's optimizer for the baselines; ``capturable`` for the graph-captured ones (AdamW keeps its
+    step count on the device then, as graph capture requires)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, capturable=capturable)
 
 
 def _time_loop(fn, steps, dev):
@@ -92,7 +94,7 @@ def bench_gpu_case(batch, opt_name, n_batches, repeats, dev, do_compile=True):
 
     # hand CUDA-graphed PyTorch step
     model = _torch_model(dev)
-    opt = _make_opt(model.parameters(), opt_name, lr)
+    opt = _make_opt(model.parameters(), opt_name, lr, capturable=True)
     sx, sy = xs[0].clone(), ys[0].clone()
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
@@ -121,7 +123,7 @@ def bench_gpu_case(batch, opt_name, n_batches, repeats, dev, do_compile=True):
     # torch.compile(mode="reduce-overhead")
     if do_compile:
         model = _torch_model(dev)
-        opt = _make_opt(model.parameters(), opt_name, lr)
+        opt = _make_opt(model.parameters(), opt_name, lr, capturable=True)
 
         @torch.compile(mode="reduce-overhead")
         def fwd_loss(x, y):
@@ -133,6 +135,7 @@ def bench_gpu_case(batch, opt_name, n_batches, repeats, dev, do_compile=True):
 
         def compiled(steps):
             for i in range(steps):
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier graph outputs may be reused
                 loss = fwd_loss(xs[i % n_batches], ys[i % n_batches])
                 loss.backward()
                 opt_step()

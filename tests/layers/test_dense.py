@@ -127,3 +127,19 @@ def test_wrong_input_shape_names_expected_and_received():
         layer(torch.randn(3, 5))
     with pytest.raises(ValueError, match=r"got \[4\]"):
         layer.forward_saved(torch.randn(4))
+
+
+@torch.no_grad()  # as the trainers call it
+def test_backward_writes_into_given_buffers():
+    layer = Dense(4, 3, "relu", dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y, saved = layer.forward_saved(x)
+    g = torch.randn_like(y)
+    _, (rw, rb) = layer.backward_saved(g, saved)
+    bw, bb = torch.full_like(rw, 7.0), torch.full_like(rb, 7.0)
+    _, (gw, gb) = layer.backward_saved(g, saved, out=(bw, bb))
+    assert gw is bw and gb is bb
+    assert torch.equal(bw, rw) and torch.equal(bb, rb)
+    # buffers that do not fit are not used
+    _, (gw2, _) = layer.backward_saved(g, saved, out=(torch.zeros(2, 2, dtype=torch.float64), None))
+    assert torch.equal(gw2, rw)

@@ -182,3 +182,17 @@ def test_a_layer_used_twice_gets_the_sum_of_its_gradients():
     _, grads = net.backward_saved(g, saved)
     for i, (a, r) in enumerate(zip(grads, ref)):
         assert_close(a, r, name=f"backward_saved param {i}", rtol=1e-12, atol=1e-12)
+
+
+@torch.no_grad()  # as the trainers call it
+def test_sequential_routes_gradient_buffers_to_its_layers():
+    net = _net()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y, saved = net.forward_saved(x)
+    g = torch.randn_like(y)
+    _, ref = net.backward_saved(g, saved)
+    bufs = [torch.zeros_like(p) for p in net.parameters()]
+    _, grads = net.backward_saved(g, saved, out=bufs)
+    for i, (a, b, r) in enumerate(zip(grads, bufs, ref)):
+        assert a is b, f"param {i} was not written in place"
+        assert_close(a, r, name=f"param {i}", rtol=0, atol=0)

@@ -154,17 +154,22 @@ def _contig(t: Tensor) -> Tensor:
 
 
 def dense_small_backward(
-    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: str, has_bias: bool, need_dx: bool, backend: str | None = None
+    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: str, has_bias: bool, need_dx: bool, backend: str | None = None,
+    out: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """``(dx or None, dW, db or None)`` of a Dense layer from the output gradient ``g [M, N]``, the
-    saved ``pre [M, N]`` and ``x [M, K]`` and the weight ``w [N, K]``: one kernel on CUDA."""
+    saved ``pre [M, N]`` and ``x [M, K]`` and the weight ``w [N, K]``: one kernel on CUDA. ``out``:
+    optional contiguous ``(dW [N, K], db [N])`` buffers the kernel writes into (returned as dW, db)."""
     if not use_triton(g, backend):
         return dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
     g, pre, x, w = g.contiguous(), pre.contiguous(), _contig(x), w.contiguous()
     m, n = g.shape
     k = x.shape[1]
-    dw = torch.empty(n, k, device=g.device, dtype=torch.float32)
-    db = torch.empty(n, device=g.device, dtype=torch.float32) if has_bias else None
+    dw_out, db_out = out if out is not None else (None, None)
+    dw = dw_out if dw_out is not None and dw_out.is_contiguous() else torch.empty(n, k, device=g.device, dtype=torch.float32)
+    db = None
+    if has_bias:
+        db = db_out if db_out is not None and db_out.is_contiguous() else torch.empty(n, device=g.device, dtype=torch.float32)
     dx = torch.empty(m, k, device=g.device, dtype=torch.float32) if need_dx else None
     tiles_k = triton.cdiv(k, _BWD_BLOCK_K)
     programs = triton.cdiv(n, _BWD_BLOCK_N) * tiles_k + (triton.cdiv(m, _BLOCK_M) * tiles_k if need_dx else 0)

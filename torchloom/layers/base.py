@@ -45,6 +45,11 @@ class Layer(nn.Module):
     pre-activation inside ``saved`` for history recording (``None`` when the layer has none).
     """
 
+    # Whether ``backward_saved`` takes ``out=``: buffers (aligned with ``parameters()``) to write the
+    # parameter gradients into instead of allocating them (the CUDA training step passes its flat
+    # ``.grad`` views). A layer that takes it may still return other tensors; callers check.
+    accepts_grad_out = False
+
     def forward(self, x: Tensor) -> Tensor:
         return LayerFunction.apply(self, x, *self.parameters())
 

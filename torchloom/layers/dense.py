@@ -53,23 +53,29 @@ def dense_forward(
 
 
 def dense_backward(
-    grad_out: Tensor, saved: DenseSaved, needs_input_grad: bool = True
+    grad_out: Tensor, saved: DenseSaved, needs_input_grad: bool = True,
+    out: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor | None]]:
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``, ``dW = gPreᵀ x`` (summed over the batch),
     ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``. On CUDA, small
-    float32 batches run all of it in one fused kernel (``kernels/dense_small.py``)."""
+    float32 batches run all of it in one fused kernel (``kernels/dense_small.py``). ``out``: optional
+    ``(dW, db)`` buffers of the right shape and dtype to write the gradients into (the CUDA training
+    step passes its flat ``.grad`` views, saving a copy); they are returned as dW and db."""
     x, weight, pre, activation, has_bias = saved
     x2 = x.reshape(-1, weight.shape[1])
+    w_out, b_out = out if out is not None else (None, None)
     fused = _small_batch_kernels(x2, activation)
     if fused is not None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
         grad_x, grad_w, grad_b = fused.dense_small_backward(
             grad_out.reshape(-1, weight.shape[0]), pre.reshape(-1, weight.shape[0]), x2, weight,
-            activation.name, has_bias, needs_input_grad,
+            activation.name, has_bias, needs_input_grad, out=(w_out, b_out),
         )
         return (grad_x.view(x.shape) if grad_x is not None else None), (grad_w, grad_b)
     g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
-    grad_w = torch.mm(g_pre.t(), x2)
-    grad_b = g_pre.sum(0) if has_bias else None
+    grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
+    grad_b = None
+    if has_bias:
+        grad_b = torch.sum(g_pre, 0, out=b_out) if b_out is not None else g_pre.sum(0)
     grad_x = torch.mm(g_pre, weight).view(x.shape) if needs_input_grad else None
     return grad_x, (grad_w, grad_b)
 
@@ -161,9 +167,21 @@ class Dense(Layer):
         self._check(x)
         return dense_forward(x, self.weight, self.bias, self.activation)
 
-    def backward_saved(self, grad_out, saved, needs_input_grad=True):
-        grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, needs_input_grad)
+    accepts_grad_out = True
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True, out=None):
+        grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, needs_input_grad, out=self._out_pair(out))
         return grad_x, (grad_w,) if grad_b is None else (grad_w, grad_b)
+
+    def _out_pair(self, out):
+        """``out`` (aligned with ``parameters()``) as ``(dW buffer, db buffer)``, buffers that fit only."""
+        if out is None:
+            return None
+        w_out = out[0] if out[0] is not None and out[0].shape == self.weight.shape and out[0].dtype == self.weight.dtype else None
+        b_out = None
+        if self.bias is not None and len(out) > 1 and out[1] is not None:
+            b_out = out[1] if out[1].shape == self.bias.shape and out[1].dtype == self.bias.dtype else None
+        return w_out, b_out
 
     def extra_repr(self) -> str:
         return (

@@ -82,12 +82,34 @@ class Sequential(Layer):
             saved.append(s)
         return x, tuple(saved)
 
-    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+    accepts_grad_out = True
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True, out=None):
+        """The children's backwards, last first. ``out``: optional buffers aligned with
+        ``parameters()``, handed to the children that take them (ignored when parameters are shared)."""
+        outs = self._split_out(out)
         grads: list[tuple[Tensor, ...]] = [()] * len(self.layers)
         g = grad_out
         for i in range(len(self.layers) - 1, -1, -1):
-            g, grads[i] = self.layers[i].backward_saved(g, saved[i], needs_input_grad or i > 0)
+            layer = self.layers[i]
+            if outs is not None and layer.accepts_grad_out:
+                g, grads[i] = layer.backward_saved(g, saved[i], needs_input_grad or i > 0, out=outs[i])
+            else:
+                g, grads[i] = layer.backward_saved(g, saved[i], needs_input_grad or i > 0)
         return g, gather_param_grads(self, self.layers, grads)
+
+    def _split_out(self, out):
+        """``out`` cut into one slice per child, or None when there is none or parameters repeat."""
+        if out is None:
+            return None
+        counts = [sum(1 for _ in layer.parameters()) for layer in self.layers]
+        if sum(counts) != len(out):  # a shared parameter: gradients are summed, not written in place
+            return None
+        outs, start = [], 0
+        for c in counts:
+            outs.append(tuple(out[start : start + c]))
+            start += c
+        return outs
 
     def pre_activation(self, saved):
         return None

@@ -6,8 +6,8 @@ buffer and reads back only partial loss sums. Here one step (``device_step``) is
 1. forward through the layers' explicit forward (small batches: one fused kernel per Dense layer);
 2. loss and output gradient in one fused kernel (per-block partial sums of the loss);
 3. backward through the layers' hand-written backward;
-4. the gradients are copied into fixed ``.grad`` views laid back to back (one launch), their partial
-   sums of squares taken (one launch), and the step guard (``kernels/step_guard.py``) adds up the
+4. the gradients land in fixed ``.grad`` views laid back to back (Dense layers write them there,
+   other layers' are copied in one launch), their partial sums of squares are taken (one launch), and the step guard (``kernels/step_guard.py``) adds up the
    loss and norm partials and decides on the device whether the update may happen (NaN/Inf loss:
    no, and the rest of the epoch is abandoned; NaN/Inf gradient: no), records the step's loss and
    status in per-epoch arrays, and computes the clip-by-norm scale;
@@ -46,6 +46,7 @@ __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "graph_eligible"]
 STEPS_PER_GRAPH = 64
 
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD}
+_SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
 
 
 def guarded_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -74,8 +75,11 @@ class CudaRunner:
         # the clip scale multiplies the gradients: float64 models keep it in float64
         scale_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
         self.grad_scale = torch.ones((), dtype=scale_dtype, device=dev)
-        self.step_loss = torch.zeros(0, dtype=torch.float32, device=dev)
-        self.step_status = torch.zeros(0, dtype=torch.int32, device=dev)
+        # per-step results, one 16-byte row per step: every slot a kernel writes is 16-byte aligned, so
+        # all steps share one compiled kernel specialisation (Triton specialises on pointer alignment,
+        # and nothing may compile while a graph is being captured)
+        self.step_loss = torch.zeros(0, _SLOT, dtype=torch.float32, device=dev)
+        self.step_status = torch.zeros(0, _SLOT, dtype=torch.int32, device=dev)
         self.lr_table: Tensor | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self._streamed_samples = 0
@@ -116,11 +120,14 @@ class CudaRunner:
         t = self.t
         out, saved = t.model.forward_saved(x)
         loss_parts, grad = loss_and_grad(out, y, t.loss_type, validate=False, unreduced=True)
-        _, grads = t.model.backward_saved(grad, saved, needs_input_grad=False)
-        torch._foreach_copy_(self.grad_views, list(grads))
+        # gradients land in the flat ``.grad`` views (Dense writes them there; others are copied)
+        _, grads = t.model.backward_saved(grad, saved, needs_input_grad=False, out=self.grad_views)
+        moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
+        if moved:
+            torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
         sq_parts = grad_sq_partials(self.norm_inputs)
         step_guard_(
-            loss_parts, sq_parts, self.dead, self.step_loss[slot], self.step_status[slot],
+            loss_parts, sq_parts, self.dead, self.step_loss[slot, 0], self.step_status[slot, 0],
             self.found_inf, self.grad_scale, self.clip_norm,
         )
         if t.clip > 0 and t.config.clip_mode == "value" and not t._value_clip_in_optimizer:
@@ -147,16 +154,19 @@ class CudaRunner:
                     raise
                 self.capture_failed = True
                 torch.cuda.synchronize(t.device)
+                cause = e
+                while cause.__context__ is not None:  # the first failure, not capture_end's echo of it
+                    cause = cause.__context__
                 warnings.warn(
-                    f"train(): this training step cannot be captured in a CUDA graph ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0]}); running it eagerly on the device instead. "
+                    f"train(): this training step cannot be captured in a CUDA graph ({type(cause).__name__}: "
+                    f"{str(cause).splitlines()[0]}); running it eagerly on the device instead. "
                     "TrainingConfig(cuda_graph=False) silences this.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         if self.graphs is not None:
             if t.scheduler is not None:
-                self.lr_table.copy_(self._epoch_lrs(n))
+                self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
             for graph in self.graphs:
                 graph.replay()
             count = n
@@ -164,7 +174,7 @@ class CudaRunner:
             count = 0
             self._streamed_samples = 0
             for k, (x, y) in enumerate(source):
-                if k >= self.step_loss.numel():
+                if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
                 self.device_step(x, y, k)
                 if t.scheduler is not None:
@@ -176,18 +186,19 @@ class CudaRunner:
 
     # ------------------------------------------------------------------------- helpers
     def _prepare_arrays(self, n: int | None) -> None:
-        size = n if n is not None else max(self.step_loss.numel(), 64)
-        if self.step_loss.numel() != size:
+        size = n if n is not None else max(self.step_loss.shape[0], 64)
+        if self.step_loss.shape[0] != size:
             dev = self.t.device
-            self.step_loss = torch.zeros(size, dtype=torch.float32, device=dev)
-            self.step_status = torch.zeros(size, dtype=torch.int32, device=dev)
+            self.step_loss = torch.zeros(size, _SLOT, dtype=torch.float32, device=dev)
+            self.step_status = torch.zeros(size, _SLOT, dtype=torch.int32, device=dev)
 
     def _grow_arrays(self) -> None:
         old_loss, old_status = self.step_loss, self.step_status
-        self.step_loss = torch.zeros(2 * old_loss.numel(), dtype=torch.float32, device=old_loss.device)
-        self.step_status = torch.zeros(2 * old_status.numel(), dtype=torch.int32, device=old_status.device)
-        self.step_loss[: old_loss.numel()] = old_loss
-        self.step_status[: old_status.numel()] = old_status
+        rows = old_loss.shape[0]
+        self.step_loss = torch.zeros(2 * rows, _SLOT, dtype=torch.float32, device=old_loss.device)
+        self.step_status = torch.zeros(2 * rows, _SLOT, dtype=torch.int32, device=old_status.device)
+        self.step_loss[:rows] = old_loss
+        self.step_status[:rows] = old_status
 
     def _epoch_lrs(self, n: int) -> Tensor:
         """This epoch's learning rates ``[n, groups]``, found on the host by advancing the scheduler
@@ -201,24 +212,28 @@ class CudaRunner:
 
     def _capture(self, source: BatchSource) -> None:
         """Record every batch position's step into graphs of up to ``STEPS_PER_GRAPH`` steps that
-        share one memory pool (captured and replayed in the same order)."""
+        share one memory pool (captured and replayed in the same order). A masked warm-up step
+        first compiles every kernel specialisation the captured steps use (the learning rate read
+        from the device, for one): compiling is impossible during capture."""
         t = self.t
         items = source.items
         groups = t.optimizer.param_groups
         host_lrs = [g["lr"] for g in groups]
-        if t.scheduler is not None:  # each captured step reads its lr from its row of the table
-            self.lr_table = torch.zeros(len(items), len(groups), dtype=torch.float32, device=t.device)
+        if t.scheduler is not None:  # each captured step reads its lr from its (aligned) row
+            self.lr_table = torch.zeros(len(items), len(groups), _SLOT, dtype=torch.float32, device=t.device)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
-        torch.cuda.synchronize(t.device)
         try:
+            self._use_lr_row(0)
+            self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
+            self.device_step(*items[0], 0)
+            self.dead.zero_()
+            torch.cuda.synchronize(t.device)
             for start in range(0, len(items), STEPS_PER_GRAPH):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     for k in range(start, min(start + STEPS_PER_GRAPH, len(items))):
-                        if self.lr_table is not None:
-                            for j, g in enumerate(groups):
-                                g["lr"] = self.lr_table[k, j]
+                        self._use_lr_row(k)
                         self.device_step(*items[k], k)
                 graphs.append(graph)
                 self.capture_count += 1
@@ -227,11 +242,17 @@ class CudaRunner:
                 g["lr"] = lr
         self.graphs = graphs
 
+    def _use_lr_row(self, k: int) -> None:
+        """Point every param group's lr at row ``k`` of the lr table (when there is a schedule)."""
+        if self.lr_table is not None:
+            for j, g in enumerate(self.t.optimizer.param_groups):
+                g["lr"] = self.lr_table[k, j, 0]
+
     def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
         """One host sync: the epoch's per-step losses and statuses → an ``EpochOutcome``, with Loom's
         messages for skipped updates."""
-        losses = self.step_loss[:count].double().cpu().tolist()
-        statuses = self.step_status[:count].cpu().tolist()
+        losses = self.step_loss[:count, 0].double().cpu().tolist()
+        statuses = self.step_status[:count, 0].cpu().tolist()
         sizes = source.batch_sizes
         out = EpochOutcome()
         for k, status in enumerate(statuses):
