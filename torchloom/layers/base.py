@@ -17,12 +17,15 @@ leaf ops such as Dense have their own named Function with a functional API.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Layer", "LayerFunction", "LayerRecord", "check_input", "gather_param_grads"]
+__all__ = ["Layer", "LayerFunction", "LayerRecord", "check_input", "gather_param_grads", "host_checks", "host_checks_enabled"]
 
 
 class LayerRecord(NamedTuple):
@@ -92,6 +95,27 @@ def gather_param_grads(owner: nn.Module, children, child_grads) -> tuple[Tensor,
         for p, g in zip(child.parameters(), grads):
             acc[id(p)] = g if id(p) not in acc else acc[id(p)] + g
     return tuple(acc[id(p)] for p in owner.parameters())
+
+
+_host_checks = threading.local()
+
+
+def host_checks_enabled() -> bool:
+    """Whether layers may run validations that read device values on the host (e.g. Embedding's
+    index range check). ``host_checks(False)`` turns them off around CUDA graph capture, where a host
+    read is impossible; every batch was checked eagerly before."""
+    return getattr(_host_checks, "enabled", True)
+
+
+@contextlib.contextmanager
+def host_checks(enabled: bool) -> Iterator[None]:
+    """Within the block, ``host_checks_enabled()`` returns ``enabled`` (this thread only)."""
+    previous = host_checks_enabled()
+    _host_checks.enabled = enabled
+    try:
+        yield
+    finally:
+        _host_checks.enabled = previous
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer
+from .base import host_checks_enabled, Layer
 
 __all__ = [
     "Embedding",
@@ -54,7 +54,7 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
         raise TypeError(f"{owner}: input must hold integer indices (int64, int32, ...), got dtype {x.dtype}")
     if x.dim() < 1:
         raise ValueError(f"{owner}: input must have shape [batch, ...] (at least 1-d), got {list(x.shape)}")
-    if check_range and x.numel() > 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_range and x.numel() > 0 and host_checks_enabled():
         lo, hi = torch.aminmax(x)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= num_embeddings:

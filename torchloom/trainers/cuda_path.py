@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..layers.base import host_checks
 from .loop import BatchSource, EpochOutcome, StepStatus
 from .losses import loss_and_grad
 
@@ -214,7 +215,10 @@ class CudaRunner:
         """Record every batch position's step into graphs of up to ``STEPS_PER_GRAPH`` steps that
         share one memory pool (captured and replayed in the same order). A masked warm-up step
         first compiles every kernel specialisation the captured steps use (the learning rate read
-        from the device, for one): compiling is impossible during capture."""
+        from the device, for one): compiling is impossible during capture. It runs with CUDA's sync
+        debug mode set to "error", so a step that reads a device value on the host fails there,
+        before any capture starts (a capture that fails midway leaves CUDA's random-number state
+        unusable for the rest of the process)."""
         t = self.t
         items = source.items
         groups = t.optimizer.param_groups
@@ -224,19 +228,25 @@ class CudaRunner:
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         try:
-            self._use_lr_row(0)
-            self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
-            self.device_step(*items[0], 0)
-            self.dead.zero_()
-            torch.cuda.synchronize(t.device)
-            for start in range(0, len(items), STEPS_PER_GRAPH):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    for k in range(start, min(start + STEPS_PER_GRAPH, len(items))):
-                        self._use_lr_row(k)
-                        self.device_step(*items[k], k)
-                graphs.append(graph)
-                self.capture_count += 1
+            with host_checks(False):  # every batch was checked eagerly in the first epoch
+                self._use_lr_row(0)
+                self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
+                previous_mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
+                try:
+                    self.device_step(*items[0], 0)
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous_mode)
+                    self.dead.zero_()
+                torch.cuda.synchronize(t.device)
+                for start in range(0, len(items), STEPS_PER_GRAPH):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        for k in range(start, min(start + STEPS_PER_GRAPH, len(items))):
+                            self._use_lr_row(k)
+                            self.device_step(*items[k], k)
+                    graphs.append(graph)
+                    self.capture_count += 1
         finally:
             for g, lr in zip(groups, host_lrs):
                 g["lr"] = lr
