@@ -115,11 +115,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def elementwise_settings(n: int, is_cuda: bool) -> tuple[int, int, int]:
+def elementwise_settings(n: int, is_cuda: bool, cuda_default: tuple[int, int] = _CUDA_ELEMENTWISE) -> tuple[int, int, int]:
     """``(BLOCK, num_warps, programs)`` for a kernel where each program streams ``BLOCK`` of ``n``
-    elements, on CUDA or (``is_cuda=False``) in the interpreter."""
+    elements, on CUDA (``cuda_default`` unless the benchmark's sweep overrides it) or
+    (``is_cuda=False``) in the interpreter."""
     if is_cuda:
-        block, num_warps = _override or _CUDA_ELEMENTWISE
+        block, num_warps = _override or cuda_default
     else:
         block, num_warps = min(max(_next_pow2(n), 16), _INTERPRETER_MAX_BLOCK), 4
     return block, num_warps, max(-(-n // block), 1)

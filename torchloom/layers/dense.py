@@ -46,9 +46,10 @@ def dense_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
 ) -> tuple[Tensor, DenseSaved]:
     """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    pre = pre.view(*x.shape[:-1], weight.shape[0])
+    if x.dim() != 2:
+        pre = pre.view(*x.shape[:-1], weight.shape[0])
     return activation.forward(pre), DenseSaved(x, weight, pre, activation, bias is not None)
 
 
@@ -62,7 +63,8 @@ def dense_backward(
     ``(dW, db)`` buffers of the right shape and dtype to write the gradients into (the CUDA training
     step passes its flat ``.grad`` views, saving a copy); they are returned as dW and db."""
     x, weight, pre, activation, has_bias = saved
-    x2 = x.reshape(-1, weight.shape[1])
+    flat = x.dim() == 2  # the common case: no reshapes
+    x2 = x if flat else x.reshape(-1, weight.shape[1])
     w_out, b_out = out if out is not None else (None, None)
     fused = _small_batch_kernels(x2, activation)
     if fused is not None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
@@ -71,12 +73,16 @@ def dense_backward(
             activation.name, has_bias, needs_input_grad, out=(w_out, b_out),
         )
         return (grad_x.view(x.shape) if grad_x is not None else None), (grad_w, grad_b)
-    g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
+    g_pre = activation.grad(grad_out, pre)
+    if not flat:
+        g_pre = g_pre.reshape(-1, weight.shape[0])
     grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
     grad_b = None
     if has_bias:
         grad_b = torch.sum(g_pre, 0, out=b_out) if b_out is not None else g_pre.sum(0)
-    grad_x = torch.mm(g_pre, weight).view(x.shape) if needs_input_grad else None
+    grad_x = None
+    if needs_input_grad:
+        grad_x = torch.mm(g_pre, weight) if flat else torch.mm(g_pre, weight).view(x.shape)
     return grad_x, (grad_w, grad_b)
 
 

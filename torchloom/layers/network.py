@@ -96,7 +96,18 @@ class Sequential(Layer):
                 g, grads[i] = layer.backward_saved(g, saved[i], needs_input_grad or i > 0, out=outs[i])
             else:
                 g, grads[i] = layer.backward_saved(g, saved[i], needs_input_grad or i > 0)
-        return g, gather_param_grads(self, self.layers, grads)
+        if self._has_shared_params():
+            return g, gather_param_grads(self, self.layers, grads)
+        return g, tuple(pg for layer_grads in grads for pg in layer_grads)
+
+    def _has_shared_params(self) -> bool:
+        """Whether a parameter appears in more than one child (then gradients are summed per
+        parameter). Found at the first backward and kept: the chain's structure is fixed by then."""
+        shared = self.__dict__.get("_shared_params")
+        if shared is None:
+            shared = sum(1 for layer in self.layers for _ in layer.parameters()) != sum(1 for _ in self.parameters())
+            self.__dict__["_shared_params"] = shared
+        return shared
 
     def _split_out(self, out):
         """``out`` cut into one slice per child, or None when there is none or parameters repeat."""

@@ -134,7 +134,7 @@ class CudaRunner:
         if t.clip > 0 and t.config.clip_mode == "value" and not t._value_clip_in_optimizer:
             torch._foreach_clamp_min_(self.grad_views, -t.clip)
             torch._foreach_clamp_max_(self.grad_views, t.clip)
-        t.optimizer.step(grad_scale=self.grad_scale if self.clip_norm > 0 else None, found_inf=self.found_inf)
+        t.optimizer_update(grad_scale=self.grad_scale if self.clip_norm > 0 else None, found_inf=self.found_inf)
 
     # ---------------------------------------------------------------------- one epoch
     @torch.no_grad()

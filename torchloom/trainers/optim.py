@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from ..kernels._triton import check_backend
 from ..kernels._update import check_number
 
-__all__ = ["SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "sgd_step", "flatten_optimizer_"]
+__all__ = ["SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_"]
 
 
 def _check_lr(owner: str, lr: Any) -> None:
@@ -68,31 +68,6 @@ def _params_with_grads(group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor
 
 
 # ------------------------------------------------------------------------------------------ SGD
-@torch.no_grad()
-def sgd_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    clip_value: float,
-) -> None:
-    """SGD as ``torch.optim.SGD`` on a list of tensors (``kernels.sgd.sgd_update_`` with the default
-    backend): ``g = clip(g) + wd·w``; with momentum ``v = μv + (1−dampening)g`` (``v = g`` on the first
-    step, as torch), ``g = g + μv`` for Nesterov else ``v``; ``w −= lr·g``. Updates ``params`` and
-    ``momentum_buffers`` in place (a ``None`` buffer is created)."""
-    from ..kernels.sgd import sgd_update_
-
-    sgd_update_(
-        params, grads, momentum_buffers, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-        weight_decay=weight_decay, clip_value=clip_value,
-    )
-
-
 class SGD(Optimizer):
     """Stochastic gradient descent, optionally with momentum (SPEC §6), as ``torch.optim.SGD``.
 
@@ -135,14 +110,20 @@ class SGD(Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
     ) -> float | None:
         """One update of every parameter with a gradient; returns the closure's loss if given."""
+        loss = _run_closure(closure)
+        self.update(grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+    @torch.no_grad()
+    def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+        """The update of ``step`` alone: no closure, and no step hooks or profiler record (which
+        torch wraps around ``step``), for trainers that own the optimizer and call it every batch."""
         from ..kernels.sgd import sgd_update_
 
-        loss = _run_closure(closure)
         for group in self.param_groups:
             params, grads = _params_with_grads(group)
             if not params:
@@ -158,7 +139,6 @@ class SGD(Optimizer):
                 for p, buf in zip(params, bufs):
                     if buf is not None:
                         self.state[p]["momentum_buffer"] = buf
-        return loss
 
 
 # ---------------------------------------------------------------------------------------- AdamW
@@ -236,14 +216,20 @@ class AdamW(Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
     ) -> float | None:
         """One update of every parameter with a gradient; returns the closure's loss if given."""
+        loss = _run_closure(closure)
+        self.update(grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+    @torch.no_grad()
+    def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+        """The update of ``step`` alone: no closure, and no step hooks or profiler record (which
+        torch wraps around ``step``), for trainers that own the optimizer and call it every batch."""
         from ..kernels.adamw import adamw_update_
 
-        loss = _run_closure(closure)
         for group in self.param_groups:
             params, grads = _params_with_grads(group)
             if not params:
@@ -277,7 +263,6 @@ class AdamW(Optimizer):
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 clip_value=group["clip_value"], grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
             )
-        return loss
 
 
 # -------------------------------------------------------------------------------------- RMSprop
@@ -321,14 +306,20 @@ class RMSprop(Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
     ) -> float | None:
         """One update of every parameter with a gradient; returns the closure's loss if given."""
+        loss = _run_closure(closure)
+        self.update(grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+    @torch.no_grad()
+    def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+        """The update of ``step`` alone: no closure, and no step hooks or profiler record (which
+        torch wraps around ``step``), for trainers that own the optimizer and call it every batch."""
         from ..kernels.rmsprop import rmsprop_update_
 
-        loss = _run_closure(closure)
         for group in self.param_groups:
             params, grads = _params_with_grads(group)
             if not params:
@@ -352,7 +343,6 @@ class RMSprop(Optimizer):
                 momentum=group["momentum"], centered=centered, clip_value=group["clip_value"],
                 grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
             )
-        return loss
 
 
 # --------------------------------------------------------------------------------- train()'s names
