@@ -19,7 +19,6 @@ Run: ``PYTHONPATH=. python bench/bench_train.py --gpu`` (on a CUDA machine) or `
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time

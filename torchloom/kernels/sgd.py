@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
+from ._update_jit import scaled_clipped, scalar_value, update_block
 from ._triton import elementwise_settings
 from ._update import (
     check_guards,
@@ -96,23 +97,12 @@ def _sgd_kernel(
     FIRST_STEP: tl.constexpr,
     NESTEROV: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    limit = n
-    if HAS_FOUND_INF:  # a found NaN/Inf masks every lane: nothing is loaded or stored
-        limit = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
-    mask = offs < limit
-    if LR_ON_DEVICE:
-        lr_v = tl.load(lr).to(tl.float32)
-    else:
-        lr_v = lr
+    offs, mask = update_block(n, found_inf_ptr, BLOCK, HAS_FOUND_INF)
+    lr_v = scalar_value(lr, LR_ON_DEVICE)
 
     w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(scale_ptr).to(tl.float32)
-    if HAS_CLIP:
-        g = tl.minimum(tl.maximum(g, -clip_value), clip_value)
+    g = scaled_clipped(g, scale_ptr, clip_value, HAS_SCALE, HAS_CLIP)
     if HAS_WD:
         g = g + weight_decay * w
     if HAS_MOMENTUM:

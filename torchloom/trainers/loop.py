@@ -34,6 +34,8 @@ from ..observers.progress import EpochLinePrinter, ProgressObserver
 
 __all__ = ["StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE"]
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 NAN_LOSS_MESSAGE = "⚠️ Fatal NaN/Inf loss in epoch {epoch}. Skipping epoch."
 NAN_GRAD_MESSAGE = "⚠️ Fatal NaN/Inf gradients in epoch {epoch}. Skipping batch updates."
 
@@ -198,6 +200,39 @@ class Trainer:
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def prepare_batch(self, x: Any, y: Any, where: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+        """What every trainer's ``convert_batch`` starts with: ``x`` and ``y`` as tensors on the
+        model's device (``self.device``; floats in ``self.dtype``, integer labels as int64), checked
+        to be ``[batch, ...]`` with one batch size, and the model's output shape for ``x``. ``where``
+        prefixes error messages ("batch 3: ")."""
+        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+        y = y if isinstance(y, Tensor) else torch.as_tensor(y)
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        if y.dim() == 0 or y.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{where}target must have the input's batch size {x.shape[0]} as its first dimension, "
+                f"got shape {list(y.shape)}"
+            )
+        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None, non_blocking=True)
+        y = y.to(self.device, dtype=torch.long if y.dtype in _INT_DTYPES else self.dtype, non_blocking=True)
+        return x, y, (x.shape[0], *self.output_shape(x, where))
+
+    def output_shape(self, x: Tensor, where: str = "") -> tuple[int, ...]:
+        """The model's output shape without the batch dimension for inputs like ``x``: one forward
+        (no update) per distinct input shape and dtype, cached. A layer's ``ValueError`` about the
+        input's shape is raised with ``where`` in front."""
+        shapes = self.__dict__.setdefault("_output_shapes", {})
+        key = (tuple(x.shape[1:]), x.dtype)
+        if key not in shapes:
+            with torch.no_grad():
+                try:
+                    out, _ = self.model.forward_saved(x)
+                except ValueError as e:
+                    raise ValueError(f"{where}{e}") from None
+            shapes[key] = tuple(out.shape[1:])
+        return shapes[key]
 
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar

@@ -520,29 +520,13 @@ class TargetPropTrainer(Trainer):
         self.state = TargetPropState(net, config)
         self.device = params[0].device
         self.dtype = params[0].dtype
-        self._out_shapes: dict[tuple, tuple[int, ...]] = {}
 
     def convert_batch(self, x: Any, y: Any, index: int | None = None) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device (floats to its dtype; labels stay integers) and check it
-        against the model's output shape (one forward of the first row per distinct input shape)."""
+        against the model's output shape (one forward per distinct input shape)."""
         where = "" if index is None else f"batch {index}: "
-        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
-        y = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        if y.dim() == 0 or y.shape[0] != x.shape[0]:
-            raise ValueError(f"{where}target must have the input's batch size {x.shape[0]} first, got shape {list(y.shape)}")
-        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None)
-        y = y.to(self.device, dtype=torch.long if y.dtype in _INT_DTYPES else self.dtype if y.is_floating_point() else None)
-        key = (tuple(x.shape[1:]), x.dtype)
-        if key not in self._out_shapes:
-            with torch.no_grad():
-                try:
-                    out, _ = self.model.forward_saved(x[:1])
-                except ValueError as e:
-                    raise ValueError(f"{where}{e}") from None
-            self._out_shapes[key] = tuple(out.shape[1:])
-        check_target((x.shape[0], *self._out_shapes[key]), y, f"batch {index}" if index is not None else "TargetPropTrainer")
+        x, y, out_shape = self.prepare_batch(x, y, where)
+        check_target(out_shape, y, f"batch {index}" if index is not None else "TargetPropTrainer")
         return x, y
 
     @torch.no_grad()

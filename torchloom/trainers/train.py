@@ -35,7 +35,7 @@ from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
 from .loop import StepOutput, StepStatus, Trainer, TrainingResult, all_finite
-from .losses import check_loss_type, check_target, is_label_target, loss_and_grad
+from .losses import check_loss_type, check_target, loss_and_grad
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["TrainingConfig", "BackpropTrainer", "train", "resolve_device", "as_network"]
@@ -183,7 +183,6 @@ class BackpropTrainer(Trainer):
         self.device = resolve_device(config.device, config.use_gpu, config.device_id, model)
         self.dtype = self.params[0].dtype
         self.loss_type = config.loss_type
-        self._out_shapes: dict[tuple, tuple[int, ...]] = {}
         model.to(self.device)
         self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
         self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
@@ -234,32 +233,12 @@ class BackpropTrainer(Trainer):
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the device and dtype of the model and check it against the model's
         output shape (a forward without update, once per distinct input shape)."""
-        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
-        y = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"batch {index}: input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        if y.dim() == 0 or y.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"batch {index}: target must have the input's batch size {x.shape[0]} as its first "
-                f"dimension, got shape {list(y.shape)}"
-            )
-        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None, non_blocking=True)
-        if is_label_target(y):
-            y = y.to(self.device, dtype=torch.long, non_blocking=True)
-        else:
-            y = y.to(self.device, dtype=self.dtype, non_blocking=True)
-        key = (tuple(x.shape[1:]), x.dtype)
-        if key not in self._out_shapes:
-            with torch.no_grad():
-                try:
-                    out, _ = self.model.forward_saved(x)
-                except ValueError as e:
-                    raise ValueError(f"batch {index}: {e}") from None
-            self._out_shapes[key] = tuple(out.shape[1:])
+        where = f"batch {index}: "
+        x, y, out_shape = self.prepare_batch(x, y, where)
         try:
-            check_target((x.shape[0], *self._out_shapes[key]), y, self.loss_type)
+            check_target(out_shape, y, self.loss_type)
         except ValueError as e:
-            raise ValueError(f"batch {index}: {e}") from None
+            raise ValueError(f"{where}{e}") from None
         return x, y
 
     # ------------------------------------------------------------------ step

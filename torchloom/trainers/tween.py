@@ -433,26 +433,12 @@ class TweenTrainer(Trainer):
         self.state = TweenState(net, self.config)
         first = next(net.parameters())
         self.device, self.dtype = first.device, first.dtype
-        self._out_shapes: dict[tuple, tuple[int, ...]] = {}
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device/dtype and validate it (labels range, target shape)."""
-        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
-        y = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"batch {index}: input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None)
-        y = y.to(self.device, dtype=torch.long if is_label_target(y) else self.dtype)
-        key = (tuple(x.shape[1:]), x.dtype)
-        if key not in self._out_shapes:
-            with torch.no_grad():
-                try:
-                    out, _ = self.model.forward_saved(x[:1])
-                except ValueError as e:
-                    raise ValueError(f"batch {index}: {e}") from None
-            self._out_shapes[key] = tuple(out.shape[1:])
+        x, y, out_shape = self.prepare_batch(x, y, f"batch {index}: ")
         try:
-            _check_target_shape(self._out_shapes[key], x.shape[0], y)
+            _check_target_shape(out_shape[1:], x.shape[0], y)
         except ValueError as e:
             raise ValueError(f"batch {index}: {e}") from None
         return x, y
