@@ -1,6 +1,6 @@
 """Measure the claims Loom's Tweening document makes (SPEC §9), instead of repeating them. Not in CI.
 
-    python bench/bench_tween_quality.py                 # everything, writes bench/RESULTS_tween.md
+    python bench/bench_tween_quality.py                 # everything; writes bench/RESULTS_tween.md (copied into bench/RESULTS.md §5)
     python bench/bench_tween_quality.py --parts b c     # only some parts
     python bench/bench_tween_quality.py --quick         # a smoke run (1 seed, tiny sizes)
 

@@ -5,7 +5,7 @@ and the explosions it detected and whether its rate recovered afterwards.
 
 A detection here is a step whose mean gap grew more than 10× over the previous batch's; in batch
 training that mostly follows a batch whose samples were all already learned (gated, so its hidden
-gaps were 0) — not a real instability. bench/RESULTS_tween.md measures what detection does.
+gaps were 0) — not a real instability. bench/RESULTS.md (section 5) measures what detection does.
 
 Run: python examples/04_tweening.py   (needs scikit-learn; the data ships with it; ~10 s on a CPU)
 """
