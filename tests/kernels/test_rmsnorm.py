@@ -10,16 +10,7 @@ import torch.nn.functional as F
 from helpers import assert_close
 from torchloom.kernels import rmsnorm as K
 
-@pytest.fixture(autouse=True)
-def _kernel_device():
-    """Without a GPU these tests run the kernels through Triton's interpreter on CPU tensors; on a GPU
-    machine (where the interpreter is off) the same tensors are created on CUDA instead."""
-    if torch.cuda.is_available():
-        torch.set_default_device("cuda")
-        yield
-        torch.set_default_device("cpu")
-    else:
-        yield
+pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
 
 # Odd widths around powers of two, width 1, rows that do not divide evenly among programs.

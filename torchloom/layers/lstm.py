@@ -24,24 +24,20 @@ then ``dW_ih = Σ_t gPre_tᵀ x_t``, ``dW_hh = Σ_{t≥2} gPre_tᵀ h_{t−1}``,
 ``dx_t = gPre_t W_ih`` (one matmul each over all steps).
 
 Loom stores the four gates as separate ``[W_ih | W_hh | b]`` blocks in one flat buffer; torchloom
-stacks them as ``nn.LSTM`` does (the importer maps one to the other).
+stacks them as ``nn.LSTM`` does (``from_loom_json`` reads Dense networks only, so no mapping is needed
+yet).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .base import Layer
-from .rnn import _check_positive, check_sequence
+from .rnn import RecurrentLayer
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
-
-_LSTM_INITS = ("uniform", "loom_uniform")
-
 
 class LSTMSaved(NamedTuple):
     """What the LSTM's backward needs: input ``[B, T, I]``, ``weight_ih [4H, I]``, ``weight_hh
@@ -146,63 +142,17 @@ def lstm(x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None = 
     return LSTMFunction.apply(x, weight_ih, weight_hh, bias)
 
 
-class LSTM(Layer):
-    """LSTM with gates i, f, g, o (``nn.LSTM``'s order), ``h_0 = c_0 = 0``, all hidden states returned.
-
-    Args:
-        input_size: ``I``; hidden_size: ``H``.
-        bias: a learnable ``bias [4H]`` (one merged bias, Loom's layout; ``nn.LSTM`` with
-            ``bias_ih = bias``, ``bias_hh = 0`` computes the same).
-        init: ``"uniform"`` (default: ``U(−1/√H, 1/√H)`` for every parameter, ``nn.LSTM``'s rule) or
-            ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``).
+class LSTM(RecurrentLayer):
+    """LSTM with gates i, f, g, o (``nn.LSTM``'s order), ``h_0 = c_0 = 0``, all hidden states returned
+    (arguments: ``RecurrentLayer``).
 
     Parameters: ``weight_ih [4H, I]``, ``weight_hh [4H, H]``, ``bias [4H]``, gate blocks i, f, g, o.
     Shapes: input ``[B, T, I]`` → output ``[B, T, H]`` (every hidden state). ``saved.pre`` (the
     history's pre-activation) holds the gate pre-activations ``[B, T, 4H]``.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        bias: bool = True,
-        init: str = "uniform",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        _check_positive("LSTM", input_size=input_size, hidden_size=hidden_size)
-        if not isinstance(bias, bool):
-            raise ValueError(f"LSTM: bias must be a bool, got {bias!r}")
-        if init not in _LSTM_INITS:
-            raise ValueError(f"LSTM: init must be one of {_LSTM_INITS}, got {init!r}")
-        self.input_size, self.hidden_size, self.init = input_size, hidden_size, init
-        factory = {"device": device, "dtype": dtype}
-        self.weight_ih = nn.Parameter(torch.empty(4 * hidden_size, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(4 * hidden_size, hidden_size, **factory))
-        self.bias = nn.Parameter(torch.empty(4 * hidden_size, **factory)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.hidden_size) if self.init == "uniform" else 0.1
-        with torch.no_grad():
-            for p in self.parameters():
-                p.uniform_(-bound, bound)
-
-    def _check(self, x: Tensor) -> None:
-        check_sequence(x, self.input_size, f"LSTM({self.input_size}→{self.hidden_size})", self.weight_ih.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return LSTMFunction.apply(x, self.weight_ih, self.weight_hh, self.bias)
-
-    def forward_saved(self, x: Tensor) -> tuple[Tensor, LSTMSaved]:
-        self._check(x)
-        return lstm_forward(x, self.weight_ih, self.weight_hh, self.bias)
-
-    def backward_saved(self, grad_out, saved, needs_input_grad=True):
-        grad_x, (gw_ih, gw_hh, gb) = lstm_backward(grad_out, saved, needs_input_grad)
-        return grad_x, (gw_ih, gw_hh) if gb is None else (gw_ih, gw_hh, gb)
-
-    def extra_repr(self) -> str:
-        return f"input_size={self.input_size}, hidden_size={self.hidden_size}, bias={self.bias is not None}"
+    _GATES = 4
+    _NAME = "LSTM"
+    _function = LSTMFunction
+    _forward = staticmethod(lstm_forward)
+    _backward = staticmethod(lstm_backward)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .base import Layer
 
-__all__ = ["RNN", "RNNFunction", "RNNSaved", "LastStep", "rnn", "rnn_forward", "rnn_backward"]
+__all__ = ["RecurrentLayer", "RNN", "RNNFunction", "RNNSaved", "LastStep", "rnn", "rnn_forward", "rnn_backward"]
 
 _RNN_INITS = ("uniform", "loom_uniform")
 
@@ -123,19 +123,22 @@ def check_sequence(x: Tensor, input_size: int, owner: str, dtype: torch.dtype) -
         raise TypeError(f"{owner}: input dtype {x.dtype} differs from the weight dtype {dtype}")
 
 
-class RNN(Layer):
-    """Elman RNN ``h_t = tanh(x_t W_ihᵀ + h_{t−1} W_hhᵀ + b)``, ``h_0 = 0``, all steps returned.
+class RecurrentLayer(Layer):
+    """What RNN and LSTM share: ``weight_ih [G·H, I]``, ``weight_hh [G·H, H]`` and one merged
+    ``bias [G·H]`` (G gate blocks: 1 for RNN, 4 for LSTM), the initialisation, the input check and
+    the plumbing to the functional forward/backward. Subclasses set ``_GATES``, ``_NAME`` and the
+    ``_function`` / ``_forward`` / ``_backward`` static methods.
 
     Args:
         input_size: ``I``; hidden_size: ``H``.
-        bias: a learnable ``bias [H]`` (one merged bias, Loom's layout; ``nn.RNN`` with
-            ``bias_ih = bias``, ``bias_hh = 0`` computes the same).
-        init: ``"uniform"`` (default: ``U(−1/√H, 1/√H)`` for every parameter, ``nn.RNN``'s rule, which
-            keeps tanh out of saturation) or ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``).
-
-    Parameters: ``weight_ih [H, I]``, ``weight_hh [H, H]``, ``bias [H]``.
-    Shapes: input ``[B, T, I]`` → output ``[B, T, H]`` (every hidden state).
+        bias: a learnable merged bias (Loom's layout; PyTorch's module with ``bias_ih = bias``,
+            ``bias_hh = 0`` computes the same).
+        init: ``"uniform"`` (default: ``U(−1/√H, 1/√H)`` for every parameter, PyTorch's rule, which
+            keeps the gates out of saturation) or ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``).
     """
+
+    _GATES = 1
+    _NAME = "Recurrent"
 
     def __init__(
         self,
@@ -147,16 +150,18 @@ class RNN(Layer):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_positive("RNN", input_size=input_size, hidden_size=hidden_size)
+        name = self._NAME
+        _check_positive(name, input_size=input_size, hidden_size=hidden_size)
         if not isinstance(bias, bool):
-            raise ValueError(f"RNN: bias must be a bool, got {bias!r}")
+            raise ValueError(f"{name}: bias must be a bool, got {bias!r}")
         if init not in _RNN_INITS:
-            raise ValueError(f"RNN: init must be one of {_RNN_INITS}, got {init!r}")
+            raise ValueError(f"{name}: init must be one of {_RNN_INITS}, got {init!r}")
         self.input_size, self.hidden_size, self.init = input_size, hidden_size, init
         factory = {"device": device, "dtype": dtype}
-        self.weight_ih = nn.Parameter(torch.empty(hidden_size, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(hidden_size, hidden_size, **factory))
-        self.bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        rows = self._GATES * hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(rows, input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(rows, hidden_size, **factory))
+        self.bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -166,22 +171,37 @@ class RNN(Layer):
                 p.uniform_(-bound, bound)
 
     def _check(self, x: Tensor) -> None:
-        check_sequence(x, self.input_size, f"RNN({self.input_size}→{self.hidden_size})", self.weight_ih.dtype)
+        check_sequence(x, self.input_size, f"{self._NAME}({self.input_size}→{self.hidden_size})", self.weight_ih.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        return RNNFunction.apply(x, self.weight_ih, self.weight_hh, self.bias)
+        return self._function.apply(x, self.weight_ih, self.weight_hh, self.bias)
 
-    def forward_saved(self, x: Tensor) -> tuple[Tensor, RNNSaved]:
+    def forward_saved(self, x: Tensor):
         self._check(x)
-        return rnn_forward(x, self.weight_ih, self.weight_hh, self.bias)
+        return self._forward(x, self.weight_ih, self.weight_hh, self.bias)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
-        grad_x, (gw_ih, gw_hh, gb) = rnn_backward(grad_out, saved, needs_input_grad)
+        grad_x, (gw_ih, gw_hh, gb) = self._backward(grad_out, saved, needs_input_grad)
         return grad_x, (gw_ih, gw_hh) if gb is None else (gw_ih, gw_hh, gb)
 
     def extra_repr(self) -> str:
         return f"input_size={self.input_size}, hidden_size={self.hidden_size}, bias={self.bias is not None}"
+
+
+class RNN(RecurrentLayer):
+    """Elman RNN ``h_t = tanh(x_t W_ihᵀ + h_{t−1} W_hhᵀ + b)``, ``h_0 = 0``, all steps returned
+    (arguments: ``RecurrentLayer``).
+
+    Parameters: ``weight_ih [H, I]``, ``weight_hh [H, H]``, ``bias [H]``.
+    Shapes: input ``[B, T, I]`` → output ``[B, T, H]`` (every hidden state).
+    """
+
+    _GATES = 1
+    _NAME = "RNN"
+    _function = RNNFunction
+    _forward = staticmethod(rnn_forward)
+    _backward = staticmethod(rnn_backward)
 
 
 # --------------------------------------------------------------------------------------------
