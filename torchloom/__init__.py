@@ -62,6 +62,7 @@ from .observers import (
 from .trainers import (
     LOSS_TYPES,
     BackpropTrainer,
+    GraphedStep,
     StepOutput,
     StepStatus,
     TargetPropConfig,
@@ -78,6 +79,7 @@ from .trainers import (
     compute_loss,
     loss_and_grad,
     loss_gradient,
+    make_graphed_step,
     target_prop_backward,
     target_prop_forward,
     train,
@@ -131,6 +133,8 @@ __all__ = [
     "BackpropTrainer",
     "StepOutput",
     "StepStatus",
+    "make_graphed_step",
+    "GraphedStep",
     # TargetProp
     "TargetPropConfig",
     "TargetPropState",

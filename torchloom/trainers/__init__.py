@@ -1,5 +1,6 @@
 """``train()`` and its config/result types, losses, optimizers, schedules, and Loom's trainers."""
 
+from .graphed_step import GraphedStep, make_graphed_step
 from .loop import StepOutput, StepStatus, Trainer, TrainingBatch, TrainingResult
 from .losses import LOSS_TYPES, compute_loss, loss_and_grad, loss_gradient
 from .optim import SGD, AdamW, RMSprop, flatten_optimizer_, make_optimizer
@@ -47,4 +48,6 @@ __all__ = [
     "TweenConfig",
     "TweenState",
     "TweenTrainer",
+    "GraphedStep",
+    "make_graphed_step",
 ]
