@@ -51,13 +51,13 @@ _SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
 
 
 def guarded_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """True for torchloom's optimizers, whose ``step`` takes ``found_inf`` / ``grad_scale`` tensors and
+    """True for torchloom's optimizers, whose update takes ``found_inf`` / ``grad_scale`` tensors and
     never reads them on the host (AdamW only with ``capturable=True``)."""
-    from .optim import SGD, AdamW, RMSprop
+    from .optim import AdamW, FusedOptimizer
 
     if isinstance(optimizer, AdamW):
         return all(g["capturable"] for g in optimizer.param_groups)
-    return isinstance(optimizer, (SGD, RMSprop))
+    return isinstance(optimizer, FusedOptimizer)
 
 
 def graph_eligible(trainer: "BackpropTrainer", source: BatchSource) -> bool:

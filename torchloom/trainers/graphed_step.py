@@ -130,10 +130,10 @@ def make_graphed_step(
     )
     trainer = BackpropTrainer(net, config)
     from .cuda_path import guarded_optimizer
-    from .optim import SGD, AdamW, RMSprop
+    from .optim import FusedOptimizer
 
     # on CUDA the update must obey the guard without a host read; on the CPU any of ours will do
-    ok = guarded_optimizer(trainer.optimizer) if trainer.device.type == "cuda" else isinstance(trainer.optimizer, (SGD, AdamW, RMSprop))
+    ok = guarded_optimizer(trainer.optimizer) if trainer.device.type == "cuda" else isinstance(trainer.optimizer, FusedOptimizer)
     if not ok:
         raise TypeError(
             "make_graphed_step needs one of torchloom's optimizers (torchloom.optim.SGD, AdamW with "

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from ..kernels._triton import check_backend
 from ..kernels._update import check_number
 
-__all__ = ["SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_"]
+__all__ = ["FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_"]
 
 
 def _check_lr(owner: str, lr: Any) -> None:
@@ -67,8 +67,25 @@ def _params_with_grads(group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor
     return params, grads
 
 
+# ------------------------------------------------------------------------------------------ base
+class FusedOptimizer(Optimizer):
+    """torchloom's optimizers: ``update(grad_scale=, found_inf=)`` does one fused update of every
+    parameter with a gradient; ``step`` is the closure (if any) and then ``update``."""
+
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
+    ) -> float | None:
+        """One update of every parameter with a gradient; returns the closure's loss if given."""
+        loss = _run_closure(closure)
+        self.update(grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+    def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+        raise NotImplementedError
+
+
 # ------------------------------------------------------------------------------------------ SGD
-class SGD(Optimizer):
+class SGD(FusedOptimizer):
     """Stochastic gradient descent, optionally with momentum (SPEC §6), as ``torch.optim.SGD``.
 
     One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``; with momentum
@@ -109,14 +126,6 @@ class SGD(Optimizer):
             lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, clip_value=clip_value
         )
         super().__init__(params, defaults)
-
-    def step(
-        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
-    ) -> float | None:
-        """One update of every parameter with a gradient; returns the closure's loss if given."""
-        loss = _run_closure(closure)
-        self.update(grad_scale=grad_scale, found_inf=found_inf)
-        return loss
 
     @torch.no_grad()
     def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
@@ -159,7 +168,7 @@ def _split_decay(params: Iterable[Any]) -> list[Any]:
     return groups
 
 
-class AdamW(Optimizer):
+class AdamW(FusedOptimizer):
     """Adam with decoupled weight decay (SPEC §6), as ``torch.optim.AdamW``.
 
     One step ``t``, per element: ``g = clamp(g·grad_scale, ±clip_value)``, ``w = w·(1 − lr·wd)``,
@@ -216,14 +225,6 @@ class AdamW(Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def step(
-        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
-    ) -> float | None:
-        """One update of every parameter with a gradient; returns the closure's loss if given."""
-        loss = _run_closure(closure)
-        self.update(grad_scale=grad_scale, found_inf=found_inf)
-        return loss
-
     @torch.no_grad()
     def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
         """The update of ``step`` alone: no closure, and no step hooks or profiler record (which
@@ -266,7 +267,7 @@ class AdamW(Optimizer):
 
 
 # -------------------------------------------------------------------------------------- RMSprop
-class RMSprop(Optimizer):
+class RMSprop(FusedOptimizer):
     """RMSprop (SPEC §6), as ``torch.optim.RMSprop``.
 
     One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``,
@@ -305,14 +306,6 @@ class RMSprop(Optimizer):
             lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered, clip_value=clip_value
         )
         super().__init__(params, defaults)
-
-    def step(
-        self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
-    ) -> float | None:
-        """One update of every parameter with a gradient; returns the closure's loss if given."""
-        loss = _run_closure(closure)
-        self.update(grad_scale=grad_scale, found_inf=found_inf)
-        return loss
 
     @torch.no_grad()
     def update(self, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:

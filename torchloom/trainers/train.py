@@ -36,7 +36,7 @@ from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
 from .loop import StepOutput, StepStatus, Trainer, TrainingResult, all_finite
 from .losses import check_loss_type, check_target, loss_and_grad
-from .optim import OPTIMIZERS, make_optimizer
+from .optim import OPTIMIZERS, FusedOptimizer, make_optimizer
 
 __all__ = ["TrainingConfig", "BackpropTrainer", "train", "resolve_device", "as_network"]
 
@@ -196,7 +196,7 @@ class BackpropTrainer(Trainer):
             for group in self.optimizer.param_groups:  # step counts on the device: graph-capturable
                 group["capturable"] = True
         self.scheduler = as_scheduler(config.scheduler, self.optimizer)
-        self._direct_update = self._owns_optimizer and self.scheduler is None and callable(getattr(self.optimizer, "update", None))
+        self._direct_update = self._owns_optimizer and self.scheduler is None and isinstance(self.optimizer, FusedOptimizer)
         self._cuda = None
         if self.device.type == "cuda":
             from .cuda_path import CudaRunner, guarded_optimizer
