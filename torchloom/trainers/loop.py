@@ -18,7 +18,6 @@ events are the step's business (``torchloom.observers.layer_stats.LayerEvents``)
 from __future__ import annotations
 
 import enum
-import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -344,17 +343,18 @@ class Trainer:
         return result
 
 
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """True when every element of every tensor is finite (one host sync).
+def finite_flag(tensors: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool tensor (on the tensors' device, no host sync): every element of every tensor finite.
 
     One ``aminmax`` per tensor: max and min propagate NaN, and +Inf / −Inf show in the max / min, so
     both are finite exactly when every element is. About 13 µs for 100k floats on one core, where
     ``isfinite(t).all()`` takes about 240 µs."""
     extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
     if not extremes:
-        return True
-    return bool(torch.isfinite(torch.stack(extremes)).all())
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.isfinite(torch.stack(extremes)).all()
 
 
-def is_finite(v: float) -> bool:
-    return math.isfinite(v)
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """``finite_flag`` read on the host (one sync)."""
+    return bool(finite_flag(tensors))

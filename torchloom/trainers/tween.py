@@ -31,7 +31,7 @@ from torch import Tensor
 from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
-from .loop import StepOutput, StepStatus, Trainer, TrainingResult
+from .loop import finite_flag, StepOutput, StepStatus, Trainer, TrainingResult
 from .losses import LOSS_TYPES, is_label_target, loss_and_grad
 from .train import as_network
 
@@ -321,7 +321,7 @@ class TweenState:
         # 3. Metrics, computed on the device and read back with the loss and the finiteness test in one sync.
         metrics = [self._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
         flat_grads = [pg for pgs in param_grads for pg in pgs]
-        finite = torch.stack([torch.isfinite(pg).all() for pg in flat_grads]).all() if flat_grads else torch.tensor(True)
+        finite = finite_flag(flat_grads) if flat_grads else torch.tensor(True)
         numbers = torch.cat([loss_t.reshape(1).double().to(out.device), finite.reshape(1).double().to(out.device), *metrics]).tolist()
         loss, ok = numbers[0], numbers[1] > 0.5
         gaps, budgets, aligns = numbers[2::3], numbers[3::3], numbers[4::3]
