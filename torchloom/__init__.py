@@ -62,6 +62,7 @@ from .observers import (
 from .trainers import (
     LOSS_TYPES,
     BackpropTrainer,
+    DivergenceWarning,
     GraphedStep,
     StepOutput,
     StepStatus,
@@ -133,6 +134,7 @@ __all__ = [
     "BackpropTrainer",
     "StepOutput",
     "StepStatus",
+    "DivergenceWarning",
     "make_graphed_step",
     "GraphedStep",
     # TargetProp

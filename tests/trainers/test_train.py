@@ -1,11 +1,13 @@
 """train() on CPU (SPEC §5) against an independent float64 torch autograd loop, plus guards and errors."""
 
 import copy
+import math
 import re
 
 import numpy as np
 import pytest
 import torch
+import torchloom
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -155,12 +157,15 @@ def test_nan_gradients_skip_the_update(capsys):
     with torch.no_grad():
         net[0].weight.zero_()
     x = torch.tensor([[3e38]])  # 0·x = 0 keeps the loss finite, dW = −2·3e38 overflows to −inf
-    result = train(net, [(x, torch.tensor([[1.0]]))], epochs=2, learning_rate=0.1, verbose=True)
+    with pytest.warns(torchloom.DivergenceWarning, match="no batch counted"):
+        result = train(net, [(x, torch.tensor([[1.0]]))], epochs=2, learning_rate=0.1, verbose=True)
     out = capsys.readouterr().out
     assert out.count("⚠️ Fatal NaN/Inf gradients in epoch") == 2
     assert "epoch 1. Skipping batch updates." in out and "epoch 2." in out
     assert net[0].weight.item() == 0.0
-    assert result.skipped_batches == 2 and result.loss_history == [0.0, 0.0]
+    # no batch counted: the epochs read NaN (never a perfect 0.0), every skip counted per epoch
+    assert result.skipped_batches == 2 and result.skipped_per_epoch == [1, 1]
+    assert all(math.isnan(v) for v in result.loss_history)
 
 
 def test_optimizer_instance_and_schedule():

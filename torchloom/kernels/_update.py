@@ -14,6 +14,7 @@ Imports only torch: ``trainers.optim`` uses the checks at import time without im
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -36,8 +37,13 @@ __all__ = [
 ]
 
 
-def check_number(owner: str, name: str, value: Any, *, low: float = 0.0, low_inclusive: bool = True, high: float | None = None) -> None:
-    """``ValueError`` unless ``value`` is a finite real number in the stated range."""
+def check_number(owner: str, name: str, value: Any, *, low: float = 0.0, low_inclusive: bool = True, high: float | None = None) -> Any:
+    """``ValueError`` unless ``value`` is a finite real number in the stated range; returns it as a
+    Python number. Numpy scalars and one-element real tensors are accepted (as ``torch.optim`` does)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        value = float(value)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = value >= low if low_inclusive else value > low
@@ -46,6 +52,7 @@ def check_number(owner: str, name: str, value: Any, *, low: float = 0.0, low_inc
     if not ok:
         bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
         raise ValueError(f"{owner}: {name} must be a finite number {bound}, got {value!r}")
+    return value
 
 
 def check_update_lists(op: str, params: list[Tensor], grads: list[Tensor], **states: list[Tensor | None] | None) -> None:

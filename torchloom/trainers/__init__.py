@@ -1,7 +1,7 @@
 """``train()`` and its config/result types, losses, optimizers, schedules, and Loom's trainers."""
 
 from .graphed_step import GraphedStep, make_graphed_step
-from .loop import StepOutput, StepStatus, Trainer, TrainingBatch, TrainingResult
+from .loop import DivergenceWarning, StepOutput, StepStatus, Trainer, TrainingBatch, TrainingResult
 from .losses import LOSS_TYPES, compute_loss, loss_and_grad, loss_gradient
 from .optim import SGD, AdamW, RMSprop, flatten_optimizer_, make_optimizer
 from .schedules import SCHEDULES, Schedule, ScheduleLR
@@ -20,6 +20,7 @@ from .tween import TweenConfig, TweenState, TweenTrainer
 __all__ = [
     "StepOutput",
     "StepStatus",
+    "DivergenceWarning",
     "Trainer",
     "TrainingBatch",
     "TrainingResult",

@@ -11,7 +11,10 @@ buffer and reads back only partial loss sums. Here one step (``device_step``) is
    loss and norm partials and decides on the device whether the update may happen (NaN/Inf loss:
    no, and the rest of the epoch is abandoned; NaN/Inf gradient: no), records the step's loss and
    status in per-epoch arrays, and computes the clip-by-norm scale;
-5. the fused optimizer update, masked by the guard's ``found_inf`` and scaled by its ``grad_scale``.
+5. the fused optimizer update, masked by the guard's ``found_inf`` and scaled by its ``grad_scale``;
+6. the weights checked after the update (``guards.UpdateGuard``, device form): copied before it, and
+   put back in place with ``torch.where`` when the update made any of them non-finite (status 4,
+   ``NAN_WEIGHTS``), all without a host read.
 
 Nothing in a step reads a device value on the host, so steps queue up back to back. The first epoch
 runs the steps eagerly (compiling kernels and creating optimizer state); then, when the batches are a
@@ -34,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..layers.base import host_checks
+from .guards import UpdateGuard
 from .loop import BatchSource, EpochOutcome, StepStatus
 from .losses import loss_and_grad
 
@@ -46,7 +50,8 @@ __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "graph_eligible"]
 # steps, few enough that capture and instantiation stay short.
 STEPS_PER_GRAPH = 64
 
-_STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD}
+_STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
+NAN_WEIGHTS = 4  # status written after the update when it made a weight or state non-finite (undone)
 _SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
 
 
@@ -110,6 +115,27 @@ class CudaRunner:
         in_groups = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
         norm_inputs.extend(p.grad for p in t.params if id(p) not in in_groups)
         self.norm_inputs = norm_inputs
+        self.update_guard = UpdateGuard(self._guarded_tensors)
+
+    def _guarded_tensors(self) -> list[Tensor]:
+        """What an update changes, as few tensors as the flat layout allows: per param group its
+        parameter buffer and one buffer per kind of state (momentum, moments, step counts)."""
+        from ..kernels._update import coalesce
+
+        t = self.t
+        out: list[Tensor] = []
+        for group in t.optimizer.param_groups:
+            params = list(group["params"])
+            flat = coalesce(params)
+            out.extend(flat[0] if flat is not None else params)
+            states = [t.optimizer.state.get(p, {}) for p in params]
+            keys = {k for st in states for k, v in st.items() if isinstance(v, Tensor) and v.is_floating_point()}
+            for k in sorted(keys):
+                tensors = [st[k] for st in states if k in st]
+                shared = list({id(v): v for v in tensors}.values())
+                flat = coalesce(shared) if len(shared) == len(params) else None
+                out.extend(flat[0] if flat is not None else shared)
+        return out
 
     # ------------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -134,7 +160,12 @@ class CudaRunner:
         if t.clip > 0 and t.config.clip_mode == "value" and not t._value_clip_in_optimizer:
             torch._foreach_clamp_min_(self.grad_views, -t.clip)
             torch._foreach_clamp_max_(self.grad_views, t.clip)
+        self.update_guard.save()
         t.optimizer_update(grad_scale=self.grad_scale if self.clip_norm > 0 else None, found_inf=self.found_inf)
+        # weights checked after the update, on the device: an overflowing update is undone in place
+        undone = self.update_guard.restore_if_nonfinite_()
+        status = self.step_status[slot, 0]
+        status.copy_(torch.where(undone & (status == 0), NAN_WEIGHTS, status))
 
     # ---------------------------------------------------------------------- one epoch
     @torch.no_grad()

@@ -7,18 +7,27 @@ reports the **pre-update** loss and a status:
   abandon the rest of the epoch (the step left the weights as they were);
 * ``NAN_GRAD`` — a gradient is NaN/Inf: print ``⚠️ Fatal NaN/Inf gradients in epoch E. Skipping batch
   updates.``, the update was skipped, the batch's loss is not counted;
+* ``NAN_WEIGHTS`` — the update itself made a weight (or optimizer/method state) non-finite: the loop,
+  which copies those tensors before every step (``guards.UpdateGuard``), puts them back, prints
+  ``⚠️ Non-finite weights after an update in epoch E. Update undone.``, and the loss is not counted;
 * ``OK`` — the loss is added to the epoch sum.
 
 The epoch loss is the sum of counted batch losses divided by the number of batches (Loom's formula,
-also when batches were skipped). Observers (SPEC §10) are called by name; ``History`` is always kept.
-Per-batch work for observers (``on_batch_end``) happens only when one implements that hook; per-layer
-events are the step's business (``torchloom.observers.layer_stats.LayerEvents``).
+also when batches were skipped), except that an epoch in which **no** batch counted reports NaN,
+never Loom's 0, and issues a ``DivergenceWarning`` whatever the verbose level. Each epoch's log holds
+``skipped`` and ``counted`` batch counts; the result holds ``skipped_per_epoch``. Observers are called
+by name; ``History`` is always kept. Per-batch work for observers (``on_batch_end``) happens only when
+one implements that hook; per-layer events are the step's business
+(``torchloom.observers.layer_stats.LayerEvents``).
 """
 
 from __future__ import annotations
 
+import copy
 import enum
+import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -30,19 +39,31 @@ from ..layers.network import Network
 from ..observers.base import ObserverList
 from ..observers.history import History
 from ..observers.progress import EpochLinePrinter, ProgressObserver
+from .guards import UpdateGuard, finite_flag
 
-__all__ = ["StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE"]
+__all__ = [
+    "StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource",
+    "DivergenceWarning", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE", "NAN_WEIGHTS_MESSAGE", "finite_flag", "all_finite",
+]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 NAN_LOSS_MESSAGE = "⚠️ Fatal NaN/Inf loss in epoch {epoch}. Skipping epoch."
 NAN_GRAD_MESSAGE = "⚠️ Fatal NaN/Inf gradients in epoch {epoch}. Skipping batch updates."
+NAN_WEIGHTS_MESSAGE = "⚠️ Non-finite weights after an update in epoch {epoch}. Update undone."
+_MESSAGES = {"nan_loss": NAN_LOSS_MESSAGE, "nan_grad": NAN_GRAD_MESSAGE, "nan_weights": NAN_WEIGHTS_MESSAGE}
 
 
 class StepStatus(enum.Enum):
     OK = "ok"
     NAN_LOSS = "nan_loss"
     NAN_GRAD = "nan_grad"
+    NAN_WEIGHTS = "nan_weights"  # the update made a weight or state non-finite: it was undone
+
+
+class DivergenceWarning(RuntimeWarning):
+    """An epoch in which no batch counted (every loss or update was non-finite, or no batch came):
+    its loss is reported as NaN. Issued whatever the ``verbose`` level."""
 
 
 class StepOutput(NamedTuple):
@@ -67,10 +88,12 @@ class TrainingResult:
     """What a training run returns (Loom's ``TrainingResult`` plus torchloom's extras).
 
     ``final_loss``: the last epoch's loss; ``total_time``: seconds; ``loss_history``: one loss per
-    epoch; ``epoch_times``: seconds per epoch; ``samples_per_second``: real samples/s over the run;
-    ``skipped_batches``: updates skipped for NaN/Inf gradients plus batches abandoned after a NaN/Inf
-    loss; ``history``: every epoch log (``History``); ``perf``: per-epoch samples/s and mean step time
-    when ``track_perf`` was set."""
+    epoch (NaN for an epoch in which no batch counted: see ``DivergenceWarning``); ``epoch_times``:
+    seconds per epoch; ``samples_per_second``: real samples/s over the run; ``skipped_batches``:
+    batches that did not count (NaN/Inf loss, NaN/Inf gradients, an update undone because it made a
+    weight non-finite, and batches an abandoned epoch did not reach); ``skipped_per_epoch``: the same,
+    epoch by epoch; ``history``: every epoch log (``History``); ``perf``: per-epoch samples/s and mean
+    step time when ``track_perf`` was set."""
 
     final_loss: float
     total_time: float
@@ -80,6 +103,7 @@ class TrainingResult:
     skipped_batches: int = 0
     history: History = field(default_factory=History)
     perf: list[dict[str, float]] | None = None
+    skipped_per_epoch: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -214,22 +238,32 @@ class Trainer:
                 f"{where}target must have the input's batch size {x.shape[0]} as its first dimension, "
                 f"got shape {list(y.shape)}"
             )
+        if not (x.is_floating_point() or x.dtype in _INT_DTYPES):
+            raise TypeError(f"{where}input must be a floating or integer tensor, got dtype {x.dtype}")
+        if not (y.is_floating_point() or y.dtype in _INT_DTYPES):
+            raise TypeError(f"{where}target must be a floating tensor or integer class labels, got dtype {y.dtype}")
+        out_shape = (x.shape[0], *self.output_shape(x, where))
         x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None, non_blocking=True)
         y = y.to(self.device, dtype=torch.long if y.dtype in _INT_DTYPES else self.dtype, non_blocking=True)
-        return x, y, (x.shape[0], *self.output_shape(x, where))
+        return x, y, out_shape
 
     def output_shape(self, x: Tensor, where: str = "") -> tuple[int, ...]:
         """The model's output shape without the batch dimension for inputs like ``x``: one forward
-        (no update) per distinct input shape and dtype, cached. A layer's ``ValueError`` about the
-        input's shape is raised with ``where`` in front."""
+        (no update), on the model's current device and dtype (the data is checked before
+        the model moves), once per distinct input shape and dtype, cached. A layer's ``ValueError``
+        about the input's shape is raised with ``where`` in front."""
         shapes = self.__dict__.setdefault("_output_shapes", {})
-        key = (tuple(x.shape[1:]), x.dtype)
+        key = (tuple(x.shape[1:]), x.is_floating_point())
         if key not in shapes:
+            first = next(self.model.parameters(), None)
+            probe = x
+            if first is not None:
+                probe = probe.to(first.device, dtype=first.dtype if probe.is_floating_point() else None)
             with torch.no_grad():
                 try:
-                    out, _ = self.model.forward_saved(x)
-                except ValueError as e:
-                    raise ValueError(f"{where}{e}") from None
+                    out, _ = self.model.forward_saved(probe)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"{where}{e}") from None
             shapes[key] = tuple(out.shape[1:])
         return shapes[key]
 
@@ -246,18 +280,24 @@ class Trainer:
         end of the epoch."""
         out = EpochOutcome()
         wants_batch = self.observers.wants("on_batch_end")
+        guard = self.__dict__.get("_update_guard")
+        if guard is None:
+            guard = self._update_guard = UpdateGuard(self.guarded_tensors)
         for x, y in source:
             out.batches_run += 1
             out.samples += x.shape[0]
+            guard.save()
             step = self.step(x, y)
+            if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
+                step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
                 self.report_nan(StepStatus.NAN_LOSS, epoch)
                 break
-            if step.status is StepStatus.NAN_GRAD:
+            if step.status is not StepStatus.OK:  # NAN_GRAD / NAN_WEIGHTS: update skipped or undone
                 out.skipped += 1
-                self.report_nan(StepStatus.NAN_GRAD, epoch)
+                self.report_nan(step.status, epoch)
                 continue
             out.add(step.loss, step.logs)
             if wants_batch:
@@ -266,15 +306,50 @@ class Trainer:
         return out
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
-        """Print Loom's message for a NaN/Inf loss or gradient (when verbose)."""
+        """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
         if self.verbose:
-            message = NAN_LOSS_MESSAGE if status is StepStatus.NAN_LOSS else NAN_GRAD_MESSAGE
-            print(message.format(epoch=epoch + 1), flush=True)
+            print(_MESSAGES[status.value].format(epoch=epoch + 1), flush=True)
+
+    # --------------------------------------------------------------- run state
+    def preflight(self) -> None:
+        """Checks that must pass before anything changes (``fit`` calls it first): every observer's
+        ``check_ready()`` (paths, settings changed after construction). Trainers add their own."""
+        for obs in self.user_observers:
+            check = getattr(obs, "check_ready", None)
+            if callable(check):
+                check()
+
+    def setup(self) -> None:
+        """Called by ``fit`` once the data has been checked, before the first step: where a trainer
+        moves the model to its device and builds device state. Nothing to do by default."""
+
+    def guarded_tensors(self) -> list[Tensor]:
+        """The tensors a step's update changes (checked after it, restored when it overflowed):
+        the trainable parameters here; trainers add their optimizer's or method's state."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything a step changes (model, and the trainer's optimizer / method state), as tensors
+        and plain values; ``load_training_state`` puts it back. The base keeps the model."""
+        return {"model": self.model.state_dict()}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
 
     def fit(self, batches: Any, epochs: int, *, track_perf: bool = False) -> TrainingResult:
+        """Run ``epochs`` passes over ``batches`` and return a ``TrainingResult``.
+
+        Order (nothing changes before the last check): ``epochs``, ``preflight()`` (observers' and the
+        trainer's own checks), every batch of a list converted and checked (a ``DataLoader``'s first
+        batch), then ``setup()`` (the model moves to the device), then the epochs. With a streamed
+        source (a ``DataLoader``), a batch that fails its check mid-epoch, or any error inside an
+        epoch, puts the model and the trainer's state back as they were at the start of that epoch
+        before the error propagates."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+        self.preflight()
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch)
+        self.setup()
         history = History()
         observers = self.make_observers()
         self.observers = observers
@@ -284,8 +359,8 @@ class Trainer:
 
         loss_history: list[float] = []
         epoch_times: list[float] = []
+        skipped_per_epoch: list[int] = []
         perf: list[dict[str, float]] | None = [] if track_perf else None
-        skipped = 0
         total_samples = 0
         observers("on_train_begin", self)
         start = time.perf_counter()
@@ -294,23 +369,35 @@ class Trainer:
             self.epoch = epoch
             observers("on_epoch_begin", self, epoch)
             epoch_start = time.perf_counter()
-            out = self.run_epoch(source, epoch)
-            skipped += out.skipped
-            if source.sized:
-                n_total = len(source)
-                if out.batches_run < n_total:  # abandoned epoch: count the batches it did not reach too
-                    skipped += n_total - out.batches_run
-            else:
-                n_total = out.batches_run
+            snapshot = copy.deepcopy(self.training_state()) if source.items is None else None
+            try:
+                out = self.run_epoch(source, epoch)
+            except Exception:
+                if snapshot is not None:  # a streamed batch failed mid-epoch: undo the epoch's updates
+                    self.load_training_state(snapshot)
+                raise
+            n_total = len(source) if source.sized else out.batches_run
+            skipped = out.skipped + max(n_total - out.batches_run, 0)  # + batches an abandoned epoch did not reach
             epoch_time = time.perf_counter() - epoch_start
             total_samples += out.samples
             elapsed = time.perf_counter() - start
-            avg_loss = out.loss_sum / max(n_total, 1)
+            # Loom's epoch loss: counted losses / all batches; NaN when nothing counted (never a fake 0)
+            avg_loss = out.loss_sum / n_total if out.counted else math.nan
+            if not out.counted:
+                warnings.warn(
+                    f"epoch {epoch + 1}: no batch counted ({skipped} skipped for non-finite loss, gradients or "
+                    f"weights{', or the data yielded no batch' if n_total == 0 else ''}); its loss is reported as NaN",
+                    DivergenceWarning,
+                    stacklevel=2,
+                )
             loss_history.append(avg_loss)
             epoch_times.append(epoch_time)
+            skipped_per_epoch.append(skipped)
             logs = {
                 "loss": avg_loss,
                 **{k: v / out.counted for k, v in out.extra_sums.items() if out.counted},
+                "skipped": float(skipped),
+                "counted": float(out.counted),
                 "epoch_time": epoch_time,
                 "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
                 "eta": elapsed / (epoch + 1) * (epochs - epoch - 1),
@@ -335,24 +422,13 @@ class Trainer:
             loss_history=loss_history,
             epoch_times=epoch_times,
             samples_per_second=total_samples / total_time if total_time > 0 else 0.0,
-            skipped_batches=skipped,
+            skipped_batches=sum(skipped_per_epoch),
             history=history,
             perf=perf,
+            skipped_per_epoch=skipped_per_epoch,
         )
         observers("on_train_end", self, result)
         return result
-
-
-def finite_flag(tensors: Sequence[Tensor]) -> Tensor:
-    """A 0-d bool tensor (on the tensors' device, no host sync): every element of every tensor finite.
-
-    One ``aminmax`` per tensor: max and min propagate NaN, and +Inf / −Inf show in the max / min, so
-    both are finite exactly when every element is. About 13 µs for 100k floats on one core, where
-    ``isfinite(t).all()`` takes about 240 µs."""
-    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
-    if not extremes:
-        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return torch.isfinite(torch.stack(extremes)).all()
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:

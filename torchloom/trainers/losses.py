@@ -83,6 +83,13 @@ def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, los
             f"target shape {list(target.shape)} does not match output shape {list(output_shape)} "
             f"for loss_type={loss_type!r}"
         )
+    if check_labels and loss_type in ("cross_entropy", "crossentropy") and target.numel() > 0:
+        lo = float(target.min())  # soft targets are probabilities: a negative one makes the loss negative
+        if not lo >= 0:
+            raise ValueError(
+                f"loss_type={loss_type!r} needs a target of probabilities (every value >= 0, e.g. one-hot "
+                f"or soft labels), got a minimum of {lo}"
+            )
 
 
 def loss_and_grad(

@@ -33,12 +33,14 @@ from ..kernels._update import check_number
 __all__ = ["FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_"]
 
 
-def _check_lr(owner: str, lr: Any) -> None:
+def _check_lr(owner: str, lr: Any) -> Any:
+    """``lr`` validated: a number > 0 (numpy scalars become floats) or a one-value floating tensor,
+    kept as a tensor (a CUDA graph reads its current value)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{owner}: lr as a tensor must be a floating tensor with one value, got shape {list(lr.shape)} dtype {lr.dtype}")
-        return
-    check_number(owner, "lr", lr, low_inclusive=False)
+        return lr
+    return check_number(owner, "lr", lr, low_inclusive=False)
 
 
 def _check_backend(owner: str, backend: Any) -> None:
@@ -111,11 +113,11 @@ class SGD(FusedOptimizer):
         *,
         backend: str | None = None,
     ) -> None:
-        _check_lr("SGD", lr)
-        check_number("SGD", "momentum", momentum)
-        check_number("SGD", "dampening", dampening)
-        check_number("SGD", "weight_decay", weight_decay)
-        check_number("SGD", "clip_value", clip_value)
+        lr = _check_lr("SGD", lr)
+        momentum = check_number("SGD", "momentum", momentum)
+        dampening = check_number("SGD", "dampening", dampening)
+        weight_decay = check_number("SGD", "weight_decay", weight_decay)
+        clip_value = check_number("SGD", "clip_value", clip_value)
         _check_backend("SGD", backend)
         if not isinstance(nesterov, bool):
             raise TypeError(f"SGD: nesterov must be a bool, got {nesterov!r}")
@@ -180,7 +182,7 @@ class AdamW(FusedOptimizer):
     them, pass param groups yourself (groups are used as given). ``torch.optim.AdamW`` with the same
     two groups gives the same numbers.
 
-    Args: ``lr`` (> 0, or a 0-d tensor), ``betas`` (each in [0, 1)), ``eps`` (>= 0), ``weight_decay``
+    Args: ``lr`` (> 0, or a 0-d tensor), ``betas`` (each in [0, 1)), ``eps`` (> 0), ``weight_decay``
     (>= 0), ``clip_value`` (per-element clip, 0 = off), ``capturable`` (keep the step count on the
     parameters' device and let the kernel read it: nothing on the host changes between steps, so a
     CUDA graph can capture ``step()``), ``backend`` (as ``SGD``).
@@ -198,14 +200,13 @@ class AdamW(FusedOptimizer):
         capturable: bool = False,
         backend: str | None = None,
     ) -> None:
-        _check_lr("AdamW", lr)
+        lr = _check_lr("AdamW", lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
-        check_number("AdamW", "betas[0]", betas[0], high=1.0)
-        check_number("AdamW", "betas[1]", betas[1], high=1.0)
-        check_number("AdamW", "eps", eps)
-        check_number("AdamW", "weight_decay", weight_decay)
-        check_number("AdamW", "clip_value", clip_value)
+        betas = (check_number("AdamW", "betas[0]", betas[0], high=1.0), check_number("AdamW", "betas[1]", betas[1], high=1.0))
+        eps = check_number("AdamW", "eps", eps, low_inclusive=False)  # eps = 0 divides by zero where a moment is 0
+        weight_decay = check_number("AdamW", "weight_decay", weight_decay)
+        clip_value = check_number("AdamW", "clip_value", clip_value)
         _check_backend("AdamW", backend)
         if not isinstance(capturable, bool):
             raise TypeError(f"AdamW: capturable must be a bool, got {capturable!r}")
@@ -275,7 +276,7 @@ class RMSprop(FusedOptimizer):
     of ``g``); with momentum ``b = μ·b + g/avg``, ``w −= lr·b``, else ``w −= lr·g/avg``. ε sits outside
     the root as in Loom's documents and torch; Loom's code puts it inside.
 
-    Args: ``lr`` (> 0, or a 0-d tensor), ``alpha`` (in [0, 1)), ``eps`` (>= 0), ``weight_decay``,
+    Args: ``lr`` (> 0, or a 0-d tensor), ``alpha`` (in [0, 1)), ``eps`` (> 0), ``weight_decay``,
     ``momentum`` (>= 0), ``centered``, ``clip_value`` (per-element clip, 0 = off), ``backend`` (as ``SGD``).
     """
 
@@ -292,12 +293,12 @@ class RMSprop(FusedOptimizer):
         *,
         backend: str | None = None,
     ) -> None:
-        _check_lr("RMSprop", lr)
-        check_number("RMSprop", "alpha", alpha, high=1.0)
-        check_number("RMSprop", "eps", eps)
-        check_number("RMSprop", "weight_decay", weight_decay)
-        check_number("RMSprop", "momentum", momentum)
-        check_number("RMSprop", "clip_value", clip_value)
+        lr = _check_lr("RMSprop", lr)
+        alpha = check_number("RMSprop", "alpha", alpha, high=1.0)
+        eps = check_number("RMSprop", "eps", eps, low_inclusive=False)  # eps = 0 divides by zero where a square average is 0
+        weight_decay = check_number("RMSprop", "weight_decay", weight_decay)
+        momentum = check_number("RMSprop", "momentum", momentum)
+        clip_value = check_number("RMSprop", "clip_value", clip_value)
         _check_backend("RMSprop", backend)
         if not isinstance(centered, bool):
             raise TypeError(f"RMSprop: centered must be a bool, got {centered!r}")

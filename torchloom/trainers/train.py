@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
+from .guards import state_tensors
 from .loop import StepOutput, StepStatus, Trainer, TrainingResult, all_finite
 from .losses import check_loss_type, check_target, loss_and_grad
 from .optim import OPTIMIZERS, FusedOptimizer, make_optimizer
@@ -44,7 +46,19 @@ CLIP_MODES = ("norm", "value")
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number: int, float, a numpy scalar (``numbers.Real``) or a one-element real tensor."""
+    if isinstance(v, Tensor):
+        return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _as_number(v: Any) -> Any:
+    """``v`` as a Python float/int when it is a numpy scalar or a one-element tensor; else unchanged."""
+    if isinstance(v, Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+        return float(v)
+    return v
 
 
 @dataclass
@@ -68,6 +82,16 @@ class TrainingConfig:
     cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` unless every field is valid. ``train()`` calls it again
+        when a run starts, so a field changed after construction is checked too. Numbers may be given
+        as numpy scalars or one-element tensors (stored as Python numbers)."""
+        for name in ("learning_rate", "gradient_clip"):
+            setattr(self, name, _as_number(getattr(self, name)))
+        if isinstance(self.epochs, numbers.Integral) and not isinstance(self.epochs, (bool, int)):
+            self.epochs = int(self.epochs)
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
         if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
@@ -85,13 +109,17 @@ class TrainingConfig:
                 "TrainingConfig: verbose must be a bool or 0, 1, 2 (0/False silent, 1/True progress bar on a "
                 f"terminal + epoch lines, 2 epoch lines only), got {self.verbose!r}"
             )
+        if self.verbose is not True and self.verbose is not False:
+            self.verbose = int(self.verbose)
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"TrainingConfig: use_gpu must be a bool, got {self.use_gpu!r}")
         if self.device is not None:
             try:
-                torch.device(self.device)
+                dev = torch.device(self.device)
             except (RuntimeError, TypeError):
                 raise ValueError(f"TrainingConfig: device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from None
+            if dev.type == "meta":
+                raise ValueError("TrainingConfig: device 'meta' holds no values and cannot train; use 'cpu' or 'cuda'")
         if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
             raise ValueError(f"TrainingConfig: device_id must be an int >= 0, got {self.device_id!r}")
         if isinstance(self.optimizer, str):
@@ -155,6 +183,22 @@ def as_network(model: Any) -> Network:
     )
 
 
+def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None:
+    """``ValueError`` unless every parameter ``optimizer`` holds belongs to ``model`` and at least one
+    trainable parameter of the model is in it (an optimizer over another model's parameters would
+    train nothing without a word)."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in mine for p in held)
+    if foreign:
+        raise ValueError(
+            f"optimizer: {type(optimizer).__name__} holds {foreign} parameter(s) that are not the model's; "
+            "build it over model.parameters()"
+        )
+    if not any(p.requires_grad for p in held):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} holds none of the model's trainable parameters")
+
+
 def as_scheduler(spec: Any, optimizer: Optimizer) -> LRScheduler | None:
     """A per-batch ``LRScheduler`` from ``train()``'s ``scheduler`` setting."""
     if spec is None:
@@ -177,13 +221,19 @@ class BackpropTrainer(Trainer):
     def __init__(self, model: Network, config: TrainingConfig) -> None:
         super().__init__(model, observers=config.observers, verbose=config.verbose)
         self.config = config
-        self.params = list(model.parameters())
-        if not self.params:
+        all_params = list(model.parameters())
+        if not all_params:
             raise ValueError("model has no parameters to train")
+        # frozen parameters (requires_grad=False) are never updated: only the others reach the optimizer
+        self._trainable = [p.requires_grad for p in all_params]
+        self.params = [p for p in all_params if p.requires_grad]
+        if not self.params:
+            raise ValueError("model: every parameter has requires_grad=False; nothing to train")
         self.device = resolve_device(config.device, config.use_gpu, config.device_id, model)
-        self.dtype = self.params[0].dtype
+        self.dtype = all_params[0].dtype
         self.loss_type = config.loss_type
-        model.to(self.device)
+        if isinstance(config.optimizer, Optimizer):
+            check_optimizer_params(config.optimizer, model)
         self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
         self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
         self.clip = float(config.gradient_clip)
@@ -199,15 +249,39 @@ class BackpropTrainer(Trainer):
         self._direct_update = self._owns_optimizer and self.scheduler is None and isinstance(self.optimizer, FusedOptimizer)
         self._cuda = None
         if self.device.type == "cuda":
-            from .cuda_path import CudaRunner, guarded_optimizer
+            from .cuda_path import guarded_optimizer
 
-            if guarded_optimizer(self.optimizer):
-                self._cuda = CudaRunner(self)
-            elif config.cuda_graph:
+            if not guarded_optimizer(self.optimizer) and config.cuda_graph:
                 raise ValueError(
                     "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
                     f"capturable=True), got {type(self.optimizer).__name__}"
                 )
+
+    def setup(self) -> None:
+        """Move the model to the training device (after the data was checked) and, on CUDA with one
+        of torchloom's optimizers, build the device runner."""
+        self.model.to(self.device)
+        if self.device.type == "cuda" and self._cuda is None:
+            from .cuda_path import CudaRunner, guarded_optimizer
+
+            if guarded_optimizer(self.optimizer):
+                self._cuda = CudaRunner(self)
+
+    def guarded_tensors(self) -> list[Tensor]:
+        return [*self.params, *state_tensors(self.optimizer)]
+
+    def training_state(self) -> dict[str, Any]:
+        state = super().training_state()
+        state["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        super().load_training_state(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     # ----------------------------------------------------------------- epochs
     def run_epoch(self, source, epoch):
@@ -264,12 +338,14 @@ class BackpropTrainer(Trainer):
             _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
         else:
             grads = events.run_backward(self.model, grad)
+        if len(grads) != len(self.params):  # frozen parameters get no gradient and no update
+            grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
         if not all_finite(grads):
             return StepOutput(loss, StepStatus.NAN_GRAD)
         for p, g in zip(self.params, grads):
             p.grad = g
         self._clip(grads)
-        self.optimizer_update()
+        self.optimizer_update()  # the loop checks the weights after it (UpdateGuard)
         return StepOutput(loss)
 
     def optimizer_update(self, **guards: Tensor | None) -> None:
@@ -316,6 +392,7 @@ def train(model: Network | Layer | Sequence[Layer], batches: Any, config: Traini
         if unknown:
             raise TypeError(f"train() got unknown setting(s) {unknown}; TrainingConfig fields: {sorted(names)}")
         config = dataclasses.replace(config, **overrides)
+    config.validate()  # fields changed after construction are checked too
     net = as_network(model)
     trainer = BackpropTrainer(net, config)
     if config.seed is not None:
