@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchloom.layers.dense import Dense  # noqa: E402
 from torchloom.layers.network import Network  # noqa: E402
-from torchloom.trainers.train import BackpropTrainer, TrainingConfig  # noqa: E402
+from torchloom.trainers.backprop import BackpropTrainer, TrainingConfig  # noqa: E402
 from torchloom.trainers.tween import TweenConfig, TweenState  # noqa: E402
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")

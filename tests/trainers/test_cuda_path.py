@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import assert_close
 from torchloom import Dense, Network, TrainingConfig, train
 from torchloom.trainers.cuda_path import CudaRunner
-from torchloom.trainers.train import BackpropTrainer
+from torchloom.trainers.backprop import BackpropTrainer
 
 
 def _net(dtype=torch.float64, seed=0):

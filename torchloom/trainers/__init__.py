@@ -14,7 +14,9 @@ from .target_prop import (
     target_prop_backward,
     target_prop_forward,
 )
-from .train import BackpropTrainer, TrainingConfig, train
+from .backprop import BackpropTrainer
+from .config import TrainingConfig
+from .train import make_trainer, train
 from .tween import TweenConfig, TweenState, TweenTrainer
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "BackpropTrainer",
     "TrainingConfig",
     "train",
+    "make_trainer",
     "TargetPropConfig",
     "TargetPropState",
     "TargetPropTrainer",

@@ -6,7 +6,7 @@
 
 Each call runs one complete step — forward, loss and output gradient (fused), the hand-written
 backward, the NaN/Inf guard and clip decided on the device, the fused optimizer update — exactly the
-step ``train()`` runs on CUDA (``cuda_path.CudaRunner.device_step``). On CUDA the first call runs it
+step ``train()`` runs on CUDA (``BackpropTrainer.device_step`` under the engine's ``CudaRunner``). On CUDA the first call runs it
 eagerly (compiling kernels, creating optimizer state); the second captures it in a CUDA graph, which
 every later call replays after copying its inputs into the graph's static buffers. On a CPU model
 (or with ``cuda_graph=False``) every call runs the same step eagerly.
@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 
 from ..layers.base import Layer, host_checks
 from ..layers.network import Network
-from .train import BackpropTrainer, TrainingConfig, as_network
+from .backprop import BackpropTrainer
+from .config import TrainingConfig, as_network
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -37,7 +38,7 @@ class GraphedStep:
         from .cuda_path import CudaRunner
 
         self.trainer = trainer
-        self.runner = trainer._cuda or CudaRunner(trainer)  # the CPU case: the same step, run eagerly
+        self.runner = trainer.runner or CudaRunner(trainer)  # the CPU case: the same step, run eagerly
         x, y = trainer.convert_batch(example_x, example_y, 0)
         self.x, self.y = x.clone(), y.clone()  # the static inputs every call copies into
         self.runner._prepare_arrays(1)
@@ -77,7 +78,7 @@ class GraphedStep:
 
     def _step(self) -> None:
         self.runner.dead.zero_()  # every call stands alone: no "rest of the epoch" to abandon
-        self.runner.device_step(self.x, self.y, 0)
+        self.trainer.device_step(self.x, self.y, 0, self.runner)
 
     def _capture(self) -> None:
         runner, dev = self.runner, self.trainer.device
@@ -86,7 +87,7 @@ class GraphedStep:
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
             try:
-                runner.device_step(self.x, self.y, 0)
+                self.trainer.device_step(self.x, self.y, 0, runner)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.synchronize(dev)
@@ -129,11 +130,10 @@ def make_graphed_step(
         gradient_clip=gradient_clip, clip_mode=clip_mode, verbose=False, device=device, cuda_graph=cuda_graph,
     )
     trainer = BackpropTrainer(net, config)
-    from .cuda_path import guarded_optimizer
     from .optim import FusedOptimizer
 
     # on CUDA the update must obey the guard without a host read; on the CPU any of ours will do
-    ok = guarded_optimizer(trainer.optimizer) if trainer.device.type == "cuda" else isinstance(trainer.optimizer, FusedOptimizer)
+    ok = trainer.device_ready() if trainer.device.type == "cuda" else isinstance(trainer.optimizer, FusedOptimizer)
     if not ok:
         raise TypeError(
             "make_graphed_step needs one of torchloom's optimizers (torchloom.optim.SGD, AdamW with "

@@ -43,7 +43,7 @@ from .guards import UpdateGuard, finite_flag
 
 __all__ = [
     "StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource",
-    "DivergenceWarning", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE", "NAN_WEIGHTS_MESSAGE", "finite_flag", "all_finite",
+    "DivergenceWarning", "RateHolder", "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE", "NAN_WEIGHTS_MESSAGE", "finite_flag", "all_finite",
 ]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -199,23 +199,73 @@ class BatchSource:
 
 
 class Trainer:
-    """Base of every trainer: the shared epoch loop around ``step(x, y) -> StepOutput``.
+    """The training engine: the one epoch loop every method runs.
 
-    Subclasses set ``self.model`` (a ``Network``) and implement ``step``; ``convert_batch`` moves and
-    validates one batch. ``fit(batches, epochs)`` runs the loop and returns a ``TrainingResult``."""
+    A method is a subclass that implements the step rules and nothing else:
+
+    * ``step(x, y) -> StepOutput``: one host-checked step (Loom's CPU loop acts on its status at once);
+    * ``convert_batch(x, y, index)``: move one batch to ``self.device`` and check it against the model;
+    * optionally the device step, for the CUDA runner (``cuda_path.CudaRunner``: decisions in device
+      tensors, graph capture, one host sync per epoch): ``device_ready()``, ``device_setup(runner)``,
+      ``device_step(x, y, slot, runner)`` and ``device_log_names``;
+    * ``rate_groups()``: the param groups whose ``"lr"`` a schedule drives (an optimizer's, or a
+      method's own rate holder); ``guarded_tensors()`` and ``training_state()`` for the guards and
+      for snapshots.
+
+    Everything else lives here and works the same for every method: data handling, the NaN/Inf and
+    weight guards, observers and verbose levels, the seed, the schedule (stepped once per batch), the
+    device path and its graph capture, and the result.
+
+    Args:
+        model: a ``Network``.
+        config: a ``TrainingConfig`` (observers, verbose, seed, device, scheduler, clipping, CUDA graphs).
+    """
 
     model: Network
+    scheduler: Any = None
+    device_log_names: tuple[str, ...] = ()  # per-step logs the device step writes (averaged per epoch)
 
-    def __init__(self, model: Network, observers: Iterable[Any] = (), verbose: bool | int = False) -> None:
+    def __init__(self, model: Network, config: Any) -> None:
+        from .config import resolve_device
+
         self.model = model
-        self.user_observers = list(observers)
-        self.verbose = int(verbose)
+        self.config = config
+        self.user_observers = list(config.observers)
+        self.verbose = int(config.verbose)
+        first = next(model.parameters(), None)
+        if first is None:
+            raise ValueError("model has no parameters to train")
+        self.device = resolve_device(config.device, config.use_gpu, config.device_id, model)
+        self.dtype = first.dtype
+        self.clip = float(config.gradient_clip)
+        self.clip_mode = config.clip_mode
+        self._runner: Any = None
         self.observers = ObserverList()  # replaced by make_observers() when fit() starts
         self.stop_training = False
         self.epochs = 0
         self.epoch = 0
         self.global_step = 0
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
+
+    # ---------------------------------------------------------------- device path
+    def device_ready(self) -> bool:
+        """Whether this method can run its steps on the device (decisions in device tensors)."""
+        return False
+
+    def device_setup(self, runner: Any) -> None:
+        """Lay out what the device step needs (flat buffers, state) once the runner exists."""
+
+    def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        raise NotImplementedError
+
+    def rate_groups(self) -> list[dict[str, Any]]:
+        """The param groups whose ``"lr"`` the schedule drives (and the graph runner's lr table sets)."""
+        return []
+
+    @property
+    def runner(self) -> Any:
+        """The device runner (``None`` until ``setup`` made one: CUDA and a method with a device step)."""
+        return self._runner
 
     # ------------------------------------------------------------------ hooks
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
@@ -275,9 +325,31 @@ class Trainer:
 
     # ------------------------------------------------------------------- loop
     def run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
+        """One epoch. With a device runner and no per-batch or per-layer observer: the device path
+        (``cuda_path.py``: guarded steps, graph replay, one sync per epoch); otherwise Loom's loop of
+        host-checked steps (``host_epoch``). The schedule advances once per batch either way, also
+        over the batches an abandoned epoch did not reach."""
+        from ..observers.layer_stats import LayerEvents
+
+        cuda_graph = getattr(self.config, "cuda_graph", None)
+        if self._runner is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
+            if cuda_graph and epoch == 0 and not self._runner.graph_eligible(source):
+                raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
+            return self._runner.run_epoch(source, epoch)
+        if cuda_graph and epoch == 0:
+            raise ValueError(
+                "TrainingConfig(cuda_graph=True) cannot be honoured: it needs CUDA, a method and optimizer with a "
+                "device step, and no per-batch or per-layer observers"
+            )
+        out = self.host_epoch(source, epoch)
+        if self.scheduler is not None and source.sized:
+            for _ in range(len(source) - out.batches_run):  # batches an abandoned epoch did not reach
+                self.scheduler.step()
+        return out
+
+    def host_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
         """One pass over ``source`` with ``step``, acting on each step's status at once (Loom's CPU
-        loop). Trainers that decide on the device (the CUDA path) override this and report at the
-        end of the epoch."""
+        loop); the weights are checked after every update (``UpdateGuard``)."""
         out = EpochOutcome()
         wants_batch = self.observers.wants("on_batch_end")
         guard = self.__dict__.get("_update_guard")
@@ -290,6 +362,8 @@ class Trainer:
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
@@ -320,8 +394,13 @@ class Trainer:
                 check()
 
     def setup(self) -> None:
-        """Called by ``fit`` once the data has been checked, before the first step: where a trainer
-        moves the model to its device and builds device state. Nothing to do by default."""
+        """Called by ``fit`` once the data has been checked, before the first step: the model moves
+        to the training device and, on CUDA with a method that has a device step, the runner is built."""
+        self.model.to(self.device)
+        if self.device.type == "cuda" and self._runner is None and self.device_ready():
+            from .cuda_path import CudaRunner
+
+            self._runner = CudaRunner(self)
 
     def guarded_tensors(self) -> list[Tensor]:
         """The tensors a step's update changes (checked after it, restored when it overflowed):
@@ -350,6 +429,9 @@ class Trainer:
         self.preflight()
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch)
         self.setup()
+        seed = getattr(self.config, "seed", None)
+        if seed is not None:
+            torch.manual_seed(seed)
         history = History()
         observers = self.make_observers()
         self.observers = observers
@@ -429,6 +511,26 @@ class Trainer:
         )
         observers("on_train_end", self, result)
         return result
+
+
+class RateHolder(torch.optim.Optimizer):
+    """The learning rate of a method that updates the weights with its own rule (TargetProp,
+    Tweening), held as an optimizer's param group so that any ``LRScheduler`` or torchloom schedule
+    drives it (``param_groups[0]["lr"]``) and the graph runner can point it at a device lr table.
+    Its ``step`` does nothing: the method reads the rate each step."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float) -> None:
+        super().__init__(list(params), {"lr": lr})
+        # the method "steps" every batch: tell LRScheduler so (its order warning checks this flag)
+        self._opt_called = True
+
+    def step(self, closure: Any = None) -> None:  # noqa: D102 - the method applies its own update
+        return None
+
+    @property
+    def lr(self) -> Any:
+        """The current rate (a float, or a 0-d device tensor inside a captured step)."""
+        return self.param_groups[0]["lr"]
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:

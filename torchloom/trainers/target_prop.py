@@ -70,8 +70,8 @@ from ..layers.lstm import LSTM
 from ..layers.network import Network
 from ..layers.rnn import RNN
 from ..observers.layer_stats import LayerEvents
-from .loop import StepOutput, StepStatus, Trainer, all_finite
-from .train import as_network
+from .loop import RateHolder, StepOutput, StepStatus, Trainer, all_finite
+from .config import as_network
 
 __all__ = [
     "MODES",
@@ -316,8 +316,14 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
         raise RuntimeError("target_prop_backward: run target_prop_forward(model, state, x) first")
     acts = state.forward_acts
     check_target(tuple(acts[n].shape), target, "target_prop_backward")
-    target = _as_float_target(acts[n], target)
+    _fill_backward(model, state, _as_float_target(acts[n], target))
 
+
+def _fill_backward(model: Network, state: TargetPropState, target: Tensor) -> None:
+    """``target_prop_backward``'s body for a checked float ``target``: no host read (the device step
+    calls it too)."""
+    n = state.num_layers
+    acts = state.forward_acts
     targets: list[Tensor | None] = [None] * (n + 1)
     grads: list[Tensor | None] = [None] * (n + 1)
     weight_grads: list[tuple[Tensor, ...] | None] = [None] * n
@@ -431,7 +437,7 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
 
     Layer i is skipped when ``link_budgets[i] < gate_threshold``; otherwise
     ``rate_i = lr·(0.5 + 0.5·budget_i)·depth_scale_factor^i``, ``v = μv + (1−μ)·rate_i·direction``,
-    ``p += v`` for each parameter. Returns the indices of the layers with parameters the gate skipped
+    ``p += v`` for each parameter (a parameter with ``requires_grad=False`` is left alone). Returns the indices of the layers with parameters the gate skipped
     (also kept in ``state.skipped_layers``)."""
     _check_model_state(model, state, "apply_target_prop_gaps")
     cfg = state.config
@@ -465,6 +471,8 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
             velocity = tuple(torch.zeros_like(p) for p in params)
             state.velocities[i] = velocity
         for p, v, d in zip(params, velocity, direction):
+            if not p.requires_grad:  # frozen parameter: never updated
+                continue
             v.mul_(mu).add_(d, alpha=(1.0 - mu) * rate)
             p.add_(v)
     state.skipped_layers = skipped
@@ -477,29 +485,40 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
 
 
 class TargetPropTrainer(Trainer):
-    """TargetProp on the shared epoch loop. One ``step(x, y)``:
+    """TargetProp on the training engine (``train(..., TrainingConfig(method=TargetPropConfig(...)))``
+    runs this class). One host ``step(x, y)``:
 
     1. check the batch (``y``: class labels ``[batch]`` or a target of the output's shape); bad input
        raises before anything changes;
-    2. ``target_prop_forward``; the loss reported is the **pre-update** MSE ``mean((y − t)²)`` (SPEC §4
-       ``"mse"``, comparable with ``train()``; the update itself follows ½Σ(y−t)²), plus the accuracy
-       (argmax) when ``y`` holds labels; a NaN/Inf loss skips the step (``NAN_LOSS``);
+    2. ``target_prop_forward``; the loss reported is the **pre-update** MSE ``mean((y − t)²)`` (the
+       ``"mse"`` loss, comparable with backprop's; the update itself follows ½Σ(y−t)²), plus the
+       accuracy (argmax) when ``y`` holds labels; a NaN/Inf loss skips the step (``NAN_LOSS``);
     3. ``target_prop_backward`` and ``state.calculate_link_budgets()``; a NaN/Inf update direction
-       skips the update (``NAN_GRAD``);
-    4. ``apply_target_prop_gaps`` with ``config.learning_rate``.
+       skips the update (``NAN_GRAD``); with ``gradient_clip`` the update directions are clipped
+       (global L2 norm, or per element with ``clip_mode="value"``);
+    4. ``apply_target_prop_gaps`` at the current rate (``TargetPropConfig.learning_rate``, driven by
+       the schedule when there is one); the engine checks the weights after it.
 
-    Step logs (averaged per epoch into ``fit``'s history): ``accuracy`` (labels only),
-    ``mean_link_budget``, ``mean_gap`` (over all layers) and ``skipped_layers`` (layers with parameters
-    the gate skipped). Per-layer observer events (SPEC §10), only when an observer implements them:
+    The device step (CUDA runner, graph-captured) is the same rule with the gate, the per-layer
+    rates, the momentum and the NaN/Inf decisions in device tensors.
+
+    Step logs (averaged per epoch into the history): ``accuracy`` (labels only),
+    ``mean_link_budget``, ``mean_gap`` (over all layers) and ``skipped_layers`` (layers with
+    parameters the gate skipped). Per-layer observer events, only when an observer implements them:
     ``on_layer_forward`` with each layer's output; in chain-rule mode ``on_layer_backward`` with the
     gradient of ½Σ(y−t)² at each layer's input, last layer first (pure mode computes no gradients and
     sends none).
 
     Args:
-        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one), on its device.
+        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
         config: a ``TargetPropConfig`` (default settings when ``None``).
-        observers: SPEC §10 observers; ``verbose`` prints Loom's epoch lines.
+        observers, verbose: as ``TrainingConfig``'s (only without ``training``).
+        training: the engine's settings, a ``TrainingConfig`` whose ``method`` is ``config`` (what
+            ``train()`` passes); default: ``TrainingConfig(method=config, observers=..., verbose=...)``,
+            training on the model's device.
     """
+
+    device_log_names = ("mean_link_budget", "mean_gap", "skipped_layers", "accuracy")
 
     def __init__(
         self,
@@ -507,19 +526,59 @@ class TargetPropTrainer(Trainer):
         config: TargetPropConfig | None = None,
         observers: Iterable[Any] = (),
         verbose: bool | int = False,
+        *,
+        training: Any = None,
     ) -> None:
+        from .config import TrainingConfig, as_scheduler
+
         net = as_network(model)
         config = TargetPropConfig() if config is None else config
         if not isinstance(config, TargetPropConfig):
             raise TypeError(f"TargetPropTrainer: config must be a TargetPropConfig, got {type(config).__name__}")
-        params = list(net.parameters())
+        config.validate()
+        if training is None:
+            training = TrainingConfig(method=config, observers=tuple(observers), verbose=verbose)
+        elif tuple(observers) or verbose:
+            raise ValueError("TargetPropTrainer: give observers and verbose in the TrainingConfig (training=...) only")
+        params = [p for p in net.parameters() if p.requires_grad]
+        super().__init__(net, training)
         if not params:
-            raise ValueError("TargetPropTrainer: model has no parameters to train")
-        super().__init__(net, observers=observers, verbose=verbose)
+            raise ValueError("TargetPropTrainer: model has no trainable parameters (all have requires_grad=False)")
         self.config = config
         self.state = TargetPropState(net, config)
-        self.device = params[0].device
-        self.dtype = params[0].dtype
+        self.rates = RateHolder(params, config.learning_rate)
+        self.scheduler = as_scheduler(training.scheduler, self.rates)
+
+    # ------------------------------------------------------------------ engine hooks
+    def rate_groups(self) -> list[dict[str, Any]]:
+        return self.rates.param_groups
+
+    def guarded_tensors(self) -> list[Tensor]:
+        velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
+        return [*(p for p in self.model.parameters() if p.requires_grad), *velocities]
+
+    def training_state(self) -> dict[str, Any]:
+        state = super().training_state()
+        st = self.state
+        state["target_prop"] = {
+            "velocities": [None if vs is None else list(vs) for vs in st.velocities],
+            "link_budgets": list(st.link_budgets),
+            "gaps": list(st.gaps),
+            "steps": st.steps,
+            "lr": float(self.rates.lr),
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        super().load_training_state(state)
+        saved, st = state["target_prop"], self.state
+        st.velocities = [None if vs is None else tuple(v.clone() for v in vs) for vs in saved["velocities"]]
+        st.link_budgets, st.gaps, st.steps = list(saved["link_budgets"]), list(saved["gaps"]), int(saved["steps"])
+        self.rates.param_groups[0]["lr"] = saved["lr"]
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def convert_batch(self, x: Any, y: Any, index: int | None = None) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device (floats to its dtype; labels stay integers) and check it
@@ -529,6 +588,7 @@ class TargetPropTrainer(Trainer):
         check_target(out_shape, y, f"batch {index}" if index is not None else "TargetPropTrainer")
         return x, y
 
+    # ------------------------------------------------------------------------ host step
     @torch.no_grad()
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         x, y = self.convert_batch(x, y)
@@ -548,15 +608,17 @@ class TargetPropTrainer(Trainer):
         loss = values[0]
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
-        target_prop_backward(self.model, state, target)
+        _fill_backward(self.model, state, target)
         if events is not None and state.config.use_chain_rule:  # pure mode takes no gradients
             for i in range(len(self.model.layers) - 1, -1, -1):
                 g = state.gradients[i]  # t − y carried back: the loss gradient is its negative
                 events.backward(i, self.model.layers[i], None if g is None else -g)
         state.calculate_link_budgets()
-        if not all_finite([d for ds in state.weight_gradients if ds for d in ds]):
+        directions = [d for ds in state.weight_gradients if ds for d in ds]
+        if not all_finite(directions):
             return StepOutput(loss, StepStatus.NAN_GRAD)
-        skipped = apply_target_prop_gaps(self.model, state, state.config.learning_rate)
+        self._clip(directions)
+        skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr))
         logs = {
             "mean_link_budget": sum(state.link_budgets) / len(state.link_budgets),
             "mean_gap": sum(state.gaps) / len(state.gaps),
@@ -566,3 +628,90 @@ class TargetPropTrainer(Trainer):
             logs["accuracy"] = values[1]
         return StepOutput(loss, StepStatus.OK, logs)
 
+    def _clip(self, directions: list[Tensor]) -> None:
+        if self.clip <= 0:
+            return
+        if self.clip_mode == "value":
+            for d in directions:
+                d.clamp_(-self.clip, self.clip)
+        else:
+            from ..kernels.grad_norm import clip_grad_norm_
+
+            clip_grad_norm_(directions, self.clip)
+
+    # ---------------------------------------------------------------------- device step
+    def device_ready(self) -> bool:
+        return True
+
+    def device_setup(self, runner: Any) -> None:
+        """Velocities exist from the start on the device (zeros: the same first update as the host
+        path's lazily made ones), and the link budgets live in a device tensor."""
+        st = self.state
+        for i, layer in enumerate(self.model.layers):
+            params = tuple(layer.parameters())
+            if params and st.velocities[i] is None:
+                st.velocities[i] = tuple(torch.zeros_like(p) for p in params)
+        self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
+        n = st.num_layers
+        self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
+
+    def guarded_device_tensors(self) -> list[Tensor]:
+        return [*self.guarded_tensors(), self._budgets]
+
+    @torch.no_grad()
+    def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        """The host step's rule with no host read: loss and directions through the runner's guard,
+        budgets, gate, rates and momentum as device tensors, every write masked by ``found_inf``."""
+        from ..kernels.grad_norm import grad_sq_partials
+
+        st, cfg, model = self.state, self.config, self.model
+        n = st.num_layers
+        out = target_prop_forward(model, st, x)
+        labels = y if y.dtype == torch.long else None
+        target = _as_float_target(out, y)
+        loss = ((out - target) ** 2).mean(dtype=torch.float64)
+        _fill_backward(model, st, target)
+        directions = [d for ds in st.weight_gradients if ds for d in ds]
+        clip_norm = self.clip if self.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss.reshape(1), grad_sq_partials(directions), clip_norm)
+        ok = runner.found_inf == 0
+        # link budgets and gaps: float64 sums, as the host path
+        rows = []
+        for i in range(n):
+            f, b = st.forward_acts[i + 1], st.backward_targets[i + 1]
+            f64, b64 = f.double().reshape(-1), b.double().reshape(-1)
+            diff = f64 - b64
+            rows.append(torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff / max(f64.numel(), 1)]))
+        dot, f_mag, b_mag, mean_sq = torch.stack(rows).unbind(1)
+        both = (f_mag > 0) & (b_mag > 0)
+        cosine = dot / torch.where(both, f_mag.sqrt() * b_mag.sqrt(), 1.0)
+        status = runner.step_status[slot, 0]
+        measured = (status == 0) | (status == 2)  # as the host step: budgets move unless the loss was NaN/Inf
+        budgets = torch.where(both & measured, ((cosine + 1.0) / 2.0).clamp(0.0, 1.0), self._budgets)
+        self._budgets.copy_(budgets)
+        gaps = mean_sq.sqrt()
+        open_gate = budgets >= cfg.gate_threshold
+        lr = self.rates.lr
+        lr = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64, device=self.device)
+        rates = lr.double() * (0.5 + 0.5 * budgets) * self._depth
+        if clip_norm > 0:
+            rates = rates * runner.grad_scale.double()
+        elif self.clip > 0:
+            torch._foreach_clamp_min_(directions, -self.clip)
+            torch._foreach_clamp_max_(directions, self.clip)
+        mu = cfg.momentum
+        with runner.guard_update(slot):
+            for i, layer in enumerate(model.layers):
+                ds = st.weight_gradients[i]
+                if not ds:
+                    continue
+                apply = ok & open_gate[i]
+                c = ((1.0 - mu) * rates[i]).to(ds[0].dtype)
+                for p, v, d in zip(layer.parameters(), st.velocities[i], ds):
+                    if not p.requires_grad:
+                        continue
+                    v.copy_(torch.where(apply, v * mu + c * d, v))
+                    p.add_(torch.where(apply, v, 0.0))
+        weighted = torch.tensor([bool(tuple(layer.parameters())) for layer in model.layers], device=self.device)
+        accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        runner.log(slot, [budgets.mean(), gaps.mean(), (weighted & ~open_gate).double().sum(), accuracy])

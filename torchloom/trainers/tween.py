@@ -31,9 +31,9 @@ from torch import Tensor
 from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
-from .loop import finite_flag, StepOutput, StepStatus, Trainer, TrainingResult
+from .loop import finite_flag, RateHolder, StepOutput, StepStatus, Trainer, TrainingResult
 from .losses import LOSS_TYPES, is_label_target, loss_and_grad
-from .train import as_network
+from .config import as_network
 
 __all__ = ["TweenConfig", "TweenState", "TweenTrainer"]
 
@@ -411,6 +411,13 @@ class TweenState:
         return new
 
 
+# TweenState's plain (non-tensor) fields a snapshot or checkpoint keeps
+_TWEEN_SCALARS = (
+    "prev_avg_gap", "gap_growth_rate", "explosion_count", "adaptive_rate", "steps", "gap_baseline",
+    "loss_history", "gap_history", "link_budget_history", "explosion_history", "rate_history",
+)
+
+
 class TweenTrainer(Trainer):
     """Neural Tweening in the shared epoch loop: ``fit(data, epochs)`` runs ``TweenState.step`` per batch.
 
@@ -426,13 +433,65 @@ class TweenTrainer(Trainer):
     device and dtype; batches are moved there.
     """
 
-    def __init__(self, model: Network | Layer | Iterable[Layer], cfg: TweenConfig | None = None, observers: Iterable[Any] = (), verbose: bool | int = False) -> None:
+    def __init__(
+        self,
+        model: Network | Layer | Iterable[Layer],
+        cfg: TweenConfig | None = None,
+        observers: Iterable[Any] = (),
+        verbose: bool | int = False,
+        *,
+        training: Any = None,
+    ) -> None:
+        from .config import TrainingConfig, as_scheduler
+
         net = as_network(model)
-        super().__init__(net, observers=observers, verbose=verbose)
-        self.config = TweenConfig() if cfg is None else cfg
+        cfg = TweenConfig() if cfg is None else cfg
+        if not isinstance(cfg, TweenConfig):
+            raise TypeError(f"TweenTrainer: cfg must be a TweenConfig, got {type(cfg).__name__}")
+        if training is None:
+            training = TrainingConfig(method=cfg, observers=tuple(observers), verbose=verbose)
+        elif tuple(observers) or verbose:
+            raise ValueError("TweenTrainer: give observers and verbose in the TrainingConfig (training=...) only")
+        super().__init__(net, training)
+        self.config = cfg
         self.state = TweenState(net, self.config)
-        first = next(net.parameters())
-        self.device, self.dtype = first.device, first.dtype
+        params = [p for p in net.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("TweenTrainer: model has no trainable parameters (all have requires_grad=False)")
+        # the rate a schedule drives: the ceiling of adaptive_rate (base_rate without a schedule)
+        self.rates = RateHolder(params, float(cfg.base_rate))
+        self.scheduler = as_scheduler(training.scheduler, self.rates)
+
+    def rate_groups(self) -> list[dict[str, Any]]:
+        return self.rates.param_groups
+
+    def guarded_tensors(self) -> list[Tensor]:
+        velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
+        return [*(p for p in self.model.parameters() if p.requires_grad), *velocities]
+
+    def training_state(self) -> dict[str, Any]:
+        state = super().training_state()
+        st = self.state
+        state["tween"] = {
+            "weight_velocity": [list(v) for v in st.weight_velocity],
+            "bias_velocity": [list(v) for v in st.bias_velocity],
+            "scalars": {k: getattr(st, k) for k in _TWEEN_SCALARS if hasattr(st, k)},
+            "lr": float(self.rates.lr),
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        super().load_training_state(state)
+        saved, st = state["tween"], self.state
+        st.weight_velocity = [tuple(t.clone() for t in v) for v in saved["weight_velocity"]]
+        st.bias_velocity = [tuple(t.clone() for t in v) for v in saved["bias_velocity"]]
+        for k, v in saved["scalars"].items():
+            setattr(st, k, v)
+        self.rates.param_groups[0]["lr"] = saved["lr"]
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device/dtype and validate it (labels range, target shape)."""
@@ -445,7 +504,8 @@ class TweenTrainer(Trainer):
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
-        return self.state._step(self.model, x, y, None, None, check_labels=False, events=events)  # checked in convert_batch
+        rate = float(self.rates.lr)  # base_rate, or the schedule's value
+        return self.state._step(self.model, x, y, None, rate, check_labels=False, events=events)  # checked in convert_batch
 
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None, track_perf: bool = False) -> TrainingResult:
         """Train for ``epochs`` passes over ``data`` and return a ``TrainingResult``.

@@ -1,0 +1,267 @@
+"""Backpropagation, the default method of ``torchloom.train()`` (Loom's ``Train()``).
+
+One host step (``BackpropTrainer.step``), as Loom ``poly.Train``'s CPU path:
+
+1. forward through the layers' explicit forward (no autograd graph);
+2. loss and output gradient in one pass (``loss_and_grad``: fused kernel on CUDA);
+3. if the loss is NaN/Inf, report ``NAN_LOSS`` (the loop abandons the epoch; weights untouched);
+4. backward through the layers' hand-written backward;
+5. if any gradient is NaN/Inf, report ``NAN_GRAD`` (the update is skipped);
+6. optional clip: global L2 norm (``clip_mode="norm"``, Loom's documents) or per element
+   (``clip_mode="value"``, Loom ``poly``'s code);
+7. optimizer update (the engine checks the weights after it), then one scheduler step.
+
+The device step (``device_step``, run by the engine's CUDA runner, graph-captured) is the same rule
+with every decision in device tensors: the fused loss writes per-block partial sums, the gradients
+land in the optimizer's flat ``.grad`` views, the step guard decides NaN/Inf and the clip scale on the
+device, and the fused update obeys its ``found_inf``.
+
+Per-layer observer events (``on_layer_forward`` / ``on_layer_backward``): only when an observer
+implements one of them does the step record history (``forward_record``) and send one event per
+layer; otherwise steps 1 and 4 stay the lean ``forward_saved`` / ``backward_saved`` pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import math
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..layers.network import Network
+from ..observers.layer_stats import LayerEvents
+from .config import TrainingConfig, as_scheduler, check_optimizer_params
+from .guards import state_tensors
+from .loop import StepOutput, StepStatus, Trainer, all_finite
+from .losses import check_target, loss_and_grad
+from .optim import FusedOptimizer, make_optimizer
+
+__all__ = ["BackpropTrainer"]
+
+def _global_step_hooks() -> bool:
+    """Whether any optimizer step hook is registered globally (``register_optimizer_step_*_hook``)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
+class BackpropTrainer(Trainer):
+    """Backpropagation on the engine: exact gradients through the hand-written backward, any optimizer.
+
+    Args:
+        model: a ``Network``.
+        config: a ``TrainingConfig`` (its ``optimizer``, ``learning_rate``, ``loss_type``,
+            ``gradient_clip`` / ``clip_mode`` and ``scheduler`` are this method's; the rest is the
+            engine's).
+    """
+
+    def __init__(self, model: Network, config: TrainingConfig) -> None:
+        super().__init__(model, config)
+        all_params = list(model.parameters())
+        # frozen parameters (requires_grad=False) are never updated: only the others reach the optimizer
+        self._trainable = [p.requires_grad for p in all_params]
+        self.params = [p for p in all_params if p.requires_grad]
+        if not self.params:
+            raise ValueError("model: every parameter has requires_grad=False; nothing to train")
+        self.loss_type = config.loss_type
+        if isinstance(config.optimizer, Optimizer):
+            check_optimizer_params(config.optimizer, model)
+        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
+        self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
+        self._value_clip_in_optimizer = False
+        if self.clip > 0 and config.clip_mode == "value" and self._owns_optimizer and "clip_value" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:  # fused into the update pass
+                group["clip_value"] = self.clip
+            self._value_clip_in_optimizer = True
+        if self.device.type == "cuda" and self._owns_optimizer and "capturable" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:  # step counts on the device: graph-capturable
+                group["capturable"] = True
+        self.scheduler = as_scheduler(config.scheduler, self.optimizer)
+        self._direct_update = self._owns_optimizer and self.scheduler is None and isinstance(self.optimizer, FusedOptimizer)
+        if self.device.type == "cuda" and config.cuda_graph and not self.device_ready():
+            raise ValueError(
+                "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
+                f"capturable=True), got {type(self.optimizer).__name__}"
+            )
+
+    @property
+    def _cuda(self) -> Any:  # the name earlier releases used for the device runner
+        return self._runner
+
+    @_cuda.setter
+    def _cuda(self, runner: Any) -> None:
+        self._runner = runner
+
+    def rate_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def guarded_tensors(self) -> list[Tensor]:
+        return [*self.params, *state_tensors(self.optimizer)]
+
+    def training_state(self) -> dict[str, Any]:
+        state = super().training_state()
+        state["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        super().load_training_state(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    # ------------------------------------------------------------ device path
+    def device_ready(self) -> bool:
+        """True with one of torchloom's optimizers, whose update takes ``found_inf`` / ``grad_scale``
+        tensors and never reads them on the host (AdamW only with ``capturable=True``)."""
+        from .optim import AdamW
+
+        if isinstance(self.optimizer, AdamW):
+            return all(g["capturable"] for g in self.optimizer.param_groups)
+        return isinstance(self.optimizer, FusedOptimizer)
+
+    def device_setup(self, runner: Any) -> None:
+        """Parameters, gradients and optimizer state back to back, one buffer per param group, so
+        the gradient norm and the update are one launch per group (``flatten_optimizer_``). Each
+        step's gradients land in the fixed ``.grad`` views (Dense writes them there; others are
+        copied in one launch)."""
+        from ..kernels._update import coalesce
+        from .optim import flatten_optimizer_
+
+        flatten_optimizer_(self.optimizer)
+        for p in self.params:  # parameters the optimizer does not update still need a gradient home
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grad_views = [p.grad for p in self.params]
+        norm_inputs = []
+        for group in self.optimizer.param_groups:
+            grads = [p.grad for p in group["params"]]
+            flat = coalesce(grads)
+            norm_inputs.extend(flat[0] if flat is not None else grads)
+        in_groups = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        norm_inputs.extend(p.grad for p in self.params if id(p) not in in_groups)
+        self.norm_inputs = norm_inputs
+
+    def device_epoch_begin(self, runner: Any, epoch: int) -> None:
+        if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
+            from .optim import flatten_optimizer_
+
+            flatten_optimizer_(self.optimizer)
+
+    def guarded_device_tensors(self) -> list[Tensor]:
+        """What an update changes, as few tensors as the flat layout allows: per param group its
+        parameter buffer and one buffer per kind of state (momentum, moments, step counts)."""
+        from ..kernels._update import coalesce
+
+        out: list[Tensor] = []
+        for group in self.optimizer.param_groups:
+            params = list(group["params"])
+            flat = coalesce(params)
+            out.extend(flat[0] if flat is not None else params)
+            states = [self.optimizer.state.get(p, {}) for p in params]
+            keys = {k for st in states for k, v in st.items() if isinstance(v, Tensor) and v.is_floating_point()}
+            for k in sorted(keys):
+                tensors = [st[k] for st in states if k in st]
+                shared = list({id(v): v for v in tensors}.values())
+                flat = coalesce(shared) if len(shared) == len(params) else None
+                out.extend(flat[0] if flat is not None else shared)
+        return out
+
+    @torch.no_grad()
+    def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        """One guarded step writing its loss and status into ``slot``; no host read:
+
+        forward; fused loss (per-block partial sums) and output gradient; the hand-written backward
+        into the flat ``.grad`` views; their partial sums of squares; the step guard (NaN/Inf loss or
+        gradient, clip scale) on the device; the fused update masked by ``found_inf``; the weight
+        check after it (``runner.guard_update``)."""
+        from ..kernels.grad_norm import grad_sq_partials
+
+        out, saved = self.model.forward_saved(x)
+        loss_parts, grad = loss_and_grad(out, y, self.loss_type, validate=False, unreduced=True)
+        _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
+        if len(grads) != len(self.params):
+            grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
+        moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
+        if moved:
+            torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
+        clip_norm = self.clip if self.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_parts, grad_sq_partials(self.norm_inputs), clip_norm)
+        if self.clip > 0 and self.clip_mode == "value" and not self._value_clip_in_optimizer:
+            torch._foreach_clamp_min_(self.grad_views, -self.clip)
+            torch._foreach_clamp_max_(self.grad_views, self.clip)
+        with runner.guard_update(slot):
+            self.optimizer_update(grad_scale=runner.grad_scale if clip_norm > 0 else None, found_inf=runner.found_inf)
+
+    def _grad_out(self) -> list[Tensor | None] | None:
+        """``out=`` buffers for the backward, aligned with ``model.parameters()`` (None for frozen ones)."""
+        if all(self._trainable):
+            return self.grad_views
+        views = iter(self.grad_views)
+        return [next(views) if keep else None for keep in self._trainable]
+
+    # --------------------------------------------------------------- batches
+    def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
+        """Move one batch to the device and dtype of the model and check it against the model's
+        output shape (a forward without update, once per distinct input shape)."""
+        where = f"batch {index}: "
+        x, y, out_shape = self.prepare_batch(x, y, where)
+        try:
+            check_target(out_shape, y, self.loss_type)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+        return x, y
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, x: Tensor, y: Tensor) -> StepOutput:
+        """One host-checked step (steps 1-7 of the module docstring; the engine steps the schedule)."""
+        events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
+        if events is None:
+            out, saved = self.model.forward_saved(x)
+        else:
+            out = events.run_forward(self.model, x)
+        loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        loss = float(loss_t)
+        if not math.isfinite(loss):
+            return StepOutput(loss, StepStatus.NAN_LOSS)
+        if events is None:
+            _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
+        else:
+            grads = events.run_backward(self.model, grad)
+        if len(grads) != len(self.params):  # frozen parameters get no gradient and no update
+            grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
+        if not all_finite(grads):
+            return StepOutput(loss, StepStatus.NAN_GRAD)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self._clip(grads)
+        self.optimizer_update()  # the loop checks the weights after it (UpdateGuard)
+        return StepOutput(loss)
+
+    def optimizer_update(self, **guards: Tensor | None) -> None:
+        """``optimizer.step(**guards)``; for an optimizer ``train()`` made itself, with no step hooks
+        and no schedule wrapping its ``step``, the update is called directly (``update()``), which
+        skips torch's profiler record around ``step`` (about 60 µs a step on one CPU core)."""
+        opt = self.optimizer
+        if self._direct_update and not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks()):
+            opt.update(**guards)
+        else:
+            opt.step(**guards)
+
+    def _clip(self, grads: Sequence[Tensor]) -> None:
+        if self.clip <= 0 or self._value_clip_in_optimizer:
+            return
+        if self.config.clip_mode == "value":
+            for g in grads:
+                g.clamp_(-self.clip, self.clip)
+        else:
+            from ..kernels.grad_norm import clip_grad_norm_
+
+            clip_grad_norm_(list(grads), self.clip)
+

@@ -1,0 +1,246 @@
+"""``TrainingConfig``: the settings of ``torchloom.train()``, and the checks every method shares.
+
+``TrainingConfig(method=...)`` chooses the credit-assignment rule that the one training engine runs:
+``"backprop"`` (default), ``"target_prop"``, ``"tween"``, or a ``TargetPropConfig`` / ``TweenConfig``
+instance; every other field applies to every method (observers, verbose levels, seed, device and CUDA
+graphs, schedules, clipping, NaN/Inf guards).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from ..layers.base import Layer
+from ..layers.network import Network
+from .losses import check_loss_type
+from .optim import OPTIMIZERS
+
+__all__ = ["TrainingConfig", "METHODS", "CLIP_MODES", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler"]
+
+METHODS = ("backprop", "target_prop", "tween")
+_DEFAULT_LR = 0.01  # TrainingConfig.learning_rate's default
+
+CLIP_MODES = ("norm", "value")
+
+
+def _is_number(v: Any) -> bool:
+    """A real number: int, float, a numpy scalar (``numbers.Real``) or a one-element real tensor."""
+    if isinstance(v, Tensor):
+        return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _as_number(v: Any) -> Any:
+    """``v`` as a Python float/int when it is a numpy scalar or a one-element tensor; else unchanged."""
+    if isinstance(v, Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+        return float(v)
+    return v
+
+
+@dataclass
+class TrainingConfig:
+    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case, SPEC §5)."""
+
+    epochs: int = 10  # passes over the batches; >= 1
+    learning_rate: float = 0.01  # > 0; used when the optimizer is given by name
+    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (SPEC §4)
+    gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
+    clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
+    verbose: bool | int = True  # 0 silent; 1 (= True) progress bar on a terminal + epoch lines; 2 epoch lines only
+    use_gpu: bool = False  # True = device "cuda:<device_id>"
+    device: str | torch.device | None = None  # explicit device; None = the model's own device
+    device_id: int = 0  # which GPU when use_gpu=True
+    optimizer: str | Optimizer = "sgd"  # "sgd" | "momentum" | ... or a torch.optim.Optimizer instance
+    scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
+    observers: Sequence[Any] = ()  # SPEC §10
+    track_perf: bool = False  # record per-epoch samples/s and step time in the result
+    seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
+    cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
+    method: Any = "backprop"  # "backprop" | "target_prop" | "tween" | a TargetPropConfig | a TweenConfig
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` unless every field is valid. ``train()`` calls it again
+        when a run starts, so a field changed after construction is checked too. Numbers may be given
+        as numpy scalars or one-element tensors (stored as Python numbers)."""
+        for name in ("learning_rate", "gradient_clip"):
+            setattr(self, name, _as_number(getattr(self, name)))
+        if isinstance(self.epochs, numbers.Integral) and not isinstance(self.epochs, (bool, int)):
+            self.epochs = int(self.epochs)
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
+        if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
+            raise ValueError(f"TrainingConfig: learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        try:
+            check_loss_type(self.loss_type)
+        except ValueError as e:
+            raise ValueError(f"TrainingConfig: {e}") from None
+        if not _is_number(self.gradient_clip) or not math.isfinite(self.gradient_clip) or self.gradient_clip < 0:
+            raise ValueError(f"TrainingConfig: gradient_clip must be a finite number >= 0 (0 = off), got {self.gradient_clip!r}")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.verbose not in (True, False, 0, 1, 2):
+            raise ValueError(
+                "TrainingConfig: verbose must be a bool or 0, 1, 2 (0/False silent, 1/True progress bar on a "
+                f"terminal + epoch lines, 2 epoch lines only), got {self.verbose!r}"
+            )
+        if self.verbose is not True and self.verbose is not False:
+            self.verbose = int(self.verbose)
+        if not isinstance(self.use_gpu, bool):
+            raise TypeError(f"TrainingConfig: use_gpu must be a bool, got {self.use_gpu!r}")
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"TrainingConfig: device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from None
+            if dev.type == "meta":
+                raise ValueError("TrainingConfig: device 'meta' holds no values and cannot train; use 'cpu' or 'cuda'")
+        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
+            raise ValueError(f"TrainingConfig: device_id must be an int >= 0, got {self.device_id!r}")
+        if isinstance(self.optimizer, str):
+            if self.optimizer.lower() not in OPTIMIZERS:
+                raise ValueError(
+                    f"TrainingConfig: unknown optimizer {self.optimizer!r}; valid names: "
+                    f"{', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance"
+                )
+        elif not isinstance(self.optimizer, Optimizer):
+            raise TypeError(f"TrainingConfig: optimizer must be a name or a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        if isinstance(self.observers, (str, bytes)) or not hasattr(self.observers, "__iter__"):
+            raise TypeError(f"TrainingConfig: observers must be a sequence of observers, got {type(self.observers).__name__}")
+        self.observers = tuple(self.observers)
+        if not isinstance(self.track_perf, bool):
+            raise TypeError(f"TrainingConfig: track_perf must be a bool, got {self.track_perf!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
+        self.method_config()  # checks method and its agreement with the other fields
+
+    def method_config(self) -> Any:
+        """The method's own config: ``None`` for backprop, else a validated ``TargetPropConfig`` /
+        ``TweenConfig``. By name, the method gets its default config with ``learning_rate`` as its rate
+        (``TargetPropConfig.learning_rate`` / ``TweenConfig.base_rate``) and, for Tweening, a
+        ``loss_type`` other than the default ``"mse"``. Given as an instance, the config's own rate is
+        used, and a ``learning_rate`` set to something else as well is a ``ValueError`` (one rate, one
+        place). TargetProp and Tweening update with their own momentum rule: an ``optimizer`` other
+        than the default ``"sgd"`` is a ``ValueError`` with them."""
+        from .target_prop import TargetPropConfig
+        from .tween import TweenConfig
+
+        m = self.method
+        if isinstance(m, str):
+            name = m.lower().replace("-", "_")
+            name = {"targetprop": "target_prop", "tweening": "tween"}.get(name, name)
+            if name not in METHODS:
+                raise ValueError(
+                    f"TrainingConfig: unknown method {m!r}; valid: {', '.join(map(repr, METHODS))}, "
+                    "or a TargetPropConfig / TweenConfig instance"
+                )
+            if name == "backprop":
+                return None
+            cfg: Any = TargetPropConfig(learning_rate=self.learning_rate) if name == "target_prop" else TweenConfig(
+                base_rate=self.learning_rate, loss_type=None if self.loss_type == "mse" else self.loss_type
+            )
+        elif isinstance(m, (TargetPropConfig, TweenConfig)):
+            cfg = m
+            if hasattr(cfg, "validate"):
+                cfg.validate()  # a field changed after construction is checked too
+            own = cfg.learning_rate if isinstance(cfg, TargetPropConfig) else cfg.base_rate
+            if self.learning_rate != _DEFAULT_LR and self.learning_rate != own:
+                field = "learning_rate" if isinstance(cfg, TargetPropConfig) else "base_rate"
+                raise ValueError(
+                    f"TrainingConfig: learning_rate={self.learning_rate!r} disagrees with the method config's "
+                    f"{field}={own!r}; set the rate in the {type(cfg).__name__} only"
+                )
+        else:
+            raise TypeError(
+                "TrainingConfig: method must be 'backprop', 'target_prop', 'tween' or a TargetPropConfig / "
+                f"TweenConfig, got {type(m).__name__}"
+            )
+        if not (isinstance(self.optimizer, str) and self.optimizer.lower() == "sgd"):
+            raise ValueError(
+                f"TrainingConfig: optimizer={self.optimizer!r} cannot be used with method {type(cfg).__name__}: "
+                "TargetProp and Tweening update the weights with their own momentum rule (leave optimizer='sgd')"
+            )
+        return cfg
+
+
+def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: int, model: torch.nn.Module) -> torch.device:
+    """The device training runs on: ``device`` if given, ``cuda:<device_id>`` if ``use_gpu``, else the
+    model's own. Raises ``RuntimeError`` when CUDA is asked for and not available."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", device_id)
+    elif use_gpu:
+        dev = torch.device("cuda", device_id)
+    else:
+        first = next(model.parameters(), None)
+        dev = first.device if first is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"training on {dev} was requested (use_gpu/device) but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"training on {dev} was requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
+
+
+def as_network(model: Any) -> Network:
+    """``model`` as a ``Network``: a Network as is, a torchloom layer or a list of layers wrapped.
+    Any other module is a ``TypeError``: torchloom trains through hand-written backwards only."""
+    if isinstance(model, Network):
+        return model
+    if isinstance(model, Layer):
+        return Network(model)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, Layer) for m in model):
+        return Network(*model)
+    raise TypeError(
+        f"model must be a torchloom Network, a torchloom layer or a list of them, got {type(model).__name__}; "
+        "torchloom trains through the layers' hand-written backward, so plain nn.Modules are not accepted"
+    )
+
+
+def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None:
+    """``ValueError`` unless every parameter ``optimizer`` holds belongs to ``model`` and at least one
+    trainable parameter of the model is in it (an optimizer over another model's parameters would
+    train nothing without a word)."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in mine for p in held)
+    if foreign:
+        raise ValueError(
+            f"optimizer: {type(optimizer).__name__} holds {foreign} parameter(s) that are not the model's; "
+            "build it over model.parameters()"
+        )
+    if not any(p.requires_grad for p in held):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} holds none of the model's trainable parameters")
+
+
+def as_scheduler(spec: Any, optimizer: Optimizer) -> LRScheduler | None:
+    """A per-batch ``LRScheduler`` from ``train()``'s ``scheduler`` setting."""
+    if spec is None:
+        return None
+    if isinstance(spec, LRScheduler):
+        if spec.optimizer is not optimizer:
+            raise ValueError(
+                "scheduler is an LRScheduler bound to another optimizer; pass that optimizer as "
+                "TrainingConfig(optimizer=...) or give a schedule (see torchloom.schedules) instead"
+            )
+        return spec
+    from .schedules import ScheduleLR
+
+    return ScheduleLR(optimizer, spec)
+
