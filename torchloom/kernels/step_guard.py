@@ -41,7 +41,7 @@ def step_guard_ref(
 ) -> None:
     """Reference in torch ops (no host sync). ``loss_partials`` (sum = the batch loss) and
     ``sq_partials`` (sum = the squared global gradient norm) are 1-D and read; ``dead`` (int32, read
-    and updated), ``step_loss`` (float32), ``step_status`` (int32), ``found_inf`` (float32) and
+    and updated), ``step_loss`` (float32, or float64 to keep a float64 model's loss exact), ``step_status`` (int32), ``found_inf`` (float32) and
     ``grad_scale`` (float32, or float64 for float64 models) are one-element tensors, written."""
     loss = loss_partials.sum()
     norm = sq_partials.sum().sqrt()
@@ -51,7 +51,7 @@ def step_guard_ref(
     status = torch.where(was_dead, NOT_RUN, torch.where(~loss_ok, NAN_LOSS, torch.where(~grad_ok, NAN_GRAD, OK)))
     ok = status == OK
     step_status.copy_(status.reshape(step_status.shape))
-    step_loss.copy_(torch.where(ok, loss.float(), 0.0).reshape(step_loss.shape))
+    step_loss.copy_(torch.where(ok, loss.to(step_loss.dtype), 0.0).reshape(step_loss.shape))
     found_inf.copy_((~ok).float().reshape(found_inf.shape))
     dead.copy_((was_dead | ~loss_ok).to(dead.dtype).reshape(dead.shape))
     n = norm.to(grad_scale.dtype)
@@ -98,7 +98,7 @@ def step_guard_(
     found_inf: Tensor, grad_scale: Tensor, max_norm: float = 0.0, backend: str | None = None,
 ) -> None:
     """Decide one step's fate on the device (see the module docstring); one launch on CUDA."""
-    if not use_triton(loss_partials, backend) or grad_scale.dtype != torch.float32:
+    if not use_triton(loss_partials, backend) or grad_scale.dtype != torch.float32 or step_loss.dtype != torch.float32:
         return step_guard_ref(loss_partials, sq_partials, dead, step_loss, step_status, found_inf, grad_scale, max_norm)
     n_loss, n_sq = loss_partials.numel(), sq_partials.numel()
     block = min(max(1 << (max(n_loss, n_sq, 1) - 1).bit_length(), 16), 1024)  # one pass for up to 1024 partials

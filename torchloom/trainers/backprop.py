@@ -257,7 +257,7 @@ class BackpropTrainer(Trainer):
     def _clip(self, grads: Sequence[Tensor]) -> None:
         if self.clip <= 0 or self._value_clip_in_optimizer:
             return
-        if self.config.clip_mode == "value":
+        if self.clip_mode == "value":
             for g in grads:
                 g.clamp_(-self.clip, self.clip)
         else:

@@ -81,7 +81,9 @@ class CudaRunner:
         # per-step results, one 16-byte row per step: every slot a kernel writes is 16-byte aligned, so
         # all steps share one compiled kernel specialisation (Triton specialises on pointer alignment,
         # and nothing may compile while a graph is being captured)
-        self.step_loss = torch.zeros(0, _SLOT, dtype=torch.float32, device=dev)
+        # per-step losses in float32 (the fused kernels' accumulator), float64 for float64 models
+        self.loss_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
+        self.step_loss = torch.zeros(0, _SLOT, dtype=self.loss_dtype, device=dev)
         self.step_status = torch.zeros(0, _SLOT, dtype=torch.int32, device=dev)
         self.n_logs = len(trainer.device_log_names)
         self.step_logs = torch.zeros(0, max(self.n_logs, 1), dtype=torch.float64, device=dev)
@@ -122,7 +124,7 @@ class CudaRunner:
 
     def graph_eligible(self, source: BatchSource) -> bool:
         """Whether the steps over ``source`` may be captured and replayed (a list of batches on CUDA)."""
-        return self.t.device.type == "cuda" and self.t.config.cuda_graph is not False and source.items is not None
+        return self.t.device.type == "cuda" and self.t.training.cuda_graph is not False and source.items is not None
 
     # ---------------------------------------------------------------------- one epoch
     @torch.no_grad()
@@ -139,7 +141,7 @@ class CudaRunner:
             try:
                 self._capture(source)
             except RuntimeError as e:  # a layer or update that cannot be captured (a host read)
-                if t.config.cuda_graph:
+                if t.training.cuda_graph:
                     raise
                 self.capture_failed = True
                 torch.cuda.synchronize(t.device)
@@ -178,7 +180,7 @@ class CudaRunner:
         size = n if n is not None else max(self.step_loss.shape[0], 64)
         if self.step_loss.shape[0] != size:
             dev = self.t.device
-            self.step_loss = torch.zeros(size, _SLOT, dtype=torch.float32, device=dev)
+            self.step_loss = torch.zeros(size, _SLOT, dtype=self.loss_dtype, device=dev)
             self.step_status = torch.zeros(size, _SLOT, dtype=torch.int32, device=dev)
             self.step_logs = torch.zeros(size, self.step_logs.shape[1], dtype=torch.float64, device=dev)
 

@@ -229,6 +229,7 @@ class Trainer:
         from .config import resolve_device
 
         self.model = model
+        self.training = config  # the engine's settings (a method may keep its own config in ``config``)
         self.config = config
         self.user_observers = list(config.observers)
         self.verbose = int(config.verbose)
@@ -331,7 +332,7 @@ class Trainer:
         over the batches an abandoned epoch did not reach."""
         from ..observers.layer_stats import LayerEvents
 
-        cuda_graph = getattr(self.config, "cuda_graph", None)
+        cuda_graph = self.training.cuda_graph
         if self._runner is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
             if cuda_graph and epoch == 0 and not self._runner.graph_eligible(source):
                 raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
@@ -429,7 +430,7 @@ class Trainer:
         self.preflight()
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch)
         self.setup()
-        seed = getattr(self.config, "seed", None)
+        seed = self.training.seed
         if seed is not None:
             torch.manual_seed(seed)
         history = History()

@@ -297,7 +297,9 @@ def _as_float_target(output: Tensor, target: Tensor) -> Tensor:
     """A checked target as a float tensor like ``output``: labels one-hot over the last dimension."""
     if target.dtype in _INT_DTYPES:
         labels = target.to(output.device, torch.long)
-        return torch.nn.functional.one_hot(labels, output.shape[-1]).to(output.dtype)
+        # scatter, not F.one_hot: one_hot checks the label range on the host (a sync on CUDA)
+        hot = torch.zeros(*labels.shape, output.shape[-1], dtype=output.dtype, device=output.device)
+        return hot.scatter_(-1, labels.unsqueeze(-1), 1.0)
     return target.to(output.device, output.dtype)
 
 
@@ -654,6 +656,8 @@ class TargetPropTrainer(Trainer):
         self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
         n = st.num_layers
         self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
+        self._weighted = torch.tensor([bool(tuple(layer.parameters())) for layer in self.model.layers], device=self.device)
+        self._nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
 
     def guarded_device_tensors(self) -> list[Tensor]:
         return [*self.guarded_tensors(), self._budgets]
@@ -691,9 +695,8 @@ class TargetPropTrainer(Trainer):
         self._budgets.copy_(budgets)
         gaps = mean_sq.sqrt()
         open_gate = budgets >= cfg.gate_threshold
-        lr = self.rates.lr
-        lr = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64, device=self.device)
-        rates = lr.double() * (0.5 + 0.5 * budgets) * self._depth
+        lr = self.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
+        rates = (lr.double() if isinstance(lr, Tensor) else lr) * (0.5 + 0.5 * budgets) * self._depth
         if clip_norm > 0:
             rates = rates * runner.grad_scale.double()
         elif self.clip > 0:
@@ -712,6 +715,5 @@ class TargetPropTrainer(Trainer):
                         continue
                     v.copy_(torch.where(apply, v * mu + c * d, v))
                     p.add_(torch.where(apply, v, 0.0))
-        weighted = torch.tensor([bool(tuple(layer.parameters())) for layer in model.layers], device=self.device)
-        accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else torch.full((), math.nan, dtype=torch.float64, device=self.device)
-        runner.log(slot, [budgets.mean(), gaps.mean(), (weighted & ~open_gate).double().sum(), accuracy])
+        accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else self._nan
+        runner.log(slot, [budgets.mean(), gaps.mean(), (self._weighted & ~open_gate).double().sum(), accuracy])

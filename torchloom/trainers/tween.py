@@ -271,9 +271,15 @@ class TweenState:
         return self._step(model, x, target, num_classes, rate, check_labels=True)
 
     @torch.no_grad()
-    def _step(self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None) -> StepOutput:
+    def _step(
+        self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None,
+        clip: Any = None,
+    ) -> StepOutput:
         """``step``'s body. ``events``: a ``LayerEvents`` (observers/layer_stats.py) that gets each layer's
-        output and input gradient (the batch loss's, as in backprop), or ``None``."""
+        output and input gradient (the batch loss's, as in backprop), or ``None``. ``clip``: a callable
+        applied in place to the list of parameter gradients once they are known to be finite, before
+        the update, with the batch size ``B`` (``clip(grads, B)``; the gradients are sums over the
+        batch, ``G_i``), or ``None``."""
         cfg = self.config
         base = _rate("tween_step", rate) if rate is not None else float(cfg.base_rate)
         net = self._check_model(model)
@@ -332,6 +338,8 @@ class TweenState:
             self.last_status = StepStatus.NAN_GRAD
             return StepOutput(loss, StepStatus.NAN_GRAD)
 
+        if clip is not None:
+            clip(flat_grads, batch)
         self.forward_acts, self.backward_targets, self.chain_gradients = acts, targets, chain
         self.gaps, self.link_budgets, self.alignments = gaps, budgets, aligns
         self.active = active
@@ -465,6 +473,13 @@ class TweenTrainer(Trainer):
     def rate_groups(self) -> list[dict[str, Any]]:
         return self.rates.param_groups
 
+    def setup(self) -> None:
+        """The engine moves the model to the training device; the velocities follow it."""
+        super().setup()
+        st = self.state
+        st.weight_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.weight_velocity]
+        st.bias_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.bias_velocity]
+
     def guarded_tensors(self) -> list[Tensor]:
         velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
         return [*(p for p in self.model.parameters() if p.requires_grad), *velocities]
@@ -505,7 +520,20 @@ class TweenTrainer(Trainer):
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
         rate = float(self.rates.lr)  # base_rate, or the schedule's value
-        return self.state._step(self.model, x, y, None, rate, check_labels=False, events=events)  # checked in convert_batch
+        clip = self._clip if self.clip > 0 else None
+        return self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip)  # checked in convert_batch
+
+    def _clip(self, grads: list[Tensor], batch: int) -> None:
+        """``gradient_clip`` on the batch loss's gradient ``G_i/B``: the global L2 norm, or each element
+        (``clip_mode="value"``); the bounds scale by ``B`` since the step holds the sums ``G_i``."""
+        bound = self.clip * batch
+        if self.clip_mode == "value":
+            for g in grads:
+                g.clamp_(-bound, bound)
+        else:
+            from ..kernels.grad_norm import clip_grad_norm_
+
+            clip_grad_norm_(grads, bound)
 
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None, track_perf: bool = False) -> TrainingResult:
         """Train for ``epochs`` passes over ``data`` and return a ``TrainingResult``.

@@ -1,0 +1,340 @@
+"""One training engine for every method: ``train(..., TrainingConfig(method=...))``.
+
+* ``train`` with a method config gives bit for bit what the trainer classes' ``fit`` gives (they are
+  thin wrappers over the same engine);
+* every ``TrainingConfig`` feature works for every method (one parametrised test per feature);
+* the device step of a method, run by the engine's runner (on CPU tensors here, kernels on their
+  references), gives the host step's numbers; on CUDA the same holds with and without graphs.
+"""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import assert_close
+from torchloom import (
+    Dense,
+    DivergenceWarning,
+    Network,
+    TargetPropConfig,
+    TargetPropTrainer,
+    TrainingConfig,
+    TweenConfig,
+    TweenTrainer,
+    train,
+)
+from torchloom.trainers.cuda_path import CudaRunner
+
+METHODS = {
+    "backprop": "backprop",
+    "tp-chain": TargetPropConfig(learning_rate=0.05, gate_threshold=0.3),
+    "tp-pure": TargetPropConfig(mode="pure", learning_rate=0.02),
+    "tween": TweenConfig(base_rate=0.05),
+}
+
+
+def _net(dtype=torch.float64, seed=0, sizes=(6, 12, 4), acts=("tanh", "sigmoid")):
+    torch.manual_seed(seed)
+    layers = [Dense(a, b, f, dtype=dtype) for a, b, f in zip(sizes[:-1], sizes[1:], acts)]
+    return Network(*layers)
+
+
+def _data(n=5, bs=6, classes=4, dtype=torch.float64, seed=1, labels=True):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(bs, 6, generator=g, dtype=dtype)
+        y = torch.randint(0, classes, (bs,), generator=g) if labels else torch.rand(bs, classes, generator=g, dtype=dtype)
+        out.append((x, y))
+    return out
+
+
+def _cfg(name, **kw):
+    method = copy.deepcopy(METHODS[name])
+    loss = "cross_entropy" if name == "backprop" else "mse"
+    return TrainingConfig(**{"method": method, "epochs": 3, "verbose": 0, "loss_type": loss, **kw})
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# --------------------------------------------------------------------- train() == trainer classes
+@pytest.mark.parametrize(
+    "method",
+    [
+        TargetPropConfig(),
+        TargetPropConfig(mode="pure", learning_rate=0.03, momentum=0.5),
+        TargetPropConfig(gate_threshold=0.6, depth_scale_factor=1.3),
+        TweenConfig(),
+        TweenConfig(base_rate=0.1, momentum_decay=0.5, depth_scaling=False),
+        TweenConfig(gap_threshold=0.0, link_budget_scale=0.0),
+    ],
+    ids=["tp", "tp-pure", "tp-gated", "tween", "tween-fast", "tween-plain"],
+)
+@pytest.mark.parametrize("arch", [((6, 12, 4), ("tanh", "sigmoid")), ((6, 9, 7, 4), ("relu", "tanh", "linear"))], ids=["2-layer", "3-layer"])
+def test_train_method_equals_trainer_fit_bit_for_bit(method, arch):
+    sizes, acts = arch
+    data = _data()
+    a, b = _net(sizes=sizes, acts=acts), _net(sizes=sizes, acts=acts)
+    ra = train(a, data, TrainingConfig(method=copy.deepcopy(method), epochs=3, verbose=0))
+    cls = TargetPropTrainer if isinstance(method, TargetPropConfig) else TweenTrainer
+    rb = cls(b, copy.deepcopy(method)).fit(data, 3)
+    assert ra.loss_history == rb.loss_history
+    assert _same(a, b)
+    assert ra.history.epochs == rb.history.epochs
+
+
+def test_method_by_name_uses_learning_rate_as_the_rate():
+    data = _data()
+    for name, cls, cfg in (("target_prop", TargetPropTrainer, TargetPropConfig(learning_rate=0.07)), ("tween", TweenTrainer, TweenConfig(base_rate=0.07))):
+        a, b = _net(), _net()
+        ra = train(a, data, TrainingConfig(method=name, learning_rate=0.07, epochs=2, verbose=0))
+        rb = cls(b, cfg).fit(data, 2)
+        assert ra.loss_history == rb.loss_history and _same(a, b), name
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(method="newton"), ValueError, "unknown method 'newton'"),
+        (dict(method=3), TypeError, "method must be"),
+        (dict(method=TweenConfig(base_rate=0.2), learning_rate=0.5), ValueError, "disagrees with the method config's base_rate"),
+        (dict(method=TargetPropConfig(learning_rate=0.2), learning_rate=0.5), ValueError, "disagrees with the method config's learning_rate"),
+        (dict(method="tween", optimizer="adamw"), ValueError, "own momentum rule"),
+    ],
+)
+def test_bad_method_settings(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        TrainingConfig(**kwargs)
+
+
+def test_method_config_changed_after_construction_is_rechecked():
+    net = _net()
+    before = copy.deepcopy(net)
+    cfg = TrainingConfig(method=TargetPropConfig(), epochs=1, verbose=0)
+    cfg.method.momentum = 1.5
+    with pytest.raises(ValueError, match="momentum"):
+        train(net, _data(), cfg)
+    assert _same(net, before)
+
+
+# ------------------------------------------------------------------ every feature, every method
+@pytest.mark.parametrize("name", list(METHODS))
+def test_observers_see_every_hook_with_method_logs(name):
+    class Recorder:
+        def __init__(self):
+            self.calls, self.epoch_logs = [], []
+
+        def on_train_begin(self, trainer):
+            self.calls.append("train_begin")
+
+        def on_batch_end(self, trainer, step, logs):
+            self.calls.append("batch")
+            assert math.isfinite(logs["loss"])
+
+        def on_epoch_end(self, trainer, epoch, logs):
+            self.epoch_logs.append(dict(logs))
+
+        def on_train_end(self, trainer, result):
+            self.calls.append("train_end")
+
+    rec = Recorder()
+    result = train(_net(), _data(), _cfg(name, observers=[rec]))
+    assert rec.calls[0] == "train_begin" and rec.calls[-1] == "train_end" and rec.calls.count("batch") == 15
+    assert len(rec.epoch_logs) == 3 and [e["loss"] for e in rec.epoch_logs] == result.loss_history
+    expected = {"backprop": set(), "tp-chain": {"mean_link_budget", "mean_gap"}, "tp-pure": {"mean_link_budget", "mean_gap"},
+                "tween": {"mean_gap", "mean_link_budget", "adaptive_rate"}}[name]
+    assert expected <= set(rec.epoch_logs[0])
+    assert expected <= set(result.history.keys())
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_verbose_levels(name, capsys):
+    train(_net(), _data(), _cfg(name, verbose=2))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Epoch ")]
+    assert [ln.split(" - ")[0] for ln in lines] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
+    train(_net(), _data(), _cfg(name, verbose=0))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_seed_makes_runs_reproducible(name):
+    torch.manual_seed(123)
+    a = _net()
+    ra = train(a, _data(), _cfg(name, seed=7))
+    after_a = torch.rand(3)
+    b = _net()
+    rb = train(b, _data(), _cfg(name, seed=7))
+    after_b = torch.rand(3)
+    assert ra.loss_history == rb.loss_history and _same(a, b) and torch.equal(after_a, after_b)
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "backprop"])
+def test_schedule_drives_the_method_rate(name):
+    """A schedule constant at r equals the method configured with rate r; a decaying one differs."""
+    data = _data()
+    method = copy.deepcopy(METHODS[name])
+    rate_field = "base_rate" if isinstance(method, TweenConfig) else "learning_rate"
+    ref_method = copy.deepcopy(method)
+    setattr(ref_method, rate_field, 0.011)
+    a, b, c = _net(), _net(), _net()
+    ra = train(a, data, TrainingConfig(method=method, epochs=2, verbose=0, scheduler=lambda step: 0.011))
+    rb = train(b, data, TrainingConfig(method=ref_method, epochs=2, verbose=0))
+    assert ra.loss_history == rb.loss_history and _same(a, b)
+    rc = train(c, data, TrainingConfig(method=copy.deepcopy(method), epochs=2, verbose=0, scheduler=lambda step: 0.05 / (1 + step)))
+    assert rc.loss_history[0] == ra.loss_history[0] or not _same(a, c)
+    assert not _same(a, c)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("mode", ["norm", "value"])
+def test_clipping_bounds_the_update(name, mode):
+    """A tiny clip keeps every step's update tiny; without it the weights move much further."""
+    data = _data(n=2)
+    a, b, ref = _net(), _net(), _net()
+    train(a, data, _cfg(name, epochs=1, gradient_clip=1e-7, clip_mode=mode))
+    train(b, data, _cfg(name, epochs=1))
+    moved_clipped = max((p - q).abs().max().item() for p, q in zip(a.parameters(), ref.parameters()))
+    moved_free = max((p - q).abs().max().item() for p, q in zip(b.parameters(), ref.parameters()))
+    assert moved_clipped < 1e-5 and moved_free > 100 * moved_clipped
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_nan_batches_are_skipped_and_all_skipped_epochs_read_nan(name):
+    data = _data()
+    bad = [(x.clone(), y) for x, y in data]
+    bad[1][0][0, 0] = float("nan")
+    net = _net()
+    result = train(net, bad, _cfg(name))
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert result.skipped_batches >= 3 and all(math.isfinite(v) for v in result.loss_history)
+    all_bad = [(torch.full_like(x, float("nan")), y) for x, y in data]
+    net2, before = _net(), _net()
+    with pytest.warns(DivergenceWarning, match="no batch counted"):
+        r2 = train(net2, all_bad, _cfg(name))
+    assert all(math.isnan(v) for v in r2.loss_history) and r2.skipped_per_epoch == [5, 5, 5]
+    assert _same(net2, before)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_overflowing_updates_are_undone(name):
+    """A rate so large that the update overflows float32: the weights are put back, never ±Inf/NaN."""
+    data = [(x.float() * 1e3, y) for x, y in _data()]
+    net = _net(torch.float32, acts=("linear", "linear"))  # gradients ~1e3: rate·gradient overflows
+    before = copy.deepcopy(net)
+    kw = dict(learning_rate=1e37) if name == "backprop" else {}
+    method = copy.deepcopy(METHODS[name])
+    if isinstance(method, TweenConfig):
+        method.base_rate = 1e37
+    elif isinstance(method, TargetPropConfig):
+        method.learning_rate = 1e37
+    cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type="cross_entropy" if name == "backprop" else "mse", **kw)
+    with pytest.warns(DivergenceWarning):
+        result = train(net, data, cfg)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert result.skipped_batches == 5 and _same(net, before)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_frozen_parameters_are_never_updated(name):
+    net = _net()
+    net[0].weight.requires_grad_(False)
+    frozen = net[0].weight.detach().clone()
+    other = net[1].weight.detach().clone()
+    train(net, _data(), _cfg(name))
+    assert torch.equal(net[0].weight, frozen)
+    assert not torch.equal(net[1].weight, other)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_dataloader_data_and_result_type(name):
+    xs = torch.cat([x for x, _ in _data()])
+    ys = torch.cat([y for _, y in _data()])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=6)
+    a, b = _net(), _net()
+    ra = train(a, loader, _cfg(name))
+    rb = train(b, _data(), _cfg(name))
+    assert ra.loss_history == rb.loss_history and _same(a, b)
+    assert len(ra.epoch_times) == 3 and ra.samples_per_second > 0 and ra.skipped_per_epoch == [0, 0, 0]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_bad_streamed_batch_restores_the_model(name):
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            x = torch.randn(6 if i < 8 else 5, dtype=torch.float64)
+            return x, torch.tensor(i % 4)
+
+    net, before = _net(), _net()
+    with pytest.raises(ValueError, match="batch 2"):
+        train(net, DataLoader(Broken(), batch_size=4), _cfg(name))
+    assert _same(net, before)
+
+
+# --------------------------------------------------------------------- device step == host step
+def _forced(net, data, cfg):
+    """The engine's device runner on a CPU trainer: the device step with every decision in tensors."""
+    from torchloom.trainers.train import make_trainer
+
+    trainer = make_trainer(net, cfg)
+    trainer._runner = CudaRunner(trainer)
+    return trainer.fit(data, cfg.epochs), trainer
+
+
+DEVICE_METHODS = ["tp-chain", "tp-pure"]
+
+
+@pytest.mark.parametrize("name", DEVICE_METHODS)
+@pytest.mark.parametrize(
+    "extra",
+    [dict(), dict(gradient_clip=0.05), dict(gradient_clip=0.01, clip_mode="value"), dict(scheduler=lambda s: 0.05 / (1 + s))],
+    ids=["plain", "norm-clip", "value-clip", "schedule"],
+)
+def test_device_step_equals_host_step(name, extra):
+    data = _data()
+    a, b = _net(), _net()
+    ra = train(a, data, _cfg(name, **extra))
+    rb, _ = _forced(b, data, _cfg(name, **extra))
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=1e-6)  # per-step losses kept in float32
+    for p, q in zip(b.parameters(), a.parameters()):
+        assert_close(p, q, name="param", rtol=1e-12, atol=1e-12)
+    for key in ra.history.keys():
+        if key in ("epoch_time", "samples_per_second", "eta"):
+            continue
+        np.testing.assert_allclose(rb.history[key], ra.history[key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("name", DEVICE_METHODS)
+def test_device_step_guards_match_host(name):
+    data = _data()
+    data[2] = (data[2][0].clone(), data[2][1])
+    data[2][0][1, 2] = float("inf")
+    a, b = _net(), _net()
+    ra = train(a, data, _cfg(name))
+    rb, _ = _forced(b, data, _cfg(name))
+    assert ra.skipped_per_epoch == rb.skipped_per_epoch
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=1e-6)
+    for p, q in zip(b.parameters(), a.parameters()):
+        assert_close(p, q, name="param", rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("cuda_graph", [None, False])
+def test_cuda_equals_cpu_for_every_method(name, cuda_graph):
+    data = _data(n=7, dtype=torch.float32)
+    a, b = _net(torch.float32), _net(torch.float32)
+    ra = train(a, data, _cfg(name, epochs=3))
+    rb = train(b, data, _cfg(name, epochs=3, use_gpu=True, cuda_graph=cuda_graph))
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=5e-5)
+    for p, q in zip(b.parameters(), a.parameters()):
+        assert p.is_cuda
+        assert_close(p.cpu(), q, name="param", rtol=5e-4, atol=5e-5)
