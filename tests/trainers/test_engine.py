@@ -289,7 +289,7 @@ def _forced(net, data, cfg):
     return trainer.fit(data, cfg.epochs), trainer
 
 
-DEVICE_METHODS = ["tp-chain", "tp-pure"]
+DEVICE_METHODS = ["tp-chain", "tp-pure", "tween"]
 
 
 @pytest.mark.parametrize("name", DEVICE_METHODS)

@@ -278,4 +278,7 @@ class CudaRunner:
                 break
         if sizes is None:
             out.samples = self._streamed_samples
+        epoch_end = getattr(self.t, "device_epoch_end", None)
+        if epoch_end is not None:
+            epoch_end(self, losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
         return out

@@ -554,6 +554,161 @@ class TweenTrainer(Trainer):
         return super().fit(data, epochs, track_perf=track_perf)
 
 
+    # ---------------------------------------------------------------------- device step
+    device_log_names = ("mean_gap", "mean_link_budget", "explosion", "adaptive_rate")
+
+    def device_ready(self) -> bool:
+        return True
+
+    def device_setup(self, runner: Any) -> None:
+        """The state the device step reads and writes lives in device tensors (``self.dev``): the
+        explosion rule's scalars, and per-layer constants (depth scales). Synced back into the
+        ``TweenState`` fields once per epoch (``device_epoch_end``)."""
+        st, dev = self.state, self.device
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.dev = {
+            "adaptive_rate": torch.tensor(float(st.adaptive_rate), **f64),
+            "explosion_count": torch.tensor(float(st.explosion_count), **f64),
+            "steps": torch.tensor(float(st.steps), **f64),
+            **{k: torch.tensor(float(v), **f64) for k, v in self._rule_state().items()},
+        }
+        scales = [0.0 if s is None else s for s in st.depth_scales]
+        self._scales = torch.tensor(scales, **f64)
+
+    def guarded_device_tensors(self) -> list[Tensor]:
+        return [*self.guarded_tensors(), *self.dev.values()]
+
+    @torch.no_grad()
+    def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        """``TweenState.step``'s rule with no host read: loss partials and the parameter gradients go
+        through the runner's guard; gaps, link budgets and alignments stay device tensors; the
+        explosion rule and the adaptive rate are ``torch.where`` decisions; every write is masked by
+        the guard's ``found_inf``."""
+        from ..kernels.grad_norm import grad_sq_partials
+
+        st, cfg = self.state, self.config
+        layers = list(self.model.layers)
+        n = len(layers)
+        acts: list[Tensor] = [x]
+        saved: list[Any] = []
+        for layer in layers:
+            out_i, s_i = layer.forward_saved(acts[-1])
+            acts.append(out_i)
+            saved.append(s_i)
+        out = acts[-1]
+        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
+        if is_label_target(y):  # scatter one-hot: F.one_hot reads the labels on the host
+            t_out = torch.zeros_like(out).scatter_(-1, y.unsqueeze(-1), 1.0)
+        else:
+            t_out = y
+        batch = out.shape[0]
+        loss_parts, grad = loss_and_grad(out, t_out, loss_type, validate=False, unreduced=True)
+        y_hat = torch.softmax(out, dim=-1) if loss_type == "cross_entropy" else out
+        err = (y_hat - t_out).square().reshape(batch, -1).sum(1)
+        g = grad * batch
+        if cfg.gap_threshold > 0:
+            g = g * (err >= cfg.gap_threshold).view(batch, *([1] * (g.dim() - 1))).to(g.dtype)
+        chain: list[Tensor | None] = [None] * (n + 1)
+        chain[n] = g
+        param_grads: list[tuple[Tensor, ...]] = [()] * n
+        for i in range(n - 1, -1, -1):
+            g, param_grads[i] = layers[i].backward_saved(g, saved[i], needs_input_grad=i > 0)
+            if i > 0:
+                chain[i] = g
+        targets = [None] + [acts[i] - cfg.gradient_scale * chain[i] for i in range(1, n)] + [t_out]
+        metrics = torch.stack(
+            [TweenState._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
+        )
+        gaps, budgets, aligns = metrics.unbind(1)
+        flat_grads = [pg for pgs in param_grads for pg in pgs]
+        clip_norm = self.clip * batch if self.clip > 0 and self.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_parts, grad_sq_partials(flat_grads), clip_norm)
+        ok = runner.found_inf == 0
+        if self.clip > 0 and self.clip_mode == "value":
+            torch._foreach_clamp_min_(flat_grads, -self.clip * batch)
+            torch._foreach_clamp_max_(flat_grads, self.clip * batch)
+
+        # explosion handling and the adaptive rate, as device decisions
+        lr = self.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
+        base = lr.double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64, device=self.device)
+        avg_gap = gaps.mean()
+        exploded = self._device_rule(avg_gap, base, ok)
+        d = self.dev
+        d["explosion_count"].add_(exploded.double())
+        d["steps"].add_(ok.double())
+
+        # update: per-layer rate, momentum per parameter, masked by ``ok``
+        s = cfg.link_budget_scale
+        rates = d["adaptive_rate"] * (1.0 - s / 2 + s / 2 * aligns) * self._scales
+        if clip_norm > 0:
+            rates = rates * runner.grad_scale.double()
+        keep = (~exploded).double() * cfg.momentum_decay  # an explosion resets every velocity
+        with runner.guard_update(slot):
+            for i, layer in enumerate(layers):
+                if st.depth_scales[i] is None:
+                    continue
+                c = (rates[i] / batch).to(out.dtype)
+                k = keep.to(out.dtype)
+                wv, bv = iter(st.weight_velocity[i]), iter(st.bias_velocity[i])
+                for (name, p), pg in zip(layer.named_parameters(), param_grads[i]):
+                    v = next(bv) if _is_bias(name) else next(wv)
+                    if not p.requires_grad:
+                        continue
+                    v.copy_(torch.where(ok, v * k - c * pg, v))
+                    p.add_(torch.where(ok, v, 0.0))
+        runner.log(slot, [avg_gap, budgets.mean(), exploded.double(), d["adaptive_rate"]])
+        self._last_metrics = metrics
+
+    def device_epoch_end(self, runner: Any, losses: list[float], statuses: list[int], logs: list[list[float]] | None) -> None:
+        """Once per epoch (after the runner's one host read): the device state back into the
+        ``TweenState`` fields and per-step histories, so both paths leave the same state behind."""
+        st, d = self.state, self.dev
+        values = torch.stack([v.reshape(()) for v in d.values()]).tolist()
+        snapshot = dict(zip(d.keys(), values))
+        st.adaptive_rate = snapshot.pop("adaptive_rate")
+        st.explosion_count = int(snapshot.pop("explosion_count"))
+        st.steps = int(snapshot.pop("steps"))
+        self._set_rule_state(snapshot)
+        count = st.explosion_count - sum(int(r[2]) for r, s in zip(logs or [], statuses) if s == 0)
+        for loss, status, row in zip(losses, statuses, logs or []):
+            if status != 0:
+                continue
+            count += int(row[2])
+            st.loss_history.append(loss)
+            st.gap_history.append(row[0])
+            st.link_budget_history.append(row[1])
+            st.explosion_history.append(count)
+            st.rate_history.append(row[3])
+        if getattr(self, "_last_metrics", None) is not None:
+            gaps, budgets, aligns = self._last_metrics.double().cpu().unbind(1)
+            st.gaps, st.link_budgets, st.alignments = gaps.tolist(), budgets.tolist(), aligns.tolist()
+
+    # The explosion rule's state and its device form (see ``TweenState.step``, step 4).
+    def _rule_state(self) -> dict[str, float]:
+        prev = self.state.prev_avg_gap
+        return {"prev_avg_gap": math.nan if prev is None else float(prev)}
+
+    def _set_rule_state(self, values: dict[str, float]) -> None:
+        prev = values["prev_avg_gap"]
+        self.state.prev_avg_gap = None if math.isnan(prev) else prev
+
+    def _device_rule(self, avg_gap: Tensor, base: Tensor, ok: Tensor) -> Tensor:
+        """Step 4 in device tensors; returns the 0-d bool ``exploded`` and updates ``self.dev``."""
+        cfg, d = self.config, self.dev
+        prev = d["prev_avg_gap"]
+        growth = torch.where(prev > 0, avg_gap / torch.where(prev > 0, prev, 1.0), 1.0)
+        rate = d["adaptive_rate"]
+        if cfg.explosion_detection:
+            exploded = ok & (growth > cfg.explosion_limit)
+            new_rate = torch.where(exploded, torch.minimum(base, rate * cfg.recovery_rate), torch.minimum(base, rate * cfg.recovery_growth))
+        else:
+            exploded = torch.zeros((), dtype=torch.bool, device=avg_gap.device)
+            new_rate = base
+        rate.copy_(torch.where(ok, new_rate, rate))
+        prev.copy_(torch.where(ok, avg_gap, prev))
+        return exploded
+
+
 def _check_target_shape(out_shape: tuple[int, ...], batch: int, y: Tensor) -> None:
     """Shape and label-range check of one batch's target against an output ``[batch, *out_shape]``."""
     full = (batch, *out_shape)
