@@ -103,7 +103,7 @@ def test_checkpoint_saves_best_state_dict(tmp_path):
     ckpt = Checkpoint(path)
     train(_net(), BATCHES, _config(10, [ckpt]))
     assert ckpt.saved_epochs == list(range(SWITCH + 1))  # improved every epoch up to the plateau
-    state = torch.load(path)
+    state = torch.load(path, weights_only=True)
     assert set(state) == {"layers.0.weight"}
     assert state["layers.0.weight"].item() == pytest.approx(w[SWITCH + 1], rel=1e-12)
     fresh = _net()
@@ -117,7 +117,7 @@ def test_checkpoint_every_epoch(tmp_path):
     ckpt = Checkpoint(path, save_best_only=False)
     train(_net(), BATCHES, _config(6, [ckpt]))
     assert ckpt.saved_epochs == list(range(6))
-    assert torch.load(path)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
+    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
 
 
 def test_checkpoint_and_early_stopping_together(tmp_path):
@@ -125,7 +125,7 @@ def test_checkpoint_and_early_stopping_together(tmp_path):
     path = tmp_path / "best.pt"
     net = _net()
     train(net, BATCHES, _config(20, [Checkpoint(path), EarlyStopping(patience=2)]))
-    assert torch.load(path)["layers.0.weight"].item() == net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1])
+    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1])
 
 
 def test_checkpoint_rejects_bad_arguments():
@@ -135,3 +135,70 @@ def test_checkpoint_rejects_bad_arguments():
         Checkpoint("x.pt", save_best_only=1)
     with pytest.raises(ValueError, match="monitor"):
         Checkpoint("x.pt", monitor="")
+
+
+def test_checkpoint_every_n_epochs(tmp_path):
+    w, _ = _trajectory(7)
+    path = tmp_path / "every3.pt"
+    ckpt = Checkpoint(path, save_best_only=False, every_n_epochs=3)
+    train(_net(), BATCHES, _config(7, [ckpt]))
+    assert ckpt.saved_epochs == [2, 5]  # 1-based epochs 3 and 6
+    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
+
+
+def test_mode_auto_watches_accuracy_upwards(tmp_path):
+    class T:
+        model = _net()
+        stop_training = False
+
+    ckpt = Checkpoint(tmp_path / "acc.pt", monitor="val_accuracy")
+    stop = EarlyStopping(monitor="val_accuracy", patience=1, restore_best=False)
+    for obs in (ckpt, stop):
+        obs.on_train_begin(T)
+        for epoch, acc in enumerate([0.5, 0.7, 0.6]):
+            obs.on_epoch_end(T, epoch, {"loss": 1.0 - acc, "val_accuracy": acc, "counted": 1.0})
+        assert obs.best == 0.7 and obs.best_epoch == 1
+    assert ckpt.saved_epochs == [0, 1] and stop.stopped_epoch == 2
+    # and "auto" on a loss key is "min"
+    stop = EarlyStopping(monitor="val_loss", patience=1)
+    stop.on_train_begin(T)
+    for epoch, v in enumerate([0.5, 0.3, 0.4]):
+        stop.on_epoch_end(T, epoch, {"val_loss": v})
+    assert stop.best == 0.3 and stop.stopped_epoch == 2
+
+
+def test_restore_best_and_checkpoint_skip_diverged_epochs_in_training(tmp_path):
+    """Through train(): from epoch 6 on every batch has a NaN input, so those epochs count nothing and
+    report loss NaN. Epochs 0-4 improve, 5 gets worse, 6 and 7 diverge: patience 3 stops at 7, and
+    the weights restored (and checkpointed) are epoch 4's, never a diverged epoch's."""
+    w, _ = _trajectory(8)
+
+    class Data(torch.utils.data.Dataset):
+        poisoned = False
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            x = torch.full((1, 1), float("nan") if self.poisoned else 1.0, dtype=torch.float64)
+            return x, torch.zeros(1, 1, dtype=torch.float64)
+
+    data = Data()
+
+    class Poison:
+        def on_epoch_end(self, trainer, epoch, logs):
+            data.poisoned = epoch >= 5
+
+    net = _net()
+    stop = EarlyStopping(patience=3)
+    ckpt = Checkpoint(tmp_path / "best.pt")
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    with pytest.warns(Warning, match="no batch counted"):
+        result = train(net, loader, _config(20, [Poison(), stop, ckpt]))
+    assert len(result.loss_history) == 8 and stop.stopped_epoch == 7
+    assert all(v != v for v in result.loss_history[6:])  # NaN, never a fake 0.0
+    assert stop.best_epoch == ckpt.best_epoch == SWITCH
+    assert ckpt.saved_epochs == list(range(SWITCH + 1))
+    assert net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1], rel=1e-12)
+    assert torch.load(tmp_path / "best.pt", weights_only=True)["layers.0.weight"].item() == pytest.approx(w[SWITCH + 1])
+    assert w[SWITCH + 1] != pytest.approx(w[6])

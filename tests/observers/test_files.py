@@ -104,6 +104,59 @@ def test_csv_logger_append_keeps_header(tmp_path):
     assert [ln.split(",")[0] for ln in lines[1:]] == ["0", "1", "0", "1", "2"]
 
 
+def test_csv_logger_append_onto_another_header_writes_the_union_of_columns(tmp_path):
+    """A file with other columns is rewritten with the union (old columns first): every old value
+    kept, new values in their own columns, no empty rows."""
+    path = tmp_path / "log.csv"
+    path.write_text("epoch,loss,val_loss\r\n0,2.0,2.5\r\n1,1.0,1.5\r\n")
+
+    class T:
+        pass
+
+    logger = CSVLogger(path, append=True)
+    logger.on_train_begin(T())
+    logger.on_epoch_end(T(), 0, {"loss": 0.5, "accuracy": 0.75})
+    logger.on_epoch_end(T(), 1, {"loss": 0.25, "accuracy": 0.875})
+    logger.on_train_end(T(), None)
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows == [
+        ["epoch", "loss", "val_loss", "accuracy"],
+        ["0", "2.0", "2.5", ""],
+        ["1", "1.0", "1.5", ""],
+        ["0", "0.5", "", "0.75"],
+        ["1", "0.25", "", "0.875"],
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.csv"]  # no temporary file left
+
+
+def test_csv_logger_keeps_the_old_file_until_the_first_epoch_ends(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("old,log\n")
+
+    class T:
+        pass
+
+    logger = CSVLogger(path)  # append=False: replaced, but only once there is a row to write
+    logger.on_train_begin(T())
+    assert path.read_text() == "old,log\n"
+    logger.on_epoch_end(T(), 0, {"loss": 1.5})
+    assert path.read_text().splitlines() == ["epoch,loss", "0,1.5"]
+
+
+def test_csv_logger_appends_after_a_last_row_without_line_end(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("epoch,loss\n0,2.0")  # e.g. written by hand; the row itself is complete
+
+    class T:
+        pass
+
+    logger = CSVLogger(path, append=True)
+    logger.on_epoch_end(T(), 0, {"loss": 1.0})  # hooks outside fit() start the log themselves
+    with open(path, newline="") as f:
+        assert list(csv.reader(f)) == [["epoch", "loss"], ["0", "2.0"], ["0", "1.0"]]
+
+
 def test_csv_logger_rejects_bad_arguments():
     with pytest.raises(TypeError, match="path"):
         CSVLogger(None)

@@ -127,3 +127,73 @@ def test_bad_step_and_bad_schedule_output():
         ScheduleLR(opt, lambda step: float("nan"))
     with pytest.raises(TypeError, match="schedule must be callable"):
         ScheduleLR(opt, 0.1)
+
+
+# every schedule of EXACT except the warm-up whose ``after`` is a plain function (not storable as data;
+# test_state_dict_of_a_function_schedule covers that case)
+ROUND_TRIP = [s for s, _ in EXACT if not (isinstance(s, warmup) and s.after is not None and type(s.after) not in SCHEDULES.values())]
+assert len(ROUND_TRIP) == len(EXACT) - 1 and {type(s) for s in ROUND_TRIP} == set(SCHEDULES.values())
+
+
+@pytest.mark.parametrize("schedule", ROUND_TRIP, ids=repr)
+def test_state_dict_round_trips_through_weights_only_load(schedule):
+    import io
+
+    def make(s):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0)
+        return opt, ScheduleLR(opt, s)
+
+    opt, sched = make(schedule)
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save({"scheduler": sched.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert saved["scheduler"]["schedule"]["name"] == type(schedule).__name__
+    # a scheduler built over another schedule takes the saved one back and carries on exactly
+    opt2, other = make(constant(0.5))
+    opt2.load_state_dict(saved["optimizer"])
+    other.load_state_dict(saved["scheduler"])
+    assert other.state_dict() == sched.state_dict()
+    for _ in range(5):
+        opt.step()
+        sched.step()
+        opt2.step()
+        other.step()
+        assert other.get_last_lr() == sched.get_last_lr() == [schedule.get_lr(sched.last_epoch)]
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_state_dict_of_a_function_schedule():
+    import io
+
+    def make():
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0)
+        return ScheduleLR(opt, warmup(2, 0.0, 1.0, after=lambda s: 1.0 / (1 + s)))
+
+    sched = make()
+    for _ in range(4):
+        sched.optimizer.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save(sched.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert state["schedule"] is None  # a function is not data: the loading scheduler keeps its own
+    other = make()
+    other.load_state_dict(state)
+    other.optimizer.step()
+    other.step()
+    assert other.last_epoch == 5 and other.get_last_lr() == [pytest.approx(1.0 / 4)]
+
+
+def test_schedule_parameters_are_stored_as_plain_numbers():
+    import numpy as np
+
+    s = cosine_annealing(np.float32(0.1), np.float64(0.0), np.int64(10))
+    assert type(s.lr0) is float and type(s.lr_min) is float and type(s.total) is int
+    assert s.lr0 == float(np.float32(0.1))

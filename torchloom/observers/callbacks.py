@@ -1,6 +1,15 @@
 """``EarlyStopping`` and ``Checkpoint``: the callbacks users of Keras and Lightning expect, as
-observers. Both watch one key of the epoch logs (``monitor``, default ``"loss"``) and use only the
-trainer interface: ``trainer.model`` and ``trainer.stop_training``.
+observers. Both watch one key of the epoch logs (``monitor``, default ``"loss"``; any key works, e.g.
+``"val_loss"`` or ``"accuracy"``) and use only the trainer interface: ``trainer.model`` and
+``trainer.stop_training``.
+
+Divergence is never mistaken for success: a monitored value that is NaN or ±Inf (an epoch in which
+no batch counted reports ``loss = NaN``), or a key missing from an epoch that counted no batch, is
+never an improvement. It is never the best value, never saved as the best checkpoint, never restored
+as the best weights, and it counts as a bad epoch for ``EarlyStopping``'s patience.
+
+A monitored key that is missing from the first epoch's logs (of an epoch that counted batches)
+raises ``ValueError`` naming the key and the keys available, at the end of that first epoch.
 
 Note: the epoch ``loss`` is the mean of the batches' **pre-update** losses (Loom's definition), so the
 weights kept as "best" are those at the end of the best epoch, one update past the last loss counted
@@ -10,54 +19,108 @@ in it — the same convention as Keras' training-loss monitoring.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any
 
 import torch
 
+from ._files import atomic_write, check_output_path
 from .base import Observer
 
 __all__ = ["EarlyStopping", "Checkpoint"]
 
-_MODES = ("min", "max")
+_MODES = ("min", "max", "auto")
 
 
-class _Monitor:
-    """Tracks the best value of one log key: ``improved(value)`` says whether ``value`` beats the
-    best so far by more than ``min_delta`` (down for ``"min"``, up for ``"max"``) and records it."""
+def _check_monitor(owner: str, monitor: Any, mode: Any, min_delta: Any) -> None:
+    if not isinstance(monitor, str):
+        raise TypeError(f"{owner}: monitor must be the name (str) of an epoch log key such as 'loss', got {monitor!r}")
+    if not monitor:
+        raise ValueError(f"{owner}: monitor must be the name of an epoch log key such as 'loss', got {monitor!r}")
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(f"{owner}: mode must be one of {_MODES}, got {mode!r}")
+    if (
+        isinstance(min_delta, bool)
+        or not isinstance(min_delta, numbers.Real)
+        or not math.isfinite(min_delta)
+        or min_delta < 0
+    ):
+        raise ValueError(f"{owner}: min_delta must be a finite number >= 0, got {min_delta!r}")
 
-    def __init__(self, owner: str, monitor: str, mode: str, min_delta: float) -> None:
-        if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"{owner}: monitor must be the name of an epoch log key such as 'loss', got {monitor!r}")
-        if mode not in _MODES:
-            raise ValueError(f"{owner}: mode must be one of {_MODES}, got {mode!r}")
-        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not math.isfinite(min_delta) or min_delta < 0:
-            raise ValueError(f"{owner}: min_delta must be a finite number >= 0, got {min_delta!r}")
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
+
+
+def resolve_mode(monitor: str, mode: str) -> str:
+    """``"min"`` or ``"max"``: ``"auto"`` picks ``"max"`` for a key containing ``"acc"`` (accuracy),
+    else ``"min"`` (loss-like)."""
+    if mode != "auto":
+        return mode
+    return "max" if "acc" in monitor.lower() else "min"
+
+
+def _nothing_counted(logs: dict[str, Any]) -> bool:
+    """Whether the epoch counted no batch (its per-batch extras such as accuracy are then absent)."""
+    if "counted" in logs:
+        try:
+            return float(logs["counted"]) == 0.0
+        except (TypeError, ValueError):
+            return False
+    try:
+        return not math.isfinite(float(logs.get("loss", 0.0)))
+    except (TypeError, ValueError):
+        return False
+
+
+class _Tracker:
+    """The best value of one log key during a run. ``value(logs)`` reads it (NaN when the key is
+    absent from an epoch that counted nothing, or absent after having been seen); ``better(value)``
+    says whether a *finite* value beats the best by more than ``min_delta``; ``record`` keeps it."""
+
+    def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.monitor = monitor
-        self.mode = mode
-        self.min_delta = float(min_delta)
-        self.reset()
+        self.start("loss", "min", 0.0)
 
-    def reset(self) -> None:
+    def start(self, monitor: str, mode: str, min_delta: float) -> None:
+        self.monitor = monitor
+        self.mode = resolve_mode(monitor, mode)
+        self.min_delta = float(min_delta)
         self.best = math.inf if self.mode == "min" else -math.inf
         self.best_epoch: int | None = None
+        self.seen = False
 
-    def value(self, logs: dict[str, float]) -> float:
+    def value(self, logs: dict[str, Any]) -> float:
         if self.monitor not in logs:
+            if self.seen or _nothing_counted(logs):
+                return math.nan
             raise ValueError(
-                f"{self.owner}: monitor {self.monitor!r} is not in the epoch logs; available keys: {sorted(logs)}"
+                f"{self.owner}: monitor {self.monitor!r} is not in the epoch logs; available keys: {sorted(logs)} "
+                "(set monitor to one of them)"
             )
-        return float(logs[self.monitor])
+        self.seen = True
+        v = logs[self.monitor]
+        if isinstance(v, (str, bytes, bool)):
+            raise TypeError(f"{self.owner}: the epoch log {self.monitor!r} must be a number, got {v!r}")
+        try:
+            return float(v)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"{self.owner}: the epoch log {self.monitor!r} must be a number, got {type(v).__name__} {v!r}"
+            ) from None
 
-    def improved(self, value: float, epoch: int) -> bool:
-        if math.isnan(value):  # a NaN epoch is never the best one
+    def better(self, value: float) -> bool:
+        if not math.isfinite(value):  # a diverged epoch (NaN/Inf) is never an improvement
             return False
-        better = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
-        if better:
-            self.best = value
-            self.best_epoch = epoch
-        return better
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def record(self, value: float, epoch: int) -> None:
+        self.best = value
+        self.best_epoch = epoch
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -68,17 +131,26 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class EarlyStopping(Observer):
     """Stops training when ``monitor`` has not improved for ``patience`` epochs in a row.
 
+    An epoch whose monitored value is NaN or ±Inf (a diverged epoch) is never an improvement: it
+    counts towards ``patience`` and its weights are never kept as the best.
+
     Args:
-        monitor: the epoch log key to watch.
+        monitor: the epoch log key to watch (``"loss"``, ``"val_loss"``, ``"accuracy"``, ...).
         patience: stop after this many epochs in a row without improvement (>= 1; Lightning's
             default 3 rides out a short plateau).
-        min_delta: an improvement must beat the best value by more than this.
-        mode: ``"min"`` (loss-like) or ``"max"`` (accuracy-like).
-        restore_best: at the end of training, load the weights of the best epoch back into the
-            model (kept as an on-device copy of ``state_dict()`` at each improvement).
+        min_delta: an improvement must beat the best value by more than this (>= 0).
+        mode: ``"min"`` (loss-like), ``"max"`` (accuracy-like) or ``"auto"`` (``"max"`` when the key
+            contains ``"acc"``, else ``"min"``).
+        restore_best: at the end of training, load the weights of the best (finite) epoch back into
+            the model (kept as an on-device copy of ``state_dict()`` at each improvement). When no
+            epoch had a finite value nothing is restored.
+
+    ``check_ready()`` re-checks these settings (they may be changed after construction); trainers
+    call it before a run changes anything.
 
     After training: ``stopped_epoch`` (0-based epoch at which it stopped, ``None`` if it never did),
-    ``best`` (best monitored value), ``best_epoch`` (0-based).
+    ``best`` (best monitored value), ``best_epoch`` (0-based, ``None`` when no epoch was finite),
+    ``wait`` (epochs since the last improvement).
     """
 
     def __init__(
@@ -86,38 +158,48 @@ class EarlyStopping(Observer):
         monitor: str = "loss",
         patience: int = 3,
         min_delta: float = 0.0,
-        mode: str = "min",
+        mode: str = "auto",
         restore_best: bool = True,
     ) -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"EarlyStopping: patience must be an int >= 1, got {patience!r}")
-        if not isinstance(restore_best, bool):
-            raise TypeError(f"EarlyStopping: restore_best must be a bool, got {restore_best!r}")
-        self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
         self.monitor = monitor
         self.patience = patience
+        self.min_delta = min_delta
+        self.mode = mode
         self.restore_best = restore_best
+        self.check_ready()
+        self._tracker = _Tracker("EarlyStopping")
         self._reset()
 
+    def check_ready(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the setting when one is invalid."""
+        p = self.patience
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1:
+            raise ValueError(f"EarlyStopping: patience must be an int >= 1, got {p!r}")
+        _check_bool("EarlyStopping", "restore_best", self.restore_best)
+        _check_monitor("EarlyStopping", self.monitor, self.mode, self.min_delta)
+
     def _reset(self) -> None:
-        self._monitor.reset()
+        self._tracker.start(self.monitor, self.mode, self.min_delta)
         self.wait = 0
         self.stopped_epoch: int | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
 
     @property
     def best(self) -> float:
-        return self._monitor.best
+        return self._tracker.best
 
     @property
     def best_epoch(self) -> int | None:
-        return self._monitor.best_epoch
+        return self._tracker.best_epoch
 
     def on_train_begin(self, trainer: Any) -> None:
+        self.check_ready()
         self._reset()
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
-        if self._monitor.improved(self._monitor.value(logs), epoch):
+        value = self._tracker.value(logs)
+        if self._tracker.better(value):
+            self._tracker.record(value, epoch)
             self.wait = 0
             if self.restore_best:
                 self.best_state = _snapshot(trainer.model)
@@ -136,17 +218,26 @@ class Checkpoint(Observer):
     """Saves ``trainer.model.state_dict()`` with ``torch.save`` at the end of an epoch: the best so
     far by ``monitor`` (``save_best_only=True``) or every epoch (overwriting ``path``).
 
-    The file is written beside ``path`` and then renamed over it, so an interrupted save never
-    leaves a truncated checkpoint. Load with ``model.load_state_dict(torch.load(path))``.
+    The file is written to a temporary file beside ``path`` and then renamed over it, so an
+    interrupted or failed save leaves the previous checkpoint intact and no temporary file; a failed
+    save raises ``OSError`` naming the path. Missing directories of ``path`` are made at the first
+    save. An epoch whose monitored value is NaN or ±Inf is never saved as the best. Load with
+    ``model.load_state_dict(torch.load(path, weights_only=True))``.
 
     Args:
-        path: the file to write.
+        path: the file to write (its directory must exist or be creatable, and be writable).
         monitor: the epoch log key that decides "best".
-        save_best_only: save only when ``monitor`` improves (else every epoch).
-        mode: ``"min"`` or ``"max"``.
-        min_delta: an improvement must beat the best value by more than this.
+        save_best_only: save only when ``monitor`` improves (else every ``every_n_epochs`` epochs).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` when the key contains ``"acc"``).
+        min_delta: an improvement must beat the best value by more than this (>= 0).
+        every_n_epochs: consider saving only at the end of every n-th epoch (1-based epochs n, 2n,
+            ...); with ``save_best_only`` the best is judged among those epochs only.
 
-    After training: ``best``, ``best_epoch`` (0-based) and ``saved_epochs`` (every epoch saved).
+    ``check_ready()`` re-checks the path and these settings (they may be changed after
+    construction); trainers call it before a run changes anything.
+
+    After training: ``best``, ``best_epoch`` (0-based; ``None`` when no epoch was finite) and
+    ``saved_epochs`` (every epoch saved).
     """
 
     def __init__(
@@ -154,35 +245,52 @@ class Checkpoint(Observer):
         path: str | os.PathLike,
         monitor: str = "loss",
         save_best_only: bool = True,
-        mode: str = "min",
+        mode: str = "auto",
         min_delta: float = 0.0,
+        every_n_epochs: int = 1,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"Checkpoint: path must be a str or os.PathLike, got {type(path).__name__}")
-        if not isinstance(save_best_only, bool):
-            raise TypeError(f"Checkpoint: save_best_only must be a bool, got {save_best_only!r}")
-        self._monitor = _Monitor("Checkpoint", monitor, mode, min_delta)
-        self.path = os.fspath(path)
+        self.path = path
         self.monitor = monitor
         self.save_best_only = save_best_only
+        self.mode = mode
+        self.min_delta = min_delta
+        self.every_n_epochs = every_n_epochs
+        self.check_ready()
+        self._tracker = _Tracker("Checkpoint")
+        self._tracker.start(self.monitor, self.mode, self.min_delta)
         self.saved_epochs: list[int] = []
+
+    def check_ready(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the argument when the path cannot be written or a
+        setting is invalid (``path`` is normalised to a ``str``)."""
+        self.path = check_output_path("Checkpoint", self.path)
+        _check_bool("Checkpoint", "save_best_only", self.save_best_only)
+        _check_monitor("Checkpoint", self.monitor, self.mode, self.min_delta)
+        n = self.every_n_epochs
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"Checkpoint: every_n_epochs must be an int >= 1, got {n!r}")
 
     @property
     def best(self) -> float:
-        return self._monitor.best
+        return self._tracker.best
 
     @property
     def best_epoch(self) -> int | None:
-        return self._monitor.best_epoch
+        return self._tracker.best_epoch
 
     def on_train_begin(self, trainer: Any) -> None:
-        self._monitor.reset()
+        self.check_ready()
+        self._tracker.start(self.monitor, self.mode, self.min_delta)
         self.saved_epochs = []
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
-        improved = self._monitor.improved(self._monitor.value(logs), epoch)
+        value = self._tracker.value(logs)  # read every epoch: a missing key is reported at once
+        if (epoch + 1) % self.every_n_epochs:
+            return
+        improved = self._tracker.better(value)
         if improved or not self.save_best_only:
-            tmp = self.path + ".tmp"
-            torch.save(trainer.model.state_dict(), tmp)
-            os.replace(tmp, self.path)
+            state = trainer.model.state_dict()
+            atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
             self.saved_epochs.append(epoch)
+        if improved:  # recorded once saved: after a failed save, best still names the file's epoch
+            self._tracker.record(value, epoch)

@@ -7,9 +7,12 @@ canvas directly (no ``pyplot``), so it works without a display and leaves pyplot
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Any
 
+from ._files import atomic_write, check_output_path
 from .base import Observer
 
 __all__ = ["LossPlot"]
@@ -18,6 +21,9 @@ _MISSING = (
     "LossPlot needs matplotlib, which is an optional extra of torchloom: install it with "
     "`pip install torchloom[plot]` (or `pip install matplotlib`)"
 )
+
+
+_MAX_PIXELS = 2**16  # Agg refuses images this wide or tall
 
 
 def _require_matplotlib() -> None:
@@ -48,7 +54,10 @@ class LossPlot(Observer):
         figsize: inches; with ``dpi`` sets the pixel size (default 8×5 in at 100 dpi = 800×500 px).
         dpi: dots per inch.
 
-    Raises ``ImportError`` naming the ``plot`` extra when matplotlib is not installed.
+    Raises ``ImportError`` naming the ``plot`` extra when matplotlib is not installed, and
+    ``ValueError``/``TypeError`` naming the argument for a path that cannot be written (a directory,
+    a directory that cannot be made, a read-only location) or a bad setting. Epochs whose loss is NaN
+    (no batch counted) leave a gap in the curve.
     """
 
     def __init__(
@@ -60,27 +69,49 @@ class LossPlot(Observer):
         figsize: tuple[float, float] = (8.0, 5.0),
         dpi: int = 100,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"LossPlot: path must be a str or os.PathLike, got {type(path).__name__}")
-        if (
-            not isinstance(figsize, (tuple, list))
-            or len(figsize) != 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in figsize)
-        ):
-            raise ValueError(f"LossPlot: figsize must be (width, height) in inches, both > 0, got {figsize!r}")
-        if isinstance(dpi, bool) or not isinstance(dpi, int) or dpi < 1:
-            raise ValueError(f"LossPlot: dpi must be an int >= 1, got {dpi!r}")
-        _require_matplotlib()
-        self.path = os.fspath(path)
-        self.every_epoch = bool(every_epoch)
-        self.log_scale = bool(log_scale)
+        self.path = path
+        self.every_epoch = every_epoch
+        self.log_scale = log_scale
         self.title = title
-        self.figsize = (float(figsize[0]), float(figsize[1]))
+        self.figsize = figsize
         self.dpi = dpi
+        self.check_ready()
         self.epochs: list[int] = []
         self.history: dict[str, list[float]] = {}
 
+    def check_ready(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the argument when the path cannot be written or a
+        setting is invalid (they may be changed after construction; trainers call this before a run
+        changes anything), ``ImportError`` when matplotlib is missing."""
+        self.path = check_output_path("LossPlot", self.path)
+        for name in ("every_epoch", "log_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LossPlot: {name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.title, str):
+            raise TypeError(f"LossPlot: title must be a str, got {type(self.title).__name__}")
+        figsize, dpi = self.figsize, self.dpi
+        if (
+            not isinstance(figsize, (tuple, list))
+            or len(figsize) != 2
+            or not all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in figsize
+            )
+        ):
+            raise ValueError(f"LossPlot: figsize must be (width, height) in inches, both finite and > 0, got {figsize!r}")
+        if isinstance(dpi, bool) or not isinstance(dpi, numbers.Integral) or dpi < 1:
+            raise ValueError(f"LossPlot: dpi must be an int >= 1, got {dpi!r}")
+        w, h = figsize[0] * dpi, figsize[1] * dpi
+        if max(w, h) >= _MAX_PIXELS or min(w, h) < 1:
+            raise ValueError(
+                f"LossPlot: figsize {tuple(figsize)!r} at dpi {dpi} gives {w:.0f}x{h:.0f} pixels; each side must be "
+                f"at least 1 and below {_MAX_PIXELS} (matplotlib's limit)"
+            )
+        self.figsize = (float(figsize[0]), float(figsize[1]))
+        self.dpi = int(dpi)
+        _require_matplotlib()
+
     def on_train_begin(self, trainer: Any) -> None:
+        self.check_ready()
         self.epochs = []
         self.history = {}
 
@@ -89,6 +120,9 @@ class LossPlot(Observer):
         for key, value in logs.items():
             if _is_loss(key) or _is_accuracy(key):
                 self.history.setdefault(key, []).append(float(value))
+        for key, values in self.history.items():  # a key absent this epoch (no batch counted): a gap
+            if key not in logs:
+                values.append(math.nan)
         if self.every_epoch:
             self.save()
 
@@ -96,11 +130,13 @@ class LossPlot(Observer):
         self.save()
 
     def save(self, path: str | os.PathLike | None = None) -> str:
-        """Draw the curves recorded so far and write the PNG; returns its path."""
+        """Draw the curves recorded so far and write the PNG atomically (temporary file, then
+        rename: a failed write raises ``OSError`` and leaves the previous file intact); returns its
+        path. ``path`` defaults to ``self.path``."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        path = os.fspath(path) if path is not None else self.path
+        path = check_output_path("LossPlot.save", path if path is not None else self.path)
         fig = Figure(figsize=self.figsize, dpi=self.dpi)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
@@ -126,5 +162,5 @@ class LossPlot(Observer):
             ax.legend(handles, labels, loc="best")
         ax.set_title(self.title)
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        atomic_write("LossPlot", path, lambda f: fig.savefig(f, format="png"))
         return path

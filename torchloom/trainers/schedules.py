@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch.optim import Optimizer
@@ -45,19 +45,29 @@ __all__ = [
 ]
 
 
-def _check_lr(owner: str, name: str, value: Any) -> None:
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # the schedules are frozen dataclasses
+
+
+def _check_lr(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{owner}: {name} must be a finite learning rate >= 0, got {value!r}")
+        raise ValueError(f"{type(obj).__name__}: {name} must be a finite learning rate >= 0, got {value!r}")
+    _set(obj, name, float(value))  # plain Python numbers: state_dict() loads with weights_only=True
 
 
-def _check_steps(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+def _check_steps(obj: Any, name: str, minimum: int = 1) -> None:
+    value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{type(obj).__name__}: {name} must be an int >= {minimum}, got {value!r}")
+    _set(obj, name, int(value))
 
 
-def _check_positive(owner: str, name: str, value: Any) -> None:
+def _check_positive(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{type(obj).__name__}: {name} must be a finite number > 0, got {value!r}")
+    _set(obj, name, float(value))
 
 
 class Schedule:
@@ -87,7 +97,7 @@ class constant(Schedule):  # noqa: N801 - SPEC §7's names
     lr: float
 
     def __post_init__(self) -> None:
-        _check_lr("constant", "lr", self.lr)
+        _check_lr(self, "lr")
 
     def _lr(self, step: int) -> float:
         return self.lr
@@ -102,9 +112,9 @@ class linear_decay(Schedule):  # noqa: N801
     total: int
 
     def __post_init__(self) -> None:
-        _check_lr("linear_decay", "lr0", self.lr0)
-        _check_lr("linear_decay", "lr_final", self.lr_final)
-        _check_steps("linear_decay", "total", self.total)
+        _check_lr(self, "lr0")
+        _check_lr(self, "lr_final")
+        _check_steps(self, "total")
 
     def _lr(self, step: int) -> float:
         if step >= self.total:
@@ -121,9 +131,9 @@ class cosine_annealing(Schedule):  # noqa: N801
     total: int
 
     def __post_init__(self) -> None:
-        _check_lr("cosine_annealing", "lr0", self.lr0)
-        _check_lr("cosine_annealing", "lr_min", self.lr_min)
-        _check_steps("cosine_annealing", "total", self.total)
+        _check_lr(self, "lr0")
+        _check_lr(self, "lr_min")
+        _check_steps(self, "total")
 
     def _lr(self, step: int) -> float:
         if step >= self.total:
@@ -141,9 +151,9 @@ class cosine_warm_restarts(Schedule):  # noqa: N801
     period: int
 
     def __post_init__(self) -> None:
-        _check_lr("cosine_warm_restarts", "lr0", self.lr0)
-        _check_lr("cosine_warm_restarts", "lr_min", self.lr_min)
-        _check_steps("cosine_warm_restarts", "period", self.period)
+        _check_lr(self, "lr0")
+        _check_lr(self, "lr_min")
+        _check_steps(self, "period")
 
     def _lr(self, step: int) -> float:
         progress = (step % self.period) / self.period
@@ -159,9 +169,9 @@ class exponential_decay(Schedule):  # noqa: N801
     decay_steps: int
 
     def __post_init__(self) -> None:
-        _check_lr("exponential_decay", "lr0", self.lr0)
-        _check_positive("exponential_decay", "rate", self.rate)
-        _check_steps("exponential_decay", "decay_steps", self.decay_steps)
+        _check_lr(self, "lr0")
+        _check_positive(self, "rate")
+        _check_steps(self, "decay_steps")
 
     def _lr(self, step: int) -> float:
         return self.lr0 * self.rate ** (step / self.decay_steps)
@@ -176,9 +186,9 @@ class step_decay(Schedule):  # noqa: N801
     step_size: int
 
     def __post_init__(self) -> None:
-        _check_lr("step_decay", "lr0", self.lr0)
-        _check_positive("step_decay", "gamma", self.gamma)
-        _check_steps("step_decay", "step_size", self.step_size)
+        _check_lr(self, "lr0")
+        _check_positive(self, "gamma")
+        _check_steps(self, "step_size")
 
     def _lr(self, step: int) -> float:
         return self.lr0 * self.gamma ** (step // self.step_size)
@@ -194,10 +204,10 @@ class polynomial_decay(Schedule):  # noqa: N801
     power: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_lr("polynomial_decay", "lr0", self.lr0)
-        _check_lr("polynomial_decay", "lr_final", self.lr_final)
-        _check_steps("polynomial_decay", "total", self.total)
-        _check_positive("polynomial_decay", "power", self.power)
+        _check_lr(self, "lr0")
+        _check_lr(self, "lr_final")
+        _check_steps(self, "total")
+        _check_positive(self, "power")
 
     def _lr(self, step: int) -> float:
         if step >= self.total:
@@ -216,9 +226,9 @@ class warmup(Schedule):  # noqa: N801
     after: Schedule | Callable[[int], float] | None = None
 
     def __post_init__(self) -> None:
-        _check_steps("warmup", "warmup_steps", self.warmup_steps, minimum=0)
-        _check_lr("warmup", "warmup_lr", self.warmup_lr)
-        _check_lr("warmup", "base_lr", self.base_lr)
+        _check_steps(self, "warmup_steps", minimum=0)
+        _check_lr(self, "warmup_lr")
+        _check_lr(self, "base_lr")
         if self.after is not None and not callable(getattr(self.after, "get_lr", self.after)):
             raise TypeError(f"warmup: after must be None, a schedule or a callable step -> lr, got {type(self.after).__name__}")
 
@@ -243,18 +253,59 @@ SCHEDULES: dict[str, type[Schedule]] = {
 }
 
 
+def _spec(schedule: Any) -> dict[str, Any] | None:
+    """A torchloom schedule as plain data (``{"name": ..., <field>: number, ...}``, nested for
+    ``warmup.after``), or ``None`` for anything else (a function, a user's class)."""
+    if type(schedule) not in SCHEDULES.values():
+        return None
+    spec: dict[str, Any] = {"name": type(schedule).__name__}
+    for f in fields(schedule):
+        value = getattr(schedule, f.name)
+        if f.name == "after":
+            if value is not None:
+                inner = _spec(value)
+                if inner is None:
+                    return None  # a callable ``after`` cannot be stored as data
+                value = inner
+        spec[f.name] = value
+    return spec
+
+
+def _from_spec(spec: Any) -> Schedule:
+    """The schedule ``_spec`` described; ``ValueError`` for a malformed description."""
+    if not isinstance(spec, dict) or spec.get("name") not in SCHEDULES:
+        raise ValueError(
+            f"ScheduleLR.load_state_dict: 'schedule' must be None or a dict with 'name' one of {sorted(SCHEDULES)}, "
+            f"got {spec!r}"
+        )
+    params = {k: v for k, v in spec.items() if k != "name"}
+    if params.get("after") is not None:
+        params["after"] = _from_spec(params["after"])
+    try:
+        return SCHEDULES[spec["name"]](**params)
+    except TypeError as e:
+        raise ValueError(f"ScheduleLR.load_state_dict: bad parameters for {spec['name']}: {e}") from None
+
+
 class ScheduleLR(LRScheduler):
     """Set every group's lr to ``schedule(step)`` (0-based step = number of ``.step()`` calls so far).
 
     ``schedule`` is any callable ``step -> lr`` or an object with ``get_lr(step)``. A group whose lr
     is a tensor is updated in place (``LRScheduler`` does), so a captured CUDA graph reading it sees
-    the new value."""
+    the new value.
+
+    ``state_dict()`` holds only numbers, lists, booleans, strings and dicts, so it loads back with
+    ``torch.load(..., weights_only=True)``: the step count, the base and last lrs, and the schedule
+    as ``{"name": ..., <parameter>: number}`` (``None`` for a schedule that is a plain function, which
+    ``load_state_dict`` then keeps as it is). ``load_state_dict`` rebuilds a described schedule, so
+    a restored scheduler continues exactly where the saved one stopped."""
 
     def __init__(self, optimizer: Optimizer, schedule: Callable[[int], float], last_epoch: int = -1) -> None:
         fn = getattr(schedule, "get_lr", schedule)
         if not callable(fn):
             raise TypeError(f"schedule must be callable step -> lr or have get_lr(step), got {type(schedule).__name__}")
         self.schedule = fn
+        self._source = schedule
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
@@ -262,3 +313,22 @@ class ScheduleLR(LRScheduler):
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"ScheduleLR: the schedule gave lr={lr!r} at step {self.last_epoch}; it must be finite and >= 0")
         return [lr for _ in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule", "_source")}
+        state["schedule"] = _spec(self._source)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"ScheduleLR.load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+        state = dict(state_dict)
+        spec = state.pop("schedule", None)
+        state.pop("_source", None)
+        state.pop("optimizer", None)
+        if callable(spec):  # a state_dict from an older torchloom held the function itself
+            self._source, self.schedule = spec, spec
+        elif spec is not None:
+            schedule = _from_spec(spec)
+            self._source, self.schedule = schedule, schedule.get_lr
+        self.__dict__.update(state)

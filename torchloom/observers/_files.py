@@ -1,0 +1,93 @@
+"""Output files of the observers: checking a path before training, and writing it atomically.
+
+``check_output_path`` runs when an observer is made and again in its ``check_ready()`` (before a run
+changes anything): the path must name a regular file (or nothing yet) whose directory exists or can
+be created, and that directory must accept a new file (probed with an unnamed temporary file).
+
+``atomic_write`` writes the whole content to a temporary file in the target's directory and then
+renames it over the target (``os.replace``, atomic on POSIX and Windows): an interrupted or failed
+write leaves the previous file as it was and no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import IO, Any
+
+__all__ = ["check_output_path", "atomic_write"]
+
+
+def check_output_path(owner: str, path: Any, name: str = "path") -> str:
+    """``path`` as a ``str`` once it is known to be writable; ``TypeError``/``ValueError`` naming
+    ``owner``'s argument ``name`` otherwise. Creates nothing (missing directories are made when the
+    file is first written)."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{owner}: {name} must be a str or os.PathLike file path, got {type(path).__name__}")
+    p = os.fspath(path)
+    if not isinstance(p, str):
+        raise TypeError(f"{owner}: {name} must be a text path, got {type(p).__name__} {p!r}")
+    if not p or "\x00" in p:
+        raise ValueError(f"{owner}: {name} must be a non-empty file path without NUL characters, got {p!r}")
+    if os.path.isdir(p):
+        raise ValueError(f"{owner}: {name} {p!r} is a directory; give the path of a file in it")
+    if os.path.lexists(p) and not os.path.isfile(p):
+        raise ValueError(f"{owner}: {name} {p!r} exists and is not a regular file (a device, socket or broken link)")
+    parent = os.path.dirname(os.path.abspath(p))
+    existing = parent
+    while not os.path.exists(existing):
+        up = os.path.dirname(existing)
+        if up == existing:
+            break
+        existing = up
+    if not os.path.isdir(existing):
+        raise ValueError(
+            f"{owner}: {name} {p!r} cannot be written: {existing!r} is a file, so the directory {parent!r} cannot exist"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        where = "its directory" if existing == parent else f"{existing!r}, where its directory {parent!r} would be made"
+        raise ValueError(
+            f"{owner}: {name} {p!r} cannot be written: no file can be created in {where} "
+            f"({type(e).__name__}: {e.strerror or e})"
+        ) from None
+    return p
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(owner: str, path: str, write: Callable[[IO[Any]], None], mode: str = "wb") -> None:
+    """Call ``write(f)`` on a temporary file beside ``path``, flush it to disk, and rename it over
+    ``path``. Any failure removes the temporary file, leaves ``path`` untouched and raises ``OSError``
+    naming ``owner`` and ``path`` (the original error is chained); ``KeyboardInterrupt`` and other
+    ``BaseException``s propagate unchanged after the same clean-up."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp: str | None = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        with os.fdopen(fd, mode) as f:
+            if hasattr(os, "fchmod"):  # mkstemp makes 0600; give the file the permissions open() would
+                os.fchmod(f.fileno(), 0o666 & ~_umask())
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except Exception as e:
+        raise OSError(
+            f"{owner}: could not write {path!r} ({type(e).__name__}: {e}); the previous file, if any, is unchanged"
+        ) from e
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
