@@ -155,7 +155,19 @@ class BackpropTrainer(Trainer):
 
     def guarded_device_tensors(self) -> list[Tensor]:
         """What an update changes, as few tensors as the flat layout allows: per param group its
-        parameter buffer and one buffer per kind of state (momentum, moments, step counts)."""
+        parameter buffer and one buffer per kind of state (momentum, moments, step counts). Cached
+        while the layout and the optimizer's state entries stay the same (every step asks)."""
+        opt = self.optimizer
+        key = (len(opt.state), sum(len(st) for st in opt.state.values()), self.params[0].data_ptr(),
+               tuple(id(v) for st in list(opt.state.values())[:1] for v in st.values()))
+        cached = self.__dict__.get("_guard_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        tensors = self._guarded_device_tensors()
+        self._guard_cache = (key, tensors)
+        return tensors
+
+    def _guarded_device_tensors(self) -> list[Tensor]:
         from ..kernels._update import coalesce
 
         out: list[Tensor] = []

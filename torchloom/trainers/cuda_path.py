@@ -111,11 +111,10 @@ class CudaRunner:
     def guard_update(self, slot: int) -> Iterator[None]:
         """Around an update: copy what it changes before, undo it in place when it made anything
         non-finite (status ``NAN_WEIGHTS`` for ``slot``); device ops only."""
+        self.update_guard.device_flag(self.t.device)
         self.update_guard.save()
         yield
-        undone = self.update_guard.restore_if_nonfinite_()
-        status = self.step_status[slot, 0]
-        status.copy_(torch.where(undone & (status == 0), NAN_WEIGHTS, status))
+        self.update_guard.restore_if_nonfinite_(self.step_status[slot, 0])
 
     def log(self, slot: int, values: Sequence[Tensor] | Tensor) -> None:
         """Write the method's per-step logs (``trainer.device_log_names`` order) into row ``slot``."""

@@ -75,6 +75,7 @@ class UpdateGuard:
         self._live: list[Tensor] = []
         self._backup: list[Tensor] = []
         self._known: set[int] = set()
+        self._flag: Tensor | None = None  # device form: raised when a guarded tensor is non-finite
 
     @torch.no_grad()
     def save(self) -> None:
@@ -87,6 +88,8 @@ class UpdateGuard:
         if live:
             torch._foreach_copy_(self._backup, live)
         self._known = {id(t) for t in live}
+        if self._flag is not None:
+            self._flag.zero_()
 
     def _new_tensors(self) -> list[Tensor]:
         return [t for t in _unique_storage(self._tensors()) if t.numel() and id(t) not in self._known]
@@ -105,13 +108,27 @@ class UpdateGuard:
         return False
 
     # -------------------------------------------------------------------------- device form
+    def device_flag(self, device: torch.device) -> Tensor:
+        """The int32 flag of the device form (made once, zeroed by every ``save``)."""
+        if self._flag is None or self._flag.device != device:
+            self._flag = torch.zeros((), dtype=torch.int32, device=device)
+        return self._flag
+
     @torch.no_grad()
-    def restore_if_nonfinite_(self) -> Tensor:
-        """Device-side: a 0-d bool tensor, True when the update was undone. No host read."""
+    def restore_if_nonfinite_(self, status: Tensor | None = None) -> Tensor:
+        """Device-side (``kernels/weight_guard.py``: one check and one restore launch per tensor):
+        undo the update when anything became non-finite, and turn an OK (0) ``status`` into 4
+        (``NAN_WEIGHTS``). Returns the 0-d int32 flag (nonzero: undone). No host read."""
+        from ..kernels.weight_guard import nonfinite_flag_, restore_if_flagged_
+
         new = self._new_tensors()
-        bad = ~finite_flag([*self._live, *new])
-        for t, b in zip(self._live, self._backup):
-            t.copy_(torch.where(bad, b, t))
-        for t in new:
-            t.copy_(torch.where(bad, torch.zeros_like(t), t))
-        return bad
+        everything = [*self._live, *new]
+        if not everything:
+            flag = torch.zeros((), dtype=torch.int32)
+            return flag
+        flag = self.device_flag(everything[0].device)
+        nonfinite_flag_(everything, flag)
+        restore_if_flagged_(self._live, self._backup, flag, status)
+        for t in new:  # state the failing update created: back to "not started"
+            t.copy_(torch.where(flag != 0, torch.zeros_like(t), t))
+        return flag

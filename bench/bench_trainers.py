@@ -1,0 +1,187 @@
+"""Every method on the engine's device path: per-step time and whole-run time, side by side.
+
+One process, one table, a 784-256-256-10 ReLU network on random MNIST-shaped data (timing only):
+
+1. **Per-step time** at batch 1, 32, 1,024 and 16,384 for backprop (SGD, cross-entropy), TargetProp
+   (chain rule, pure) and Tween, each run three ways through ``torchloom.train``:
+
+   * ``graphed``: the engine's device path, steps captured in CUDA graphs (the default);
+   * ``eager``: the same device steps without graphs (``cuda_graph=False``);
+   * ``host``: the host-checked step of Loom's loop on the GPU (what TargetProp and Tween ran before
+     the engine had a device path: one host read per step at least), forced by an observer with an
+     ``on_batch_end`` hook.
+
+   Steady state: the best epoch after the first, divided by its steps. The ratio column is each
+   method's graphed step over backprop's graphed step (target ≤ 1.5×).
+
+2. **Whole-run wall time**: 4 epochs over 60,000 samples, every warm-up, kernel compile and graph
+   capture included, from the first call to the last result, at batch 32, 128 and 1,024: torchloom
+   backprop and Tween (graphed) against an eager PyTorch loop (``nn.Sequential``, ``torch.optim.SGD``,
+   ``F.cross_entropy``) and ``torch.compile`` of that loop's step (compile time included). Target:
+   torchloom ≤ 0.5× the eager loop. The data sit on the GPU before any timer starts.
+
+Run: ``PYTHONPATH=. python bench/bench_trainers.py`` on a CUDA machine (``--quick`` for a short run,
+``--dry-run`` runs the whole pipeline at toy sizes on the CPU, no timings worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torchloom
+from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
+
+SIZES = (784, 256, 256, 10)
+METHODS = {
+    "backprop": "backprop",
+    "tp chain": TargetPropConfig(learning_rate=0.01),
+    "tp pure": TargetPropConfig(mode="pure", learning_rate=0.01),
+    "tween": TweenConfig(base_rate=0.01),
+}
+
+
+class _ForceHost:
+    """An observer with a per-batch hook: the engine then runs Loom's host-checked loop."""
+
+    def on_batch_end(self, trainer, step, logs):
+        pass
+
+
+def _net(dev, sizes=SIZES):
+    torch.manual_seed(0)
+    layers = [Dense(a, b, "relu" if i < len(sizes) - 2 else "linear") for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    return Network(*layers).to(dev)
+
+
+def _data(n_samples, batch, dev, sizes=SIZES):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(n_samples, sizes[0], generator=g).to(dev)
+    y = torch.randint(0, sizes[-1], (n_samples,), generator=g).to(dev)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n_samples, batch)]
+
+
+def _config(method, dev, **kw):
+    m = METHODS[method]
+    m = m if isinstance(m, str) else type(m)(**{k: getattr(m, k) for k in m.__dataclass_fields__})
+    return TrainingConfig(method=m, loss_type="cross_entropy" if method == "backprop" else "mse", verbose=0, device=dev, **kw)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# --------------------------------------------------------------------------------- per step
+def step_times(batches_sizes, dev, epochs=3, max_steps=128):
+    rows = []
+    for batch in batches_sizes:
+        steps = max(2, min(max_steps, 65536 // batch))
+        data = _data(steps * batch, batch, dev)
+        times = {}
+        for method in METHODS:
+            for way in ("graphed", "eager", "host"):
+                kw = dict(cuda_graph=False) if way == "eager" else {}
+                if way == "host":
+                    kw["observers"] = [_ForceHost()]
+                net = _net(dev)
+                eps = epochs if way != "host" else 2
+                result = torchloom.train(net, data, _config(method, dev, epochs=eps, **kw))
+                times[(method, way)] = min(result.epoch_times[1:]) / len(data) * 1e6
+        base = times[("backprop", "graphed")]
+        for method in METHODS:
+            rows.append((batch, method, times[(method, "graphed")], times[(method, "eager")], times[(method, "host")], times[(method, "graphed")] / base))
+    return rows
+
+
+# -------------------------------------------------------------------------------- whole run
+def _torch_model(dev):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.ReLU(), torch.nn.Linear(SIZES[1], SIZES[2]), torch.nn.ReLU(),
+        torch.nn.Linear(SIZES[2], SIZES[3]),
+    ).to(dev)
+
+
+def _eager_run(data, dev, epochs, compiled=False):
+    model = _torch_model(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    fn = torch.compile(step) if compiled else step
+    _sync(dev)
+    t = time.perf_counter()
+    for _ in range(epochs):
+        total = torch.zeros((), device=dev)
+        for x, y in data:
+            total += fn(x, y)
+        float(total)  # one read per epoch, as torchloom's loop
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+def _loom_run(method, data, dev, epochs):
+    net = _net(dev)
+    _sync(dev)
+    t = time.perf_counter()
+    torchloom.train(net, data, _config(method, dev, epochs=epochs))
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True):
+    rows = []
+    for batch in batch_sizes:
+        data = _data(n_samples, batch, dev)
+        eager = _eager_run(data, dev, epochs)
+        compiled = _eager_run(data, dev, epochs, compiled=True) if with_compile else float("nan")
+        for method in ("backprop", "tween"):
+            t = _loom_run(method, data, dev, epochs)
+            rows.append((batch, method, t, eager, compiled, t / eager))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the pipeline only")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        dev = torch.device("cpu")
+        step_sizes, run_sizes, n_samples, max_steps = (4,), (32,), 256, 4
+    else:
+        if not torch.cuda.is_available():
+            print("bench_trainers.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+            return 2
+        dev = torch.device("cuda")
+        step_sizes = (1, 32, 1024) if args.quick else (1, 32, 1024, 16384)
+        run_sizes = (128,) if args.quick else (32, 128, 1024)
+        n_samples, max_steps = 60000, (64 if args.quick else 128)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"# bench_trainers.py on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print("\n## Per step (µs), 784-256-256-10, steady state\n")
+    print("| batch | method | graphed | eager device | host loop | graphed / backprop graphed |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps):
+        print(f"| {batch} | {method} | {g:.1f} | {e:.1f} | {h:.1f} | {r:.2f}× |", flush=True)
+    print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
+    print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for batch, method, t, e, c, r in whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run)):
+        print(f"| {batch} | {method} | {t:.3f} | {e:.3f} | {c:.3f} | {r:.2f}× |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
