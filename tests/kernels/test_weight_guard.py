@@ -24,7 +24,7 @@ def _run(backend, live, backup, status0):
 @pytest.mark.parametrize("status0", [0, 2])
 def test_kernel_matches_reference(cuda_default_device, n, bad, status0):
     g = torch.Generator(device="cpu").manual_seed(n)
-    live = [torch.randn(n, generator=g).to(torch.get_default_device()), torch.randn(3 * n + 1, generator=g).to(torch.get_default_device())]
+    live = [torch.randn(n, generator=g, device="cpu").to(torch.get_default_device()), torch.randn(3 * n + 1, generator=g, device="cpu").to(torch.get_default_device())]
     backup = [torch.randn_like(t) for t in live]
     if bad is not None:
         live[1][(7 * n) % live[1].numel()] = bad

@@ -16,6 +16,12 @@ from torchloom.trainers.train import TrainingConfig, train
 SWITCH = 4  # steps 0..3 at lr 0.25, then lr 1.5
 
 
+def _model_state(path):
+    """The model's state_dict in a Checkpoint file (full training state by default)."""
+    state = torch.load(path, weights_only=True)
+    return state["training"]["model"] if "format" in state else state
+
+
 def _lr(step):
     return 0.25 if step < SWITCH else 1.5
 
@@ -103,7 +109,7 @@ def test_checkpoint_saves_best_state_dict(tmp_path):
     ckpt = Checkpoint(path)
     train(_net(), BATCHES, _config(10, [ckpt]))
     assert ckpt.saved_epochs == list(range(SWITCH + 1))  # improved every epoch up to the plateau
-    state = torch.load(path, weights_only=True)
+    state = _model_state(path)
     assert set(state) == {"layers.0.weight"}
     assert state["layers.0.weight"].item() == pytest.approx(w[SWITCH + 1], rel=1e-12)
     fresh = _net()
@@ -117,7 +123,7 @@ def test_checkpoint_every_epoch(tmp_path):
     ckpt = Checkpoint(path, save_best_only=False)
     train(_net(), BATCHES, _config(6, [ckpt]))
     assert ckpt.saved_epochs == list(range(6))
-    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
+    assert _model_state(path)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
 
 
 def test_checkpoint_and_early_stopping_together(tmp_path):
@@ -125,7 +131,7 @@ def test_checkpoint_and_early_stopping_together(tmp_path):
     path = tmp_path / "best.pt"
     net = _net()
     train(net, BATCHES, _config(20, [Checkpoint(path), EarlyStopping(patience=2)]))
-    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1])
+    assert _model_state(path)["layers.0.weight"].item() == net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1])
 
 
 def test_checkpoint_rejects_bad_arguments():
@@ -143,7 +149,7 @@ def test_checkpoint_every_n_epochs(tmp_path):
     ckpt = Checkpoint(path, save_best_only=False, every_n_epochs=3)
     train(_net(), BATCHES, _config(7, [ckpt]))
     assert ckpt.saved_epochs == [2, 5]  # 1-based epochs 3 and 6
-    assert torch.load(path, weights_only=True)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
+    assert _model_state(path)["layers.0.weight"].item() == pytest.approx(w[6], rel=1e-12)
 
 
 def test_mode_auto_watches_accuracy_upwards(tmp_path):
@@ -200,5 +206,5 @@ def test_restore_best_and_checkpoint_skip_diverged_epochs_in_training(tmp_path):
     assert stop.best_epoch == ckpt.best_epoch == SWITCH
     assert ckpt.saved_epochs == list(range(SWITCH + 1))
     assert net.layers[0].weight.item() == pytest.approx(w[SWITCH + 1], rel=1e-12)
-    assert torch.load(tmp_path / "best.pt", weights_only=True)["layers.0.weight"].item() == pytest.approx(w[SWITCH + 1])
+    assert _model_state(tmp_path / "best.pt")["layers.0.weight"].item() == pytest.approx(w[SWITCH + 1])
     assert w[SWITCH + 1] != pytest.approx(w[6])

@@ -338,3 +338,54 @@ def test_cuda_equals_cpu_for_every_method(name, cuda_graph):
     for p, q in zip(b.parameters(), a.parameters()):
         assert p.is_cuda
         assert_close(p.cpu(), q, name="param", rtol=5e-4, atol=5e-5)
+
+
+# ------------------------------------------------------------------------------ exact resume
+@pytest.mark.parametrize("name", list(METHODS))
+def test_two_epochs_plus_resume_equals_four_epochs_bit_for_bit(name, tmp_path):
+    from torchloom import Checkpoint
+
+    data = _data()
+    extra = dict(scheduler=lambda step: 0.05 / (1 + 0.1 * step)) if name != "backprop" else dict(optimizer="adamw", scheduler=lambda step: 0.01 / (1 + step))
+    full = _net()
+    r_full = train(full, data, _cfg(name, epochs=4, **extra))
+    path = tmp_path / "run.pt"
+    first = _net()
+    train(first, data, _cfg(name, epochs=2, observers=[Checkpoint(path, save_best_only=False)], **extra))
+    resumed = _net(seed=99)  # other initial weights: everything must come from the checkpoint
+    r_res = train(resumed, data, _cfg(name, epochs=4, resume_from=path, **extra))
+    assert _same(resumed, full)
+    assert r_res.loss_history == r_full.loss_history
+    assert len(r_res.history["loss"]) == 4
+    for key in r_full.history.keys():
+        if key not in ("epoch_time", "samples_per_second", "eta"):
+            assert r_res.history[key] == r_full.history[key], key
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda p: p / "missing.pt", ValueError, "no such file"),
+        (lambda p: (p / "bare.pt", torch.save({"w": torch.ones(1)}, p / "bare.pt"))[0], ValueError, "no full training state"),
+        (lambda p: (p / "junk.pt", (p / "junk.pt").write_bytes(b"not a checkpoint"))[0], ValueError, "not a readable"),
+    ],
+    ids=["missing", "bare-state-dict", "junk"],
+)
+def test_bad_resume_files_raise_before_anything_changes(make, exc, match, tmp_path):
+    net, before = _net(), _net()
+    with pytest.raises(exc, match=match):
+        train(net, _data(), _cfg("backprop", resume_from=make(tmp_path)))
+    assert _same(net, before)
+
+
+def test_resume_checks_method_model_and_epochs(tmp_path):
+    from torchloom import Checkpoint
+
+    path = tmp_path / "run.pt"
+    train(_net(), _data(), _cfg("backprop", epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
+    with pytest.raises(ValueError, match="written by BackpropTrainer"):
+        train(_net(), _data(), _cfg("tween", epochs=3, resume_from=path))
+    with pytest.raises(ValueError, match="must be > 2"):
+        train(_net(), _data(), _cfg("backprop", epochs=2, resume_from=path))
+    with pytest.raises(ValueError, match="does not match this model"):
+        train(_net(sizes=(6, 5, 4)), _data(), _cfg("backprop", epochs=3, resume_from=path))

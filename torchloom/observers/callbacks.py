@@ -215,14 +215,22 @@ class EarlyStopping(Observer):
 
 
 class Checkpoint(Observer):
-    """Saves ``trainer.model.state_dict()`` with ``torch.save`` at the end of an epoch: the best so
-    far by ``monitor`` (``save_best_only=True``) or every epoch (overwriting ``path``).
+    """Saves the training state with ``torch.save`` at the end of an epoch: the best so far by
+    ``monitor`` (``save_best_only=True``) or every epoch (overwriting ``path``).
+
+    With ``full_state=True`` (the default) the file holds the whole run after that epoch: model,
+    optimizer or method state (TargetProp / Tween velocities, Tween's adaptive rate and explosion
+    watch), schedule, random-number states, epoch count and history, so that
+    ``TrainingConfig(resume_from=path)`` continues exactly where it stopped (2 epochs + resume for 2
+    equals 4 epochs in one run). The model's weights are under ``"training"`` → ``"model"``:
+    ``model.load_state_dict(torch.load(path, weights_only=True)["training"]["model"])``. With
+    ``full_state=False`` the file is ``model.state_dict()`` alone.
 
     The file is written to a temporary file beside ``path`` and then renamed over it, so an
     interrupted or failed save leaves the previous checkpoint intact and no temporary file; a failed
     save raises ``OSError`` naming the path. Missing directories of ``path`` are made at the first
-    save. An epoch whose monitored value is NaN or ±Inf is never saved as the best. Load with
-    ``model.load_state_dict(torch.load(path, weights_only=True))``.
+    save. An epoch whose monitored value is NaN or ±Inf is never saved as the best. Both kinds of
+    file load with ``torch.load(path, weights_only=True)``: data, never code.
 
     Args:
         path: the file to write (its directory must exist or be creatable, and be writable).
@@ -232,6 +240,7 @@ class Checkpoint(Observer):
         min_delta: an improvement must beat the best value by more than this (>= 0).
         every_n_epochs: consider saving only at the end of every n-th epoch (1-based epochs n, 2n,
             ...); with ``save_best_only`` the best is judged among those epochs only.
+        full_state: save the whole training state (default), or ``model.state_dict()`` only.
 
     ``check_ready()`` re-checks the path and these settings (they may be changed after
     construction); trainers call it before a run changes anything.
@@ -248,8 +257,10 @@ class Checkpoint(Observer):
         mode: str = "auto",
         min_delta: float = 0.0,
         every_n_epochs: int = 1,
+        full_state: bool = True,
     ) -> None:
         self.path = path
+        self.full_state = full_state
         self.monitor = monitor
         self.save_best_only = save_best_only
         self.mode = mode
@@ -265,6 +276,7 @@ class Checkpoint(Observer):
         setting is invalid (``path`` is normalised to a ``str``)."""
         self.path = check_output_path("Checkpoint", self.path)
         _check_bool("Checkpoint", "save_best_only", self.save_best_only)
+        _check_bool("Checkpoint", "full_state", self.full_state)
         _check_monitor("Checkpoint", self.monitor, self.mode, self.min_delta)
         n = self.every_n_epochs
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -289,7 +301,8 @@ class Checkpoint(Observer):
             return
         improved = self._tracker.better(value)
         if improved or not self.save_best_only:
-            state = trainer.model.state_dict()
+            full = self.full_state and hasattr(trainer, "checkpoint_state")
+            state = trainer.checkpoint_state() if full else trainer.model.state_dict()
             atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
             self.saved_epochs.append(epoch)
         if improved:  # recorded once saved: after a failed save, best still names the file's epoch

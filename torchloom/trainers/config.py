@@ -8,8 +8,10 @@ graphs, schedules, clipping, NaN/Inf guards).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,7 @@ from ..layers.network import Network
 from .losses import check_loss_type
 from .optim import OPTIMIZERS
 
-__all__ = ["TrainingConfig", "METHODS", "CLIP_MODES", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler"]
+__all__ = ["TrainingConfig", "METHODS", "CLIP_MODES", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler", "is_plateau"]
 
 METHODS = ("backprop", "target_prop", "tween")
 _DEFAULT_LR = 0.01  # TrainingConfig.learning_rate's default
@@ -68,6 +70,13 @@ class TrainingConfig:
     seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
     cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
     method: Any = "backprop"  # "backprop" | "target_prop" | "tween" | a TargetPropConfig | a TweenConfig
+    validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
+    metrics: Sequence[Any] = ()  # names ("accuracy", "mse", "mae", ...) or callables metric(output, target)
+    batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
+    shuffle: bool = False  # for a Dataset or (X, Y) tensors: a new order every epoch, seeded by seed
+    resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
+    scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
+    scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +137,32 @@ class TrainingConfig:
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
         self.method_config()  # checks method and its agreement with the other fields
+        if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
+            raise TypeError(
+                f"TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), got {self.metrics!r}"
+            )
+        self.metrics = tuple(self.metrics)
+        for m in self.metrics:
+            if not (isinstance(m, str) or callable(m)):
+                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) or self.batch_size < 1):
+            raise ValueError(f"TrainingConfig: batch_size must be None or an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.shuffle, bool):
+            raise TypeError(f"TrainingConfig: shuffle must be a bool, got {self.shuffle!r}")
+        if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
+            raise TypeError(f"TrainingConfig: resume_from must be None or a path (str or os.PathLike), got {type(self.resume_from).__name__}")
+        if self.scheduler_interval not in ("batch", "epoch"):
+            raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
+        if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
+            raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
+        if isinstance(self.optimizer, Optimizer) and self.learning_rate != _DEFAULT_LR:
+            lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
+            if lrs != [float(self.learning_rate)]:
+                raise ValueError(
+                    f"TrainingConfig: learning_rate={self.learning_rate!r} is given with an optimizer instance whose "
+                    f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
+                    "default or build the optimizer with that lr"
+                )
 
     def method_config(self) -> Any:
         """The method's own config: ``None`` for backprop, else a validated ``TargetPropConfig`` /
@@ -229,18 +264,38 @@ def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None
         raise ValueError(f"optimizer: {type(optimizer).__name__} holds none of the model's trainable parameters")
 
 
-def as_scheduler(spec: Any, optimizer: Optimizer) -> LRScheduler | None:
-    """A per-batch ``LRScheduler`` from ``train()``'s ``scheduler`` setting."""
+def _scheduler_class(spec: Any) -> bool:
+    """Whether ``spec`` builds an LRScheduler from an optimizer: an ``LRScheduler`` subclass (e.g.
+    ``ReduceLROnPlateau``) or a ``functools.partial`` of one."""
+    func = spec.func if isinstance(spec, functools.partial) else spec
+    return isinstance(func, type) and (issubclass(func, LRScheduler) or func.__name__ == "ReduceLROnPlateau")
+
+
+def as_scheduler(spec: Any, optimizer: Optimizer) -> Any:
+    """The ``LRScheduler`` of ``train()``'s ``scheduler`` setting, over ``optimizer`` (the optimizer
+    of backprop, or the rate holder of TargetProp / Tweening):
+
+    * an ``LRScheduler`` instance bound to that optimizer;
+    * an ``LRScheduler`` class or a ``functools.partial`` of one (``partial(ReduceLROnPlateau,
+      patience=2)``), built over it: the way to schedule TargetProp's and Tweening's rate;
+    * a schedule ``lr(step)`` (``torchloom.schedules`` or any callable), wrapped in ``ScheduleLR``."""
     if spec is None:
         return None
-    if isinstance(spec, LRScheduler):
+    if isinstance(spec, (LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         if spec.optimizer is not optimizer:
             raise ValueError(
                 "scheduler is an LRScheduler bound to another optimizer; pass that optimizer as "
-                "TrainingConfig(optimizer=...) or give a schedule (see torchloom.schedules) instead"
+                "TrainingConfig(optimizer=...), or give the scheduler's class (e.g. functools.partial("
+                "ReduceLROnPlateau, patience=2)) or a schedule (see torchloom.schedules) instead"
             )
         return spec
+    if _scheduler_class(spec):
+        return spec(optimizer)
     from .schedules import ScheduleLR
 
     return ScheduleLR(optimizer, spec)
 
+
+def is_plateau(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on a monitored value (``ReduceLROnPlateau``) rather than a count."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

@@ -167,8 +167,8 @@ class CudaRunner:
                 if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
                 t.device_step(x, y, k, self)
-                if t.scheduler is not None:
-                    t.scheduler.step()
+                if t.batch_scheduler is not None:
+                    t.batch_scheduler.step()
                 count += 1
                 self._streamed_samples += x.shape[0]
         t.global_step += count
@@ -192,13 +192,15 @@ class CudaRunner:
             setattr(self, name, new)
 
     def _epoch_lrs(self, n: int) -> Tensor:
-        """This epoch's learning rates ``[n, groups]``, found on the host by advancing the scheduler
-        once per batch ahead of the replay."""
+        """This epoch's learning rates ``[n, groups]``, found on the host by advancing a per-batch
+        scheduler once per batch ahead of the replay (an epoch-interval scheduler keeps them fixed)."""
         groups = self.t.rate_groups()
+        scheduler = self.t.batch_scheduler
         rows = []
         for _ in range(n):
             rows.append([float(g["lr"]) for g in groups])
-            self.t.scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
         return torch.tensor(rows, dtype=torch.float32)
 
     def _capture(self, source: BatchSource) -> None:

@@ -142,30 +142,68 @@ def _to_pair(batch: Any, index: int) -> tuple[Any, Any]:
 class BatchSource:
     """The batches of a run, re-iterable once per epoch.
 
-    A list (or any other finite iterable) is converted, moved to the device and validated once, up
-    front; a ``DataLoader`` is converted batch by batch as it streams, its first batch checked before
-    training starts."""
+    Data forms: a list of ``(input, target)`` pairs / ``TrainingBatch``es (converted, moved to the
+    device and validated once, up front); a ``DataLoader`` (converted batch by batch as it streams,
+    its first batch checked before training starts); a ``Dataset`` or a tuple ``(X, Y)`` of tensors,
+    batched by ``config.batch_size`` (default 32) and, with ``config.shuffle``, reordered every epoch
+    from ``config.seed`` (``trainers/data.py``). ``name`` names the data in error messages."""
 
-    def __init__(self, batches: Any, convert: Callable[[Any, Any, int], tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self, batches: Any, convert: Callable[[Any, Any, int], tuple[Tensor, Tensor]], config: Any = None, *,
+        name: str = "batches", shuffle: bool | None = None,
+    ) -> None:
         self._convert = convert
+        self._loader: Any = None
+        self._items: list[tuple[Tensor, Tensor]] | None = None
+        batch_size = getattr(config, "batch_size", None)
+        shuffle = getattr(config, "shuffle", False) if shuffle is None else shuffle
+        seed = getattr(config, "seed", None)
+        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(isinstance(t, Tensor) for t in batches)
+        is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
+        if is_xy or is_dataset:
+            from .data import as_batch_iterable
+
+            data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
+            if data.is_list:
+                batches = data.materialise()
+            else:
+                self._loader = data
+                first = next(iter(data), None)
+                if first is None:
+                    raise ValueError(f"{name} is empty: it yields no batch")
+                convert(*_to_pair(first, 0), 0)
+                return
+        elif batch_size is not None and name == "batches":
+            raise ValueError(
+                f"batch_size={batch_size} applies to a Dataset or an (X, Y) pair of tensors; these {name} are "
+                "already batched (a list of batches or a DataLoader): leave batch_size at None"
+            )
         if isinstance(batches, torch.utils.data.DataLoader):
-            self._items = None
             self._loader = batches
             first = next(iter(batches), None)
             if first is None:
-                raise ValueError("batches is empty: the DataLoader yielded no batch")
+                raise ValueError(f"{name} is empty: the DataLoader yielded no batch")
             convert(*_to_pair(first, 0), 0)
             return
         if isinstance(batches, (str, bytes, Tensor, TrainingBatch)) or not isinstance(batches, Iterable):
             raise TypeError(
-                "batches must be a list of TrainingBatch / (input, target) pairs or a DataLoader, "
-                f"got {type(batches).__name__}"
+                f"{name} must be a list of TrainingBatch / (input, target) pairs, a DataLoader, a Dataset or an "
+                f"(X, Y) pair of tensors, got {type(batches).__name__}"
             )
         items = list(batches)
         if not items:
-            raise ValueError("batches is empty: give at least one (input, target) batch")
+            raise ValueError(f"{name} is empty: give at least one (input, target) batch")
         self._items = [convert(*_to_pair(b, i), i) for i, b in enumerate(items)]
-        self._loader = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell a shuffling source (or a ``DataLoader``'s ``DistributedSampler``) which epoch starts."""
+        loader = self._loader
+        if loader is None:
+            return
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         if self._items is not None:
@@ -264,6 +302,17 @@ class Trainer:
         return []
 
     @property
+    def batch_scheduler(self) -> Any:
+        """The scheduler when it steps once per batch (``scheduler_interval="batch"``, not a
+        ``ReduceLROnPlateau``), else ``None`` (stepped once per epoch by ``fit``)."""
+        from .config import is_plateau
+
+        s = self.scheduler
+        if s is None or self.training.scheduler_interval != "batch" or is_plateau(s):
+            return None
+        return s
+
+    @property
     def runner(self) -> Any:
         """The device runner (``None`` until ``setup`` made one: CUDA and a method with a device step)."""
         return self._runner
@@ -343,9 +392,10 @@ class Trainer:
                 "device step, and no per-batch or per-layer observers"
             )
         out = self.host_epoch(source, epoch)
-        if self.scheduler is not None and source.sized:
+        scheduler = self.batch_scheduler
+        if scheduler is not None and source.sized:
             for _ in range(len(source) - out.batches_run):  # batches an abandoned epoch did not reach
-                self.scheduler.step()
+                scheduler.step()
         return out
 
     def host_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
@@ -353,6 +403,7 @@ class Trainer:
         loop); the weights are checked after every update (``UpdateGuard``)."""
         out = EpochOutcome()
         wants_batch = self.observers.wants("on_batch_end")
+        scheduler = self.batch_scheduler
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
@@ -363,8 +414,8 @@ class Trainer:
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
-            if self.scheduler is not None:
-                self.scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
@@ -417,42 +468,58 @@ class Trainer:
         self.model.load_state_dict(state["model"])
 
     def fit(self, batches: Any, epochs: int, *, track_perf: bool = False) -> TrainingResult:
-        """Run ``epochs`` passes over ``batches`` and return a ``TrainingResult``.
+        """Run the epochs over ``batches`` and return a ``TrainingResult``.
 
-        Order (nothing changes before the last check): ``epochs``, ``preflight()`` (observers' and the
-        trainer's own checks), every batch of a list converted and checked (a ``DataLoader``'s first
-        batch), then ``setup()`` (the model moves to the device), then the epochs. With a streamed
-        source (a ``DataLoader``), a batch that fails its check mid-epoch, or any error inside an
-        epoch, puts the model and the trainer's state back as they were at the start of that epoch
-        before the error propagates."""
+        ``epochs`` counts the whole run: with ``TrainingConfig(resume_from=path)`` training continues
+        from the checkpoint's epoch up to ``epochs``. Order (nothing changes before the last check):
+        ``epochs``, ``preflight()`` (observers' and the trainer's own checks), the data (every batch
+        of a list converted and checked; a ``DataLoader``'s first batch; the validation data too),
+        the checkpoint to resume from, then ``setup()`` (the model moves to the device), then the
+        epochs. After each epoch: the validation data in eval mode without gradients (``val_loss``,
+        ``val_<metric>``), the training metrics, an epoch-interval or ``ReduceLROnPlateau``
+        schedule, then the observers. With a streamed source (a ``DataLoader``), a batch that fails
+        its check mid-epoch, or any error inside an epoch, puts the model and the trainer's state
+        back as they were at the start of that epoch before the error propagates."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+        cfg = self.training
         self.preflight()
-        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch)
+        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg)
+        validation = None
+        if cfg.validation_data is not None:
+            validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
+        resume = self._read_checkpoint(cfg.resume_from, epochs) if cfg.resume_from is not None else None
         self.setup()
-        seed = self.training.seed
-        if seed is not None:
-            torch.manual_seed(seed)
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        self.metric_set = _metric_set(cfg.metrics)
         history = History()
         observers = self.make_observers()
         self.observers = observers
         self.epochs = epochs
         self.steps_per_epoch = len(source) if source.sized else None
         self.stop_training = False
+        self.history = history
+        self.loss_history: list[float] = []
+        self.epoch_times: list[float] = []
+        self.skipped_per_epoch: list[int] = []
+        first_epoch = 0
+        if resume is not None:
+            first_epoch = self._restore_checkpoint(resume, history)
 
-        loss_history: list[float] = []
-        epoch_times: list[float] = []
-        skipped_per_epoch: list[int] = []
         perf: list[dict[str, float]] | None = [] if track_perf else None
         total_samples = 0
         observers("on_train_begin", self)
         start = time.perf_counter()
 
-        for epoch in range(epochs):
+        for epoch in range(first_epoch, epochs):
             self.epoch = epoch
+            source.set_epoch(epoch)
             observers("on_epoch_begin", self, epoch)
             epoch_start = time.perf_counter()
             snapshot = copy.deepcopy(self.training_state()) if source.items is None else None
+            if self.metric_set is not None:
+                self.metric_set.reset()
             try:
                 out = self.run_epoch(source, epoch)
             except Exception:
@@ -473,18 +540,27 @@ class Trainer:
                     DivergenceWarning,
                     stacklevel=2,
                 )
-            loss_history.append(avg_loss)
-            epoch_times.append(epoch_time)
-            skipped_per_epoch.append(skipped)
+            self.loss_history.append(avg_loss)
+            self.epoch_times.append(epoch_time)
+            self.skipped_per_epoch.append(skipped)
             logs = {
                 "loss": avg_loss,
                 **{k: v / out.counted for k, v in out.extra_sums.items() if out.counted},
-                "skipped": float(skipped),
-                "counted": float(out.counted),
-                "epoch_time": epoch_time,
-                "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
-                "eta": elapsed / (epoch + 1) * (epochs - epoch - 1),
             }
+            if self.metric_set is not None and out.counted:
+                logs.update(self.metric_set.compute())
+            if validation is not None:
+                logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            logs.update(
+                {
+                    "skipped": float(skipped),
+                    "counted": float(out.counted),
+                    "epoch_time": epoch_time,
+                    "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
+                    "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
+                }
+            )
+            self._epoch_scheduler_step(logs)
             if perf is not None:
                 perf.append(
                     {
@@ -494,24 +570,175 @@ class Trainer:
                     }
                 )
             history.on_epoch_end(self, epoch, logs)
+            self.epoch = epoch + 1  # epochs completed: what a checkpoint written now records
             observers("on_epoch_end", self, epoch, logs)
             if self.stop_training:
                 break
 
         total_time = time.perf_counter() - start
         result = TrainingResult(
-            final_loss=loss_history[-1],
+            final_loss=self.loss_history[-1] if self.loss_history else math.nan,
             total_time=total_time,
-            loss_history=loss_history,
-            epoch_times=epoch_times,
+            loss_history=list(self.loss_history),
+            epoch_times=list(self.epoch_times),
             samples_per_second=total_samples / total_time if total_time > 0 else 0.0,
-            skipped_batches=sum(skipped_per_epoch),
+            skipped_batches=sum(self.skipped_per_epoch),
             history=history,
             perf=perf,
-            skipped_per_epoch=skipped_per_epoch,
+            skipped_per_epoch=list(self.skipped_per_epoch),
         )
         observers("on_train_end", self, result)
         return result
+
+    # ------------------------------------------------------------- validation
+    @torch.no_grad()
+    def evaluate_source(self, source: "BatchSource") -> dict[str, float]:
+        """The loss (the method's loss: ``"mse"`` for TargetProp, the config's ``loss_type``
+        otherwise) and the metrics of the model on ``source``, in eval mode without gradients, each
+        a sample-weighted mean over the batches. The model's train/eval mode is restored after."""
+        from .evaluate import evaluate
+
+        was_training = self.model.training
+        try:
+            return evaluate(self.model, list(source), loss_type=self.eval_loss_type(), metrics=self.training.metrics, device=self.device)
+        finally:
+            self.model.train(was_training)
+
+    def eval_loss_type(self) -> Any:
+        """The loss ``val_loss`` reports: the one the training loss reports."""
+        return self.training.loss_type
+
+    def observe_outputs(self, output: Tensor, target: Tensor) -> None:
+        """Feed a training step's (pre-update) outputs to the training metrics, if any (no host read)."""
+        if self.metric_set is not None:
+            self.metric_set.update(output, target)
+
+    def _epoch_scheduler_step(self, logs: dict[str, float]) -> None:
+        from .config import is_plateau
+
+        s = self.scheduler
+        if s is None or self.batch_scheduler is s:
+            return
+        if is_plateau(s):
+            key = self.training.scheduler_monitor or ("val_loss" if "val_loss" in logs else "loss")
+            if key not in logs:
+                raise ValueError(f"scheduler_monitor: the epoch logs have no key {key!r}; available: {sorted(logs)}")
+            value = logs[key]
+            if math.isfinite(value):  # a diverged epoch is not a plateau reading
+                s.step(value)
+        else:
+            s.step()
+
+    # ------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The whole state of the run after ``self.epoch`` completed epochs: model, optimizer or method
+        state, schedule, random-number states, history. Only tensors, numbers, strings, lists and
+        dicts: ``torch.load(path, weights_only=True)`` reads it back."""
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "method": type(self).__name__,
+            "epoch": int(self.epoch),
+            "global_step": int(self.global_step),
+            "training": self.training_state(),
+            "rng": rng,
+            "history": {k: list(v) for k, v in self.history.history.items()},
+            "loss_history": list(self.loss_history),
+            "epoch_times": list(self.epoch_times),
+            "skipped_per_epoch": list(self.skipped_per_epoch),
+        }
+
+    def _read_checkpoint(self, path: Any, epochs: int) -> dict[str, Any]:
+        """Read and check a full-state checkpoint (``weights_only=True``: data, never code)."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise ValueError(f"resume_from: no such file {str(path)!r}") from None
+        except Exception as e:
+            raise ValueError(f"resume_from: {str(path)!r} is not a readable torchloom checkpoint ({type(e).__name__}: {e})") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"resume_from: {str(path)!r} holds no full training state (write it with Checkpoint(..., full_state=True), "
+                "the default); a bare state_dict loads with model.load_state_dict instead"
+            )
+        if state["method"] != type(self).__name__:
+            raise ValueError(f"resume_from: the checkpoint was written by {state['method']}, this run uses {type(self).__name__}")
+        if state["epoch"] >= epochs:
+            raise ValueError(
+                f"epochs: the checkpoint has {state['epoch']} epochs done already; epochs counts the whole run, "
+                f"so it must be > {state['epoch']} to train more, got {epochs}"
+            )
+        own = self.model.state_dict()
+        theirs = state["training"]["model"]
+        shapes = {k: tuple(v.shape) for k, v in own.items()}
+        if set(theirs) != set(own) or any(tuple(theirs[k].shape) != shapes[k] for k in own):
+            raise ValueError(f"resume_from: the checkpoint's model does not match this model (parameters {sorted(theirs)} vs {sorted(own)})")
+        return state
+
+    def _restore_checkpoint(self, state: dict[str, Any], history: "History") -> int:
+        """Put a checked checkpoint's state in place; returns the first epoch to run."""
+        self.load_training_state(_to_device(state["training"], self.device))
+        for key, values in state["history"].items():
+            history.history[key] = list(values)
+        history.epochs = list(range(state["epoch"]))
+        self.loss_history = list(state["loss_history"])
+        self.epoch_times = list(state["epoch_times"])
+        self.skipped_per_epoch = list(state["skipped_per_epoch"])
+        self.global_step = int(state["global_step"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        return int(state["epoch"])
+
+
+CHECKPOINT_FORMAT = "torchloom-training-state-1"
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors of a loaded state moved to the training device (optimizer states stay where their
+    ``load_state_dict`` puts them)."""
+    if isinstance(obj, Tensor):
+        return obj.to(device) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: (v if k in ("optimizer", "scheduler") else _to_device(v, device)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    return obj
+
+
+def _metric_set(metrics: Sequence[Any]) -> Any:
+    if not metrics:
+        return None
+    from .metrics import MetricSet
+
+    return MetricSet(list(metrics))
+
+
+@torch.no_grad()
+def flatten_tensors_(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Re-home ``tensors`` (same dtype and device) as consecutive views of one new buffer holding the
+    same values, re-pointing ``.data`` so every holder keeps its object; returns the views."""
+    from .optim import _rehome
+
+    tensors = list(tensors)
+    if len(tensors) < 2 or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
+        return tensors
+    views = _rehome([t.data for t in tensors])
+    for t, v in zip(tensors, views):
+        t.data = v
+    return tensors
+
+
+def as_flat(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``[flat]`` when ``tensors`` are consecutive views of one buffer (``flatten_tensors_``), else
+    ``tensors``: the guard and the multi-tensor ops then touch one tensor."""
+    from ..kernels._update import coalesce
+
+    tensors = [t for t in tensors if t.numel()]
+    flat = coalesce(tensors) if len(tensors) > 1 else None
+    return flat[0] if flat is not None else tensors
 
 
 class RateHolder(torch.optim.Optimizer):

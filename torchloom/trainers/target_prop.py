@@ -70,7 +70,7 @@ from ..layers.lstm import LSTM
 from ..layers.network import Network
 from ..layers.rnn import RNN
 from ..observers.layer_stats import LayerEvents
-from .loop import RateHolder, StepOutput, StepStatus, Trainer, all_finite
+from .loop import RateHolder, StepOutput, StepStatus, Trainer, all_finite, as_flat, flatten_tensors_
 from .config import as_network
 
 __all__ = [
@@ -653,6 +653,9 @@ class TargetPropTrainer(Trainer):
             params = tuple(layer.parameters())
             if params and st.velocities[i] is None:
                 st.velocities[i] = tuple(torch.zeros_like(p) for p in params)
+        # parameters and velocities each in one buffer: the weight guard then checks two tensors
+        flatten_tensors_([p for p in self.model.parameters()])
+        flatten_tensors_([v for vs in st.velocities if vs is not None for v in vs])
         self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
         n = st.num_layers
         self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
@@ -660,7 +663,9 @@ class TargetPropTrainer(Trainer):
         self._nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
 
     def guarded_device_tensors(self) -> list[Tensor]:
-        return [*self.guarded_tensors(), self._budgets]
+        velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return [*as_flat(params), *as_flat(velocities), self._budgets]
 
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
