@@ -237,8 +237,8 @@ def test_unknown_activation_name_is_a_value_error():
 
 
 def test_model_type_errors():
-    with pytest.raises(TypeError, match="model must be a torchloom Network"):
-        train(torch.nn.Linear(3, 2), _batches(), verbose=False)
+    with pytest.raises(TypeError, match="model must be a torchloom Network, a torchloom layer, an nn.Module"):
+        train("not a model", _batches(), verbose=False)
     with pytest.raises(TypeError, match="batches must be a list"):
         train(_net(), torch.zeros(3), verbose=False)
 

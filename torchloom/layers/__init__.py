@@ -5,9 +5,11 @@ from .attention import MultiHeadAttention, MultiHeadAttentionFunction, multi_hea
 from .base import Layer, LayerFunction, LayerRecord
 from .containers import Parallel, Residual
 from .conv import Conv1D, Conv2D, Conv3D, ConvFunction, Flatten, conv
+from .conv_transpose import ConvTranspose1D, ConvTranspose2D, ConvTranspose3D, ConvTransposeFunction, conv_transpose
 from .dense import Dense, DenseFunction, dense
 from .embedding import Embedding, EmbeddingFunction, embedding
 from .lstm import LSTM, LSTMFunction, lstm
+from .module_layer import ModuleLayer
 from .network import Network, Sequential
 from .norm import LayerNorm, LayerNormFunction, RMSNorm, RMSNormFunction, layer_norm, rms_norm
 from .rnn import RNN, LastStep, RNNFunction, rnn
@@ -23,6 +25,7 @@ __all__ = [
     "LayerFunction",
     "LayerRecord",
     "Network",
+    "ModuleLayer",
     "Sequential",
     "Dense",
     "DenseFunction",
@@ -32,6 +35,11 @@ __all__ = [
     "Conv3D",
     "ConvFunction",
     "conv",
+    "ConvTranspose1D",
+    "ConvTranspose2D",
+    "ConvTranspose3D",
+    "ConvTransposeFunction",
+    "conv_transpose",
     "Flatten",
     "RNN",
     "RNNFunction",

@@ -41,10 +41,13 @@ def _as_layer_list(layers: tuple[Any, ...], owner: str) -> list[Layer]:
         layers = tuple(layers[0])
     out = []
     for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Module) and not isinstance(layer, Layer):
+            from .module_layer import ModuleLayer
+
+            layer = ModuleLayer(layer)  # a plain module: its backward comes from autograd
         if not isinstance(layer, Layer):
             raise TypeError(
-                f"{owner}: layer {i} must be a torchloom layer (torchloom.layers.Layer), "
-                f"got {type(layer).__name__}"
+                f"{owner}: layer {i} must be a torchloom layer or a torch.nn.Module, got {type(layer).__name__}"
             )
         out.append(layer)
     return out

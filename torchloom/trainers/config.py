@@ -176,6 +176,7 @@ class TrainingConfig:
         from .tween import TweenConfig
 
         m = self.method
+        cfg: Any
         if isinstance(m, str):
             name = m.lower().replace("-", "_")
             name = {"targetprop": "target_prop", "tweening": "tween"}.get(name, name)
@@ -186,7 +187,7 @@ class TrainingConfig:
                 )
             if name == "backprop":
                 return None
-            cfg: Any = TargetPropConfig(learning_rate=self.learning_rate) if name == "target_prop" else TweenConfig(
+            cfg = TargetPropConfig(learning_rate=self.learning_rate) if name == "target_prop" else TweenConfig(
                 base_rate=self.learning_rate, loss_type=None if self.loss_type == "mse" else self.loss_type
             )
         elif isinstance(m, (TargetPropConfig, TweenConfig)):
@@ -204,6 +205,11 @@ class TrainingConfig:
             raise TypeError(
                 "TrainingConfig: method must be 'backprop', 'target_prop', 'tween' or a TargetPropConfig / "
                 f"TweenConfig, got {type(m).__name__}"
+            )
+        if isinstance(cfg, TargetPropConfig) and not (isinstance(self.loss_type, str) and self.loss_type == "mse"):
+            raise ValueError(
+                f"TrainingConfig: loss_type={self.loss_type!r} cannot be used with TargetProp, which trains on "
+                "½Σ(y − t)² and reports the 'mse' loss (leave loss_type='mse')"
             )
         if not (isinstance(self.optimizer, str) and self.optimizer.lower() == "sgd"):
             raise ValueError(
@@ -234,17 +240,22 @@ def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: 
 
 
 def as_network(model: Any) -> Network:
-    """``model`` as a ``Network``: a Network as is, a torchloom layer or a list of layers wrapped.
-    Any other module is a ``TypeError``: torchloom trains through hand-written backwards only."""
+    """``model`` as a ``Network``: a Network as is; a torchloom layer, a list of layers and modules,
+    or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
+    Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
+    through their hand-written backward. The parameters are the model's own (nothing is copied)."""
     if isinstance(model, Network):
         return model
     if isinstance(model, Layer):
         return Network(model)
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, Layer) for m in model):
+    if isinstance(model, torch.nn.Sequential) and len(model):
         return Network(*model)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model):
+        return Network(*model)
+    if isinstance(model, torch.nn.Module):
+        return Network(model)
     raise TypeError(
-        f"model must be a torchloom Network, a torchloom layer or a list of them, got {type(model).__name__}; "
-        "torchloom trains through the layers' hand-written backward, so plain nn.Modules are not accepted"
+        f"model must be a torchloom Network, a torchloom layer, an nn.Module or a list of them, got {type(model).__name__}"
     )
 
 

@@ -359,11 +359,15 @@ class Trainer:
             probe = x
             if first is not None:
                 probe = probe.to(first.device, dtype=first.dtype if probe.is_floating_point() else None)
-            with torch.no_grad():
-                try:
+            was_training = self.model.training
+            self.model.eval()  # no BatchNorm statistics, no dropout draw: the probe leaves no trace
+            try:
+                with torch.no_grad():
                     out, _ = self.model.forward_saved(probe)
-                except (ValueError, TypeError) as e:
-                    raise type(e)(f"{where}{e}") from None
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{where}{e}") from None
+            finally:
+                self.model.train(was_training)
             shapes[key] = tuple(out.shape[1:])
         return shapes[key]
 
@@ -515,6 +519,7 @@ class Trainer:
         for epoch in range(first_epoch, epochs):
             self.epoch = epoch
             source.set_epoch(epoch)
+            self.model.train()  # validation switches to eval mode and back; training runs in train mode
             observers("on_epoch_begin", self, epoch)
             epoch_start = time.perf_counter()
             snapshot = copy.deepcopy(self.training_state()) if source.items is None else None

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from typing import Any, Callable
+
 import torch
 from torch import Tensor
 
@@ -34,8 +36,11 @@ _KERNELS = {
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_loss_type(loss_type: str) -> str:
-    """Return ``loss_type`` if it is one of ``LOSS_TYPES``; else ``ValueError`` listing them."""
+def check_loss_type(loss_type: Any) -> Any:
+    """Return ``loss_type`` if it is one of ``LOSS_TYPES`` or a callable ``loss(output, target) ->
+    scalar tensor``; else ``ValueError`` listing the names."""
+    if callable(loss_type) and not isinstance(loss_type, str):
+        return loss_type
     if loss_type not in LOSS_TYPES:
         hint = ""
         if isinstance(loss_type, str) and loss_type.lower().replace("-", "_") in LOSS_TYPES:
@@ -57,6 +62,8 @@ def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, los
     check_loss_type(loss_type)
     if not isinstance(target, Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if callable(loss_type) and not isinstance(loss_type, str):
+        return  # a loss callable decides what targets it takes (the batch sizes were checked)
     output_shape = tuple(output_shape)
     if is_label_target(target):
         if loss_type != "cross_entropy":
@@ -103,11 +110,30 @@ def loss_and_grad(
     skips the checks (the trainers validate every batch once, up front). ``unreduced=True`` returns
     a 1-D tensor of partial sums whose sum is the loss instead (the CUDA training step adds them up
     inside its step guard, saving a launch)."""
+    if callable(loss_type) and not isinstance(loss_type, str):
+        return callable_loss_and_grad(loss_type, output, target, unreduced=unreduced)
     if validate:
         if not isinstance(output, Tensor):
             raise TypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
         check_target(output.shape, target, loss_type)
     return _launcher(loss_type)(output, target, backend=backend, unreduced=unreduced)
+
+
+def callable_loss_and_grad(loss: Callable[[Tensor, Tensor], Tensor], output: Tensor, target: Tensor, *, unreduced: bool = False) -> tuple[Tensor, Tensor]:
+    """A user's ``loss(output, target) -> scalar tensor``: its value and, through autograd on the loss
+    alone, its gradient w.r.t. ``output``. ``TypeError`` when it returns anything but a one-element
+    tensor that depends on ``output``."""
+    with torch.enable_grad():
+        out = output.detach().requires_grad_(True)
+        value = loss(out, target)
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            raise TypeError(f"loss_type: a loss callable must return a scalar tensor, got {type(value).__name__}"
+                            + (f" of shape {list(value.shape)}" if isinstance(value, Tensor) else ""))
+        if not value.requires_grad:
+            raise TypeError("loss_type: the loss callable's result does not depend on the output (no gradient)")
+        (grad,) = torch.autograd.grad(value.reshape(()), out)
+    value = value.detach().reshape(1 if unreduced else ())
+    return value, grad
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,93 @@
+"""``ModuleLayer``: any ``nn.Module`` as a link of a torchloom ``Network``.
+
+torchloom layers carry a hand-written backward; a plain module (``nn.Dropout``, ``nn.BatchNorm1d``,
+pooling, an activation, a user's own block) gets its backward from autograd, on that module alone:
+
+* ``forward_saved(x)`` runs ``module(x)`` with autograd on (whatever the caller's grad mode), from a
+  detached copy of ``x``, and keeps the small graph of that one module;
+* ``backward_saved(grad_out, saved)`` asks autograd for the gradient of the module's output with
+  respect to its input and its parameters (``torch.autograd.grad``), zeros for parameters the output
+  does not depend on.
+
+So a ``Network`` mixes both kinds freely, and every trainer (backprop, TargetProp, Tweening) trains
+the whole chain: the torchloom layers through their hand-written backward, the plain modules
+through autograd. Train/eval mode is the module's own (``Network.train()`` / ``eval()`` reach it):
+Dropout is active and BatchNorm updates its running statistics exactly once per forward in train
+mode. ``Network`` wraps plain modules in a ``ModuleLayer`` by itself.
+
+Shapes: whatever the module takes and returns (``[batch, ...]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import Layer
+
+__all__ = ["ModuleLayer"]
+
+
+class ModuleSaved(NamedTuple):
+    """The module's input (a detached leaf that requires grad, for floating inputs) and output, the
+    ends of the one-module autograd graph."""
+
+    input: Tensor
+    output: Tensor
+
+
+class ModuleLayer(Layer):
+    """A plain ``nn.Module`` inside a torchloom chain, its backward taken from autograd (module
+    docstring). ``ModuleLayer(nn.Dropout(0.1))``; ``.module`` is the wrapped module, and its
+    parameters are this layer's parameters (same order)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ModuleLayer: module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, Layer):
+            raise TypeError(f"ModuleLayer: {type(module).__name__} is a torchloom layer already; use it directly")
+        self.module = module
+
+    @property
+    def loom_type(self) -> str:
+        return type(self.module).__name__
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x)  # ordinary autograd when used as a module
+
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, ModuleSaved]:
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(x.is_floating_point())
+            y = self.module(leaf)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"ModuleLayer({type(self.module).__name__}): the module must return one tensor, got {type(y).__name__}")
+        return y.detach(), ModuleSaved(leaf, y)
+
+    def backward_saved(self, grad_out: Tensor, saved: ModuleSaved, needs_input_grad: bool = True) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        params = list(self.module.parameters())
+        wants_input = needs_input_grad and saved.input.requires_grad
+        inputs = ([saved.input] if wants_input else []) + [p for p in params if p.requires_grad]
+        if not saved.output.requires_grad or not inputs:  # nothing in the module depends on a grad input
+            zeros = tuple(torch.zeros_like(p) for p in params)
+            return (torch.zeros_like(saved.input) if wants_input else None), zeros
+        with torch.enable_grad():
+            grads = torch.autograd.grad(saved.output, inputs, grad_out, allow_unused=True)
+        grads = list(grads)
+        grad_in = grads.pop(0) if wants_input else None
+        if wants_input and grad_in is None:
+            grad_in = torch.zeros_like(saved.input)
+        it = iter(grads)
+        param_grads = []
+        for p in params:
+            g = next(it) if p.requires_grad else None
+            param_grads.append(torch.zeros_like(p) if g is None else g)
+        return grad_in, tuple(param_grads)
+
+    def pre_activation(self, saved: Any) -> Tensor | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return ""
