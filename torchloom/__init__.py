@@ -61,6 +61,7 @@ from .observers import (
     LossPlot,
     Observer,
     ProgressObserver,
+    TensorBoardLogger,
     print_gradient_stats,
 )
 from .trainers import (
@@ -172,6 +173,7 @@ __all__ = [
     "print_gradient_stats",
     "LossPlot",
     "CSVLogger",
+    "TensorBoardLogger",
     "EarlyStopping",
     "Checkpoint",
     # Loom interop

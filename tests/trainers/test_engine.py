@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_close
@@ -389,3 +390,104 @@ def test_resume_checks_method_model_and_epochs(tmp_path):
         train(_net(), _data(), _cfg("backprop", epochs=2, resume_from=path))
     with pytest.raises(ValueError, match="does not match this model"):
         train(_net(sizes=(6, 5, 4)), _data(), _cfg("backprop", epochs=3, resume_from=path))
+
+
+# ------------------------------------------------------------- validation, metrics, data forms
+@pytest.mark.parametrize("name", list(METHODS))
+def test_validation_and_metrics_against_a_hand_computation(name):
+    class Snap:  # the weights at each epoch's end, to recompute the validation numbers by hand
+        def __init__(self):
+            self.states = []
+
+        def on_epoch_end(self, trainer, epoch, logs):
+            self.states.append(copy.deepcopy(trainer.model.state_dict()))
+
+    data, val = _data(), _data(n=3, seed=7)
+    snap = Snap()
+    net = _net()
+    result = train(net, data, _cfg(name, validation_data=val, metrics=("accuracy",), observers=[snap]))
+    ref = _net()
+    for epoch, state in enumerate(snap.states):
+        ref.load_state_dict(state)
+        xs = torch.cat([x for x, _ in val])
+        ys = torch.cat([y for _, y in val])
+        with torch.no_grad():
+            out = ref(xs)
+        if name in ("backprop", "tween"):  # Tween's loss for class labels: softmax cross-entropy
+            want_loss = F.cross_entropy(out, ys).item()
+        else:
+            want_loss = F.mse_loss(out, F.one_hot(ys, 4).double()).item()
+        want_acc = (out.argmax(-1) == ys).double().mean().item()
+        assert result.history["val_loss"][epoch] == pytest.approx(want_loss, rel=1e-12)
+        assert result.history["val_accuracy"][epoch] == pytest.approx(want_acc, abs=1e-15)
+    assert all(0.0 <= a <= 1.0 for a in result.history["accuracy"])
+
+
+def test_training_accuracy_is_the_mean_over_the_epochs_pre_update_outputs():
+    class Outputs:
+        def __init__(self):
+            self.correct, self.total = 0, 0
+
+        def on_layer_forward(self, event):  # the last layer's output is the network output
+            if event.layer_index == 1:
+                self.out = event.output.detach().clone()
+
+    data = _data()
+    net_a, net_b = _net(), _net()
+    ra = train(net_a, data, _cfg("backprop", epochs=1, metrics=("accuracy",)))
+    # recompute by hand: the pre-update outputs of each step, with the same weights trajectory
+    hits = 0
+    for x, y in data:
+        with torch.no_grad():
+            hits += int((net_b(x).argmax(-1) == y).sum())
+        train(net_b, [(x, y)], _cfg("backprop", epochs=1))
+    assert ra.history["accuracy"][0] == pytest.approx(hits / 30, abs=1e-15)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_xy_tensors_with_batch_size_and_seeded_shuffle(name):
+    xs = torch.cat([x for x, _ in _data()])
+    ys = torch.cat([y for _, y in _data()])
+    a, b = _net(), _net()
+    ra = train(a, (xs, ys), _cfg(name, batch_size=6))
+    rb = train(b, _data(), _cfg(name))
+    assert ra.loss_history == rb.loss_history and _same(a, b)  # unshuffled: the same batches in order
+    c, d = _net(), _net()
+    rc = train(c, (xs, ys), _cfg(name, batch_size=6, shuffle=True, seed=3))
+    rd = train(d, (xs, ys), _cfg(name, batch_size=6, shuffle=True, seed=3))
+    assert rc.loss_history == rd.loss_history and _same(c, d)
+    assert not _same(c, a)
+
+
+def test_shuffled_run_resumes_exactly(tmp_path):
+    from torchloom import Checkpoint
+
+    xs = torch.cat([x for x, _ in _data()])
+    ys = torch.cat([y for _, y in _data()])
+    kw = dict(batch_size=5, shuffle=True, seed=11, validation_data=_data(n=2, seed=4), metrics=("accuracy",))
+    full = _net()
+    r_full = train(full, (xs, ys), _cfg("tween", epochs=4, **kw))
+    path = tmp_path / "tw.pt"
+    train(_net(), (xs, ys), _cfg("tween", epochs=2, observers=[Checkpoint(path, save_best_only=False)], **kw))
+    resumed = _net(seed=5)
+    r_res = train(resumed, (xs, ys), _cfg("tween", epochs=4, resume_from=path, **kw))
+    assert _same(resumed, full) and r_res.loss_history == r_full.loss_history
+    assert r_res.history["val_loss"] == r_full.history["val_loss"]
+
+
+def test_epoch_interval_schedules_and_reduce_on_plateau():
+    import functools
+
+    from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+
+    data = _data()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = StepLR(opt, step_size=1, gamma=0.5)
+    train(net, data, _cfg("backprop", optimizer=opt, scheduler=sched, scheduler_interval="epoch"))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)  # once per epoch, not per batch
+    tw = TweenTrainer(_net(), TweenConfig(base_rate=0.05), training=_cfg("tween", scheduler=functools.partial(ReduceLROnPlateau, factor=0.5, patience=0, threshold=0.9)))
+    tw.fit(data, 3)
+    assert tw.rates.lr == pytest.approx(0.05 * 0.5**2)  # only the first epoch counts as an improvement (by 90 %)
+    with pytest.raises(ValueError, match="learning_rate=0.5 is given with an optimizer instance"):
+        TrainingConfig(optimizer=torch.optim.SGD(_net().parameters(), lr=0.1), learning_rate=0.5)

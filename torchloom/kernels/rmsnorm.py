@@ -196,12 +196,29 @@ def _launch_rmsnorm_backward(
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
 
 
+# Rows that fit one block run the row-tiled kernels shared with LayerNorm (``kernels/layernorm.py``:
+# several rows per program, more loads in flight for short rows); longer rows the chunked kernels
+# above. ``_TILED = False`` forces the kernels above (the GPU timing script compares the two).
+_TILED = True
+
+
+def _tiled(x: Tensor) -> bool:
+    from . import layernorm
+
+    return _TILED and layernorm.fits_tiled(x.shape[-1], x.is_cuda)
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """``(y, rstd)`` of RMSNorm over the last dimension of ``x [..., n]`` with ``weight [n]``: the
     Triton kernel on CUDA for float32/float16/bfloat16 (``rstd [...]`` float32), the reference
     elsewhere (``backend`` as ``_triton.use_triton``)."""
     if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0:
         return rmsnorm_ref(x, weight, eps)
+    if _tiled(x):
+        from .layernorm import tiled_forward
+
+        y, _, rstd = tiled_forward(x, weight, None, eps, rms=True)
+        return y, rstd
     return _launch_rmsnorm(x, weight, eps)
 
 
@@ -211,4 +228,9 @@ def rmsnorm_backward(
     """``(dx [..., n], dw [n])`` of RMSNorm: the Triton kernel on CUDA, the reference elsewhere."""
     if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0:
         return rmsnorm_backward_ref(grad_out, x, weight, rstd)
+    if _tiled(x):
+        from .layernorm import tiled_backward
+
+        dx, dw, _ = tiled_backward(grad_out, x, weight, None, rstd, has_bias=False)
+        return dx, dw
     return _launch_rmsnorm_backward(grad_out, x, weight, rstd)

@@ -97,12 +97,19 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     return a
 
 
-def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """``(d_gate, d_up)`` of ``silu(gate) ⊙ up``: the Triton kernel on CUDA, the reference elsewhere."""
+def swiglu_backward(
+    grad: Tensor, gate: Tensor, up: Tensor, backend: str | None = None, out_gate: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(d_gate, d_up)`` of ``silu(gate) ⊙ up``: the Triton kernel on CUDA, the reference elsewhere.
+
+    ``out_gate``: a buffer for ``d_gate`` (used when it is contiguous with ``gate``'s shape and dtype,
+    else ignored); it may be ``grad`` itself: every element of ``grad`` is read before ``d_gate`` is
+    written at the same place, so the gradient overwrites ``grad`` and saves one allocation."""
     if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0:
         return swiglu_backward_ref(grad, gate, up)
     da, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
-    d_gate, d_up = torch.empty_like(g), torch.empty_like(u)
+    fits = out_gate is not None and out_gate.is_contiguous() and out_gate.shape == g.shape and out_gate.dtype == g.dtype
+    d_gate, d_up = (out_gate if fits else torch.empty_like(g)), torch.empty_like(u)
     block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
     _swiglu_backward_kernel[(programs,)](d_gate, d_up, da, g, u, g.numel(), BLOCK=block, num_warps=num_warps)
     return d_gate, d_up

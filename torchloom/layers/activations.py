@@ -150,6 +150,27 @@ class GELUTanh(Activation):
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
 
 
+class GELULoom(Activation):
+    """Loom's GELU, opt-in for bit-parity with Loom's training: the tanh-approximated forward
+    ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` with Loom's hybrid derivative
+    ``0.5·(1 + tanh(√(2/π)·(x + 0.044715·x³))) + x·exp(−x²/2)/√(2π)`` (the tanh form's Φ plus the exact
+    Gaussian's ``x·φ(x)``, which is not the derivative of the forward). Both are evaluated in float64
+    and rounded to the input's dtype, as Loom does. Use ``"gelu"`` or ``"gelu_tanh"`` for a correct
+    derivative."""
+
+    name = "gelu_loom"
+
+    def forward(self, x):
+        v = x.double()
+        return (0.5 * v * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))).to(x.dtype)
+
+    def derivative(self, x):
+        v = x.double()
+        cdf = 0.5 * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))
+        pdf = torch.exp(-0.5 * v * v) * _INV_SQRT_2PI
+        return (cdf + v * pdf).to(x.dtype)
+
+
 class Linear(Activation):
     name = "linear"
 
@@ -167,6 +188,10 @@ ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (ReLU(), LeakyReLU(), ReLU2(), Sigmoid(), Tanh(), SiLU(), GELU(), GELUTanh(), Linear())
 }
+
+# Opt-in activations: looked up by name but not listed in ACTIVATIONS / activation_names(), because
+# their derivative is deliberately not the forward's derivative (they exist for bit-parity with Loom).
+OPT_IN_ACTIVATIONS: dict[str, Activation] = {"gelu_loom": GELULoom()}
 
 _ALIASES = {
     "leakyrelu": "leaky_relu",
@@ -195,11 +220,14 @@ def get_activation(name: str | Activation) -> Activation:
         raise TypeError(f"activation must be a str or Activation, got {type(name).__name__}")
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
+    if key in OPT_IN_ACTIVATIONS:
+        return OPT_IN_ACTIVATIONS[key]
     try:
         return ACTIVATIONS[key]
     except KeyError:
         valid = ", ".join(activation_names())
         aliases = ", ".join(f"{a}→{c}" for a, c in _ALIASES.items())
         raise ValueError(
-            f"unknown activation {name!r}; valid names: {valid} (aliases: {aliases})"
+            f"unknown activation {name!r}; valid names: {valid} (aliases: {aliases}; opt-in: "
+            f"{', '.join(OPT_IN_ACTIVATIONS)})"
         ) from None

@@ -13,6 +13,24 @@ never ask autograd for the layer's gradients (like Loom's ``DispatchLayerBackwar
 
 ``LayerFunction`` is a generic ``autograd.Function`` over that contract, used by container layers;
 leaf ops such as Dense have their own named Function with a functional API.
+
+Mixed precision. Under ``torch.autocast`` the layers with matrix products (Dense, Conv, SwiGLU) cast
+their floating inputs and parameters to the autocast dtype in ``forward_saved`` (as autocast does for
+``F.linear``), save those casts, and their backward runs with autocast off in the saved dtypes and
+returns every gradient in its own input's / parameter's dtype. Norms and softmax compute in float32
+and return the input's dtype. ``backward_saved`` works with half-precision tensors and parameters
+too. Outside autocast, an input to Dense, Conv or SwiGLU whose dtype differs from the parameters'
+is a ``TypeError`` naming both dtypes (norms and softmax accept it: they compute in float32).
+
+What the hand-written backwards do not support, and how it fails:
+
+* double backward (``create_graph=True``, ``gradgradcheck``): a ``RuntimeError`` naming the layer
+  (Dense without autocast casts is twice differentiable and correct);
+* ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``...): the Functions define no
+  ``setup_context``/``vmap``, so PyTorch raises a ``RuntimeError``; ``torch.func.functional_call``
+  works;
+* ``torch.jit.script``: the modules call ``autograd.Function.apply`` and Python-side helpers, which
+  TorchScript cannot compile; it raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -25,7 +43,21 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Layer", "LayerFunction", "LayerRecord", "check_input", "gather_param_grads", "host_checks", "host_checks_enabled"]
+__all__ = [
+    "Layer",
+    "LayerFunction",
+    "LayerRecord",
+    "autocast_dtype",
+    "autocast_off",
+    "cast_for_autocast",
+    "check_dtype",
+    "check_input",
+    "forbid_double_backward",
+    "gather_param_grads",
+    "host_checks",
+    "precision_context",
+    "host_checks_enabled",
+]
 
 
 class LayerRecord(NamedTuple):
@@ -97,6 +129,83 @@ def gather_param_grads(owner: nn.Module, children, child_grads) -> tuple[Tensor,
     return tuple(acc[id(p)] for p in owner.parameters())
 
 
+# ------------------------------------------------------------------------------ mixed precision
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts matrix products to on ``device_type`` ("cuda", "cpu"), or
+    ``None`` when autocast is off there."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, ValueError):  # a device type autocast does not know
+        return None
+    return None
+
+
+def cast_for_autocast(device_type: str, *tensors: Tensor | None) -> tuple[torch.dtype | None, tuple[Tensor | None, ...]]:
+    """``(dtype, tensors)``: under autocast on ``device_type``, every float32/float16/bfloat16 tensor
+    cast to the autocast dtype (float64 and integer tensors and ``None`` pass unchanged, as autocast
+    leaves them); otherwise ``(None, tensors)`` unchanged."""
+    dt = autocast_dtype(device_type)
+    if dt is None:
+        return None, tensors
+    return dt, tuple(
+        t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors
+    )
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled on ``device_type``: the hand-written backwards run in the
+    dtypes their forward saved, whether or not the caller's ``backward()`` sits inside autocast."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+
+
+def precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The forward-pass context of a training precision: ``"32"`` → no autocast; ``"bf16-mixed"`` →
+    ``torch.autocast(device_type, dtype=torch.bfloat16)``; ``"16-mixed"`` → float16 autocast (pair
+    it with loss scaling). Parameters stay in their own dtype (float32 master weights); every
+    torchloom layer's backward returns gradients in the parameters' dtype. ``ValueError`` for another
+    ``precision``, or ``"16-mixed"`` on a device type without float16 autocast support."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    try:
+        return torch.autocast(device_type=device_type, dtype=dtype)
+    except RuntimeError as e:  # e.g. an unsupported device type / dtype pair
+        raise ValueError(f"precision={precision!r} is not supported on device type {device_type!r}: {e}") from None
+
+
+def check_dtype(x: Tensor, name: str, expected: torch.dtype, layer: str) -> None:
+    """Raise ``TypeError`` unless ``x`` is floating and has dtype ``expected`` (the layer's parameter
+    dtype). Under ``torch.autocast`` on ``x``'s device any floating dtype is accepted: autocast casts."""
+    if not x.is_floating_point():
+        raise TypeError(f"{layer}: {name} must be a floating-point tensor (the layer's dtype is {expected}), got dtype {x.dtype}")
+    if x.dtype != expected and autocast_dtype(x.device.type) is None:
+        raise TypeError(
+            f"{layer}: {name} has dtype {x.dtype} but the layer's parameters are {expected}; convert the input "
+            f"(x.to({expected})) or the layer (layer.to({x.dtype})), or run under torch.autocast"
+        )
+
+
+def forbid_double_backward(layer: str) -> None:
+    """Called first in a hand-written backward: raise ``RuntimeError`` when a second derivative is
+    being asked for (``create_graph=True``; autograd runs the backward with grad mode on exactly
+    then). The hand-written backwards are not differentiable, and ``once_differentiable`` alone lets
+    some second derivatives come out as silent zeros."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{layer}: double backward (create_graph=True, e.g. gradient penalties or gradgradcheck) is not "
+            "supported: its hand-written backward is not differentiable. Use the equivalent PyTorch layer "
+            "for higher-order gradients."
+        )
+
+
 _host_checks = threading.local()
 
 
@@ -155,8 +264,10 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        forbid_double_backward(ctx.layer.loom_type)
         saved = ctx.rebuild(list(ctx.saved_tensors))
-        grad_in, param_grads = ctx.layer.backward_saved(
-            grad_out.contiguous(), saved, needs_input_grad=ctx.needs_input_grad[1]
-        )
+        with autocast_off(grad_out.device.type):
+            grad_in, param_grads = ctx.layer.backward_saved(
+                grad_out.contiguous(), saved, needs_input_grad=ctx.needs_input_grad[1]
+            )
         return (None, grad_in, *param_grads)

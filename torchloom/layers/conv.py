@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .activations import Activation, get_activation
-from .base import Layer
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = [
     "Conv1D",
@@ -58,6 +58,7 @@ class ConvSaved(NamedTuple):
     has_bias: bool
     stride: tuple[int, ...]
     padding: tuple[int, ...]
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None  # (input, parameters) when cast for autocast
 
 
 def conv_forward(
@@ -69,10 +70,18 @@ def conv_forward(
     activation: Activation,
 ) -> tuple[Tensor, ConvSaved]:
     """``x [B, C, *n]``, ``weight [F, C, *k]``, ``bias [F]`` → ``(y [B, F, *out], saved)`` with
-    ``out = ⌊(n + 2p − k)/s⌋ + 1``. Cross-correlation, as Loom and PyTorch. No autograd."""
+    ``out = ⌊(n + 2p − k)/s⌋ + 1``. Cross-correlation, as Loom and PyTorch. No autograd. Under
+    ``torch.autocast`` the input and parameters are cast to the autocast dtype first (as autocast does
+    for ``F.conv2d``) and ``y`` has that dtype."""
     nd = weight.dim() - 2
-    pre = _CONV_FNS[nd](x, weight, bias, stride, padding)
-    return activation.forward(pre), ConvSaved(x, weight, pre, activation, bias is not None, stride, padding)
+    dev = x.device.type
+    dtypes = (x.dtype, weight.dtype)
+    cast_to, (x, weight, bias) = cast_for_autocast(dev, x, weight, bias)
+    with autocast_off(dev):
+        pre = _CONV_FNS[nd](x, weight, bias, stride, padding)
+        y = activation.forward(pre)
+    saved = ConvSaved(x, weight, pre, activation, bias is not None, stride, padding, dtypes if cast_to is not None else None)
+    return y, saved
 
 
 def conv_backward(
@@ -80,13 +89,27 @@ def conv_backward(
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor | None]]:
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``; ``dx = gPre ⋆ᵀ W`` (transposed convolution,
     zero where the stride skipped input positions), ``dW[f, c, κ] = Σ_{b, o} gPre[b, f, o] ·
-    x_pad[b, c, o·s + κ]``, ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``."""
-    x, weight, pre, activation, has_bias, stride, padding = saved
+    x_pad[b, c, o·s + κ]``, ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``.
+    Runs in the saved tensors' dtype with autocast off; after an autocast cast the gradients come
+    back in the input's and the parameters' own dtypes."""
+    x, weight, pre, activation, has_bias, stride, padding, dtypes = saved
     nd = weight.dim() - 2
+    if grad_out.dtype != pre.dtype:
+        grad_out = grad_out.to(pre.dtype)
+    with autocast_off(x.device.type):
+        grad_x, grad_w, grad_b = _conv_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad)
+    if dtypes is not None:
+        grad_x = grad_x.to(dtypes[0]) if grad_x is not None else None
+        grad_w = grad_w.to(dtypes[1])
+        grad_b = grad_b.to(dtypes[1]) if grad_b is not None else None
+    return (grad_x if needs_input_grad else None), (grad_w, grad_b if has_bias else None)
+
+
+def _conv_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad):
     g_pre = activation.grad(grad_out, pre)
     # One explicit primitive computes the three products (it is what torch.nn.grad.conv*d_input /
     # conv*d_weight call); output_mask skips what is not needed.
-    grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+    return torch.ops.aten.convolution_backward(
         g_pre,
         x,
         weight,
@@ -99,21 +122,24 @@ def conv_backward(
         1,  # groups
         [needs_input_grad, True, has_bias],
     )
-    return (grad_x if needs_input_grad else None), (grad_w, grad_b if has_bias else None)
 
 
 class ConvFunction(torch.autograd.Function):
+    """The convolution as an ``autograd.Function``; a second derivative raises ``RuntimeError``."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, activation):
         y, saved = conv_forward(x, weight, bias, stride, padding, activation)
-        ctx.save_for_backward(x, weight, saved.pre)
+        ctx.save_for_backward(saved.input, saved.weight, saved.pre)
         ctx.activation, ctx.has_bias, ctx.stride, ctx.padding = activation, bias is not None, stride, padding
+        ctx.dtypes = saved.dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward(f"Conv{len(ctx.stride)}D")
         x, weight, pre = ctx.saved_tensors
-        saved = ConvSaved(x, weight, pre, ctx.activation, ctx.has_bias, ctx.stride, ctx.padding)
+        saved = ConvSaved(x, weight, pre, ctx.activation, ctx.has_bias, ctx.stride, ctx.padding, ctx.dtypes)
         grad_x, (grad_w, grad_b) = conv_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -163,6 +189,11 @@ class _ConvND(Layer):
 
     Shapes: input ``[B, C, *n]`` → output ``[B, F, *out]``, ``out = ⌊(n + 2p − k)/s⌋ + 1``; every
     spatial ``n + 2p >= k``.
+
+    The input's dtype must be the parameters' (``TypeError`` otherwise) except under
+    ``torch.autocast`` (input and parameters cast to the autocast dtype, gradients returned in their
+    own dtypes). A second derivative (``create_graph=True``) raises ``RuntimeError``;
+    ``torch.func.functional_call`` works; ``vmap`` and ``torch.jit.script`` raise ``RuntimeError``.
     """
 
     ndim: int = 0  # spatial dimensions, set by the subclasses
@@ -232,8 +263,7 @@ class _ConvND(Layer):
                 f"input must have shape [batch, {self.in_channels}, {dims}] with each spatial size + "
                 f"2·padding >= kernel_size, got {list(x.shape)}"
             )
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight dtype {self.weight.dtype}")
+        check_dtype(x, "input", self.weight.dtype, name)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)

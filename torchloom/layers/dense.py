@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .activations import Activation, get_activation
-from .base import Layer
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["Dense", "DenseFunction", "DenseSaved", "dense", "dense_forward", "dense_backward"]
 
@@ -23,13 +23,16 @@ _INITS = ("he_normal", "loom_uniform")
 
 class DenseSaved(NamedTuple):
     """What Dense's backward needs: input ``[*, in]``, weight ``[out, in]``, pre-activation
-    ``[*, out]``, the activation and whether there is a bias."""
+    ``[*, out]``, the activation and whether there is a bias. Under autocast ``input``/``weight``
+    are the autocast-dtype casts and ``dtypes`` holds ``(input dtype, parameter dtype)``, the dtypes
+    the gradients are returned in (``None``: no cast happened)."""
 
     input: Tensor
     weight: Tensor
     pre: Tensor
     activation: Activation
     has_bias: bool
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None
 
 
 def _small_batch_kernels(x2: Tensor, activation: Activation):
@@ -45,12 +48,26 @@ def _small_batch_kernels(x2: Tensor, activation: Activation):
 def dense_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
 ) -> tuple[Tensor, DenseSaved]:
-    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd."""
+    """``x [*, in]``, ``weight [out, in]``, ``bias [out]`` → ``(y [*, out], saved)``. No autograd.
+    Under ``torch.autocast`` on ``x``'s device, ``x``, ``weight`` and ``bias`` are cast to the
+    autocast dtype first (as autocast does for ``F.linear``) and ``y`` has that dtype."""
+    dev = x.device.type
+    dtypes = (x.dtype, weight.dtype)
+    cast_to, (x, weight, bias) = cast_for_autocast(dev, x, weight, bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    if x.dim() != 2:
-        pre = pre.view(*x.shape[:-1], weight.shape[0])
-    return activation.forward(pre), DenseSaved(x, weight, pre, activation, bias is not None)
+    with autocast_off(dev):
+        pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        if x.dim() != 2:
+            pre = pre.view(*x.shape[:-1], weight.shape[0])
+        y = activation.forward(pre)
+    return y, DenseSaved(x, weight, pre, activation, bias is not None, dtypes if cast_to is not None else None)
+
+
+def _into(result: Tensor, buffer: Tensor | None) -> Tensor:
+    """``result`` written into ``buffer`` (cast to its dtype) when one is given, else ``result``."""
+    if buffer is None:
+        return result
+    return buffer.copy_(result)
 
 
 def dense_backward(
@@ -61,45 +78,81 @@ def dense_backward(
     ``db = Σ_b gPre``, ``dx = gPre W``. Returns ``(dx or None, (dW, db or None))``. On CUDA, small
     float32 batches run all of it in one fused kernel (``kernels/dense_small.py``). ``out``: optional
     ``(dW, db)`` buffers of the right shape and dtype to write the gradients into (the CUDA training
-    step passes its flat ``.grad`` views, saving a copy); they are returned as dW and db."""
-    x, weight, pre, activation, has_bias = saved
+    step passes its flat ``.grad`` views, saving a copy); they are returned as dW and db.
+
+    Runs in the dtype of the saved tensors with autocast off (``grad_out`` is cast to the
+    pre-activation's dtype); when the forward cast for autocast, ``dx`` comes back in the input's
+    dtype and ``dW``, ``db`` in the parameters'."""
+    x, weight, pre, activation, has_bias, dtypes = saved
+    if grad_out.dtype != pre.dtype:
+        grad_out = grad_out.to(pre.dtype)
     flat = x.dim() == 2  # the common case: no reshapes
     x2 = x if flat else x.reshape(-1, weight.shape[1])
     w_out, b_out = out if out is not None else (None, None)
     fused = _small_batch_kernels(x2, activation)
-    if fused is not None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
+    if fused is not None and dtypes is None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
         grad_x, grad_w, grad_b = fused.dense_small_backward(
             grad_out.reshape(-1, weight.shape[0]), pre.reshape(-1, weight.shape[0]), x2, weight,
             activation.name, has_bias, needs_input_grad, out=(w_out, b_out),
         )
         return (grad_x.view(x.shape) if grad_x is not None else None), (grad_w, grad_b)
-    g_pre = activation.grad(grad_out, pre)
-    if not flat:
-        g_pre = g_pre.reshape(-1, weight.shape[0])
-    grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
-    grad_b = None
-    if has_bias:
-        grad_b = torch.sum(g_pre, 0, out=b_out) if b_out is not None else g_pre.sum(0)
-    grad_x = None
-    if needs_input_grad:
-        grad_x = torch.mm(g_pre, weight) if flat else torch.mm(g_pre, weight).view(x.shape)
+    with autocast_off(x.device.type):
+        g_pre = activation.grad(grad_out, pre)
+        if not flat:
+            g_pre = g_pre.reshape(-1, weight.shape[0])
+        if dtypes is not None:  # computed in the autocast dtype, returned in each tensor's own
+            grad_w = _into(torch.mm(g_pre.t(), x2), w_out).to(dtypes[1])
+            grad_b = _into(g_pre.sum(0), b_out).to(dtypes[1]) if has_bias else None
+        else:
+            grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
+            grad_b = None
+            if has_bias:
+                grad_b = torch.sum(g_pre, 0, out=b_out) if b_out is not None else g_pre.sum(0)
+        grad_x = None
+        if needs_input_grad:
+            grad_x = torch.mm(g_pre, weight) if flat else torch.mm(g_pre, weight).view(x.shape)
+            if dtypes is not None:
+                grad_x = grad_x.to(dtypes[0])
     return grad_x, (grad_w, grad_b)
 
 
+def _dense_backward_graph(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, activation: Activation
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The same backward formulas written with differentiable ops on a recomputed ``pre = x Wᵀ + b``,
+    for double backward (``create_graph=True``): autograd differentiates the hand-written gradient."""
+    pre = torch.nn.functional.linear(x, weight, bias)
+    g_pre = activation.grad(grad_out, pre).reshape(-1, weight.shape[0])
+    x2 = x.reshape(-1, weight.shape[1])
+    grad_b = g_pre.sum(0) if bias is not None else None
+    return torch.mm(g_pre, weight).view(x.shape), torch.mm(g_pre.t(), x2), grad_b
+
+
 class DenseFunction(torch.autograd.Function):
+    """Dense as an ``autograd.Function``. Twice differentiable when no autocast cast happened (the
+    second derivative differentiates the hand-written gradient formulas); under autocast a second
+    derivative raises ``RuntimeError``."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
         y, saved = dense_forward(x, weight, bias, activation)
-        ctx.save_for_backward(x, weight, saved.pre)
+        ctx.save_for_backward(saved.input, saved.weight, saved.pre, bias)
         ctx.activation = activation
         ctx.has_bias = bias is not None
+        ctx.dtypes = saved.dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, pre = ctx.saved_tensors
-        saved = DenseSaved(x, weight, pre, ctx.activation, ctx.has_bias)
-        grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, ctx.needs_input_grad[0])
+        x, weight, pre, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative will be asked for
+            if ctx.dtypes is not None:
+                forbid_double_backward("Dense (run under torch.autocast)")
+            grad_x, grad_w, grad_b = _dense_backward_graph(grad_out, x, weight, bias, ctx.activation)
+            return (grad_x if ctx.needs_input_grad[0] else None), grad_w, grad_b, None
+        saved = DenseSaved(x, weight, pre, ctx.activation, ctx.has_bias, ctx.dtypes)
+        with autocast_off(grad_out.device.type):
+            grad_x, (grad_w, grad_b) = dense_backward(grad_out, saved, ctx.needs_input_grad[0])
         return grad_x, grad_w, grad_b, None
 
 
@@ -120,6 +173,12 @@ class Dense(Layer):
             (``U(−0.1, 0.1)``, Loom ``poly``); biases start at 0.
 
     Shapes: input ``[batch, ..., in_features]`` → output ``[batch, ..., out_features]``.
+
+    The input's dtype must be the parameters' (``TypeError`` otherwise) except under
+    ``torch.autocast``, where input and parameters are cast to the autocast dtype and the gradients
+    come back in their own dtypes. Twice differentiable (``create_graph=True``) outside autocast;
+    ``torch.func.functional_call`` works; ``vmap``/``grad`` transforms and ``torch.jit.script`` raise
+    ``RuntimeError``.
     """
 
     def __init__(
@@ -164,6 +223,7 @@ class Dense(Layer):
                 f"Dense({self.in_features}→{self.out_features}): input must have shape "
                 f"[batch, ..., {self.in_features}], got {list(x.shape)}"
             )
+        check_dtype(x, "input", self.weight.dtype, f"Dense({self.in_features}→{self.out_features})")
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)

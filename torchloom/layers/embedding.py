@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import host_checks_enabled, Layer
+from .base import forbid_double_backward, host_checks_enabled, Layer
 
 __all__ = [
     "Embedding",
@@ -42,6 +42,7 @@ class EmbeddingSaved(NamedTuple):
 
     indices: Tensor
     num_embeddings: int
+    weight_dtype: torch.dtype | None = None  # dW's dtype (None: grad_out's)
 
 
 def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", check_range: bool = True) -> None:
@@ -64,7 +65,7 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
 def embedding_forward(x: Tensor, weight: Tensor) -> tuple[Tensor, EmbeddingSaved]:
     """``x [B, …]`` (integer, in range) and ``weight [V, E]`` → ``(W[x] [B, …, E], saved)``. No autograd."""
     y = weight.index_select(0, x.reshape(-1)).view(*x.shape, weight.shape[1])
-    return y, EmbeddingSaved(x, weight.shape[0])
+    return y, EmbeddingSaved(x, weight.shape[0], weight.dtype)
 
 
 def embedding_backward(
@@ -73,8 +74,10 @@ def embedding_backward(
     """Hand-written backward: ``dW = 0``, then ``dW[x[n]] += gOut[n]`` for every position ``n``
     (``index_add_``; a row used k times gets the sum of its k gradients). Returns ``(None, (dW,))``:
     integer indices have no gradient."""
-    indices, num_embeddings = saved
+    indices, num_embeddings, weight_dtype = saved
     E = grad_out.shape[-1]
+    if weight_dtype is not None and grad_out.dtype != weight_dtype:
+        grad_out = grad_out.to(weight_dtype)  # e.g. a bfloat16 gradient for a float32 table
     grad_w = grad_out.new_zeros(num_embeddings, E)
     grad_w.index_add_(0, indices.reshape(-1), grad_out.reshape(-1, E))
     return None, (grad_w,)
@@ -85,13 +88,15 @@ class EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, x, weight):
         y, saved = embedding_forward(x, weight)
         ctx.save_for_backward(x)
-        ctx.num_embeddings = saved.num_embeddings
+        ctx.num_embeddings, ctx.weight_dtype = saved.num_embeddings, saved.weight_dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("Embedding")
         (x,) = ctx.saved_tensors
-        _, (grad_w,) = embedding_backward(grad_out.contiguous(), EmbeddingSaved(x, ctx.num_embeddings))
+        saved = EmbeddingSaved(x, ctx.num_embeddings, ctx.weight_dtype)
+        _, (grad_w,) = embedding_backward(grad_out.contiguous(), saved)
         return None, grad_w
 
 

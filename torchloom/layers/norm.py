@@ -7,8 +7,13 @@
 
 Every row (all leading dimensions of ``[batch, ..., n]``) is normalised on its own. Loom's code
 normalises a whole sample when the layer's size is left unset; torchloom always normalises the last
-dimension (PyTorch's convention). RMSNorm runs the fused Triton kernels of
-``torchloom.kernels.rmsnorm`` on CUDA, their reference elsewhere; LayerNorm is plain PyTorch.
+dimension (PyTorch's convention). Both run fused Triton kernels on CUDA
+(``torchloom.kernels.rmsnorm`` / ``torchloom.kernels.layernorm``), their reference elsewhere.
+
+Mixed precision: the statistics and the arithmetic are float32 for half-precision inputs; the output
+and ``dx`` have the input's dtype, ``dw``/``db`` the parameters' (so bfloat16 activations with float32
+parameters, as under ``torch.autocast``, work without a cast; an input of another floating dtype than
+the parameters is accepted for the same reason). Double backward raises ``RuntimeError``.
 
 Read top to bottom: RMSNorm (forward / backward, Function, functional, module), then LayerNorm.
 """
@@ -21,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer
+from .base import Layer, forbid_double_backward
 
 __all__ = [
     "RMSNorm", "RMSNormFunction", "RMSNormSaved", "rms_norm", "rms_norm_forward", "rms_norm_backward",
@@ -36,6 +41,12 @@ def _kernels():
     return kernels
 
 
+def _ln_kernels():
+    from ..kernels import layernorm as kernels
+
+    return kernels
+
+
 def _check_size(n: int, layer: str) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{layer}: normalized_shape must be a positive int, got {n!r}")
@@ -46,11 +57,15 @@ def _check_eps(eps: float, layer: str) -> None:
         raise ValueError(f"{layer}: eps must be a finite number > 0, got {eps!r}")
 
 
-def _check_input(x: Tensor, n: int, layer: str) -> None:
+def _check_input(x: Tensor, n: int, layer: nn.Module) -> None:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{layer}: input must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{layer!r}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2 or x.shape[-1] != n:
-        raise ValueError(f"{layer}: input must have shape [batch, ..., {n}], got {list(x.shape)}")
+        raise ValueError(f"{layer!r}: input must have shape [batch, ..., {n}], got {list(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{layer!r}: input must be a floating-point tensor (the layer's dtype is {layer.weight.dtype}), got dtype {x.dtype}"
+        )
 
 
 # ============================================================================================ RMSNorm
@@ -87,6 +102,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("RMSNorm")
         dx, (dw,) = rms_norm_backward(grad_out, RMSNormSaved(*ctx.saved_tensors), ctx.needs_input_grad[0])
         return dx, dw, None
 
@@ -127,11 +143,11 @@ class RMSNorm(Layer):
             self.weight.fill_(1.0)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.normalized_shape, repr(self))
+        _check_input(x, self.normalized_shape, self)
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, RMSNormSaved]:
-        _check_input(x, self.normalized_shape, repr(self))
+        _check_input(x, self.normalized_shape, self)
         return rms_norm_forward(x, self.weight, self.eps)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
@@ -143,25 +159,20 @@ class RMSNorm(Layer):
 
 # ========================================================================================== LayerNorm
 class LayerNormSaved(NamedTuple):
-    """What LayerNorm's backward needs: ``x_hat [..., n]`` (the normalised input), ``rstd [..., 1]``
-    and ``weight [n]``."""
+    """What LayerNorm's backward needs: input ``[..., n]``, weight ``[n]``, ``mean`` and ``rstd``
+    ``[...]`` (one per row; float32 for half-precision input)."""
 
-    x_hat: Tensor
-    rstd: Tensor
+    input: Tensor
     weight: Tensor
+    mean: Tensor
+    rstd: Tensor
 
 
 def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, LayerNormSaved]:
     """``y = (x − mean) / sqrt(var + eps) · weight + bias`` (biased variance) over the last dim of
     ``x [..., n]``. No autograd. Half precision is computed in float32."""
-    dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    xc = x.to(dt)
-    mean = xc.mean(dim=-1, keepdim=True)
-    centered = xc - mean
-    rstd = torch.rsqrt(centered.square().mean(dim=-1, keepdim=True) + eps)
-    x_hat = centered * rstd
-    y = x_hat * weight.to(dt) + bias.to(dt)
-    return y.to(x.dtype), LayerNormSaved(x_hat, rstd, weight)
+    y, mean, rstd = _ln_kernels().layernorm(x, weight, bias, eps)
+    return y, LayerNormSaved(x, weight, mean, rstd)
 
 
 def layer_norm_backward(
@@ -169,17 +180,9 @@ def layer_norm_backward(
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
     """Hand-written backward: ``dx = r·(gw − mean(gw) − x̂·mean(gw ⊙ x̂))``, ``dw = Σ_rows gy ⊙ x̂``,
     ``db = Σ_rows gy``. Returns ``(dx or None, (dw, db))``."""
-    x_hat, rstd, weight = saved
-    n = x_hat.shape[-1]
-    g = grad_out.to(x_hat.dtype)
-    dw = (g * x_hat).reshape(-1, n).sum(0).to(weight.dtype)
-    db = g.reshape(-1, n).sum(0).to(weight.dtype)
-    dx = None
-    if needs_input_grad:
-        gw = g * weight.to(x_hat.dtype)
-        dx = rstd * (gw - gw.mean(dim=-1, keepdim=True) - x_hat * (gw * x_hat).mean(dim=-1, keepdim=True))
-        dx = dx.to(grad_out.dtype)
-    return dx, (dw, db)
+    x, weight, mean, rstd = saved
+    dx, dw, db = _ln_kernels().layernorm_backward(grad_out, x, weight, mean, rstd)
+    return (dx if needs_input_grad else None), (dw, db)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -191,6 +194,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("LayerNorm")
         dx, (dw, db) = layer_norm_backward(grad_out, LayerNormSaved(*ctx.saved_tensors), ctx.needs_input_grad[0])
         return dx, dw, db, None
 
@@ -235,11 +239,11 @@ class LayerNorm(Layer):
             self.bias.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.normalized_shape, repr(self))
+        _check_input(x, self.normalized_shape, self)
         return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, LayerNormSaved]:
-        _check_input(x, self.normalized_shape, repr(self))
+        _check_input(x, self.normalized_shape, self)
         return layer_norm_forward(x, self.weight, self.bias, self.eps)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import Layer
+from .base import Layer, forbid_double_backward
 
 __all__ = ["Softmax", "SoftmaxFunction", "SoftmaxSaved", "softmax", "softmax_forward", "softmax_backward"]
 
@@ -66,6 +66,7 @@ class SoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("Softmax")
         (p,) = ctx.saved_tensors
         dx, _ = softmax_backward(grad_out, SoftmaxSaved(p, ctx.dim, ctx.temperature), ctx.needs_input_grad[0])
         return dx, None, None
@@ -107,6 +108,8 @@ class Softmax(Layer):
         """Validate ``x`` and return ``dim`` as a non-negative index."""
         if not isinstance(x, Tensor):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self!r}: input must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() < 2 or not -x.dim() <= self.dim < x.dim() or self.dim % x.dim() == 0:
             raise ValueError(
                 f"Softmax(dim={self.dim}): input must be [batch, ...] with dimension {self.dim} a non-batch "

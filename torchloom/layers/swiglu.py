@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
 
@@ -45,17 +45,20 @@ def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 class SwiGLUSaved(NamedTuple):
     """What the backward needs: input ``[*, h]``, gate and up projections ``g, u [*, m]``, the gated
-    intermediate ``pre = silu(g) ⊙ u [*, m]`` (Loom's pre-activation), the three weights and whether
-    there are biases."""
+    intermediate ``pre = silu(g) ⊙ u [*, m]`` (Loom's pre-activation; ``None`` when the caller
+    dropped it to save memory: the backward then recomputes it from ``g`` and ``u``), the three
+    weights, whether there are biases, and ``dtypes`` = ``(input dtype, parameter dtype)`` when the
+    forward cast for autocast (the gradients are returned in those), else ``None``."""
 
     input: Tensor
     gate: Tensor
     up: Tensor
-    pre: Tensor
+    pre: Tensor | None
     gate_weight: Tensor
     up_weight: Tensor
     down_weight: Tensor
     has_bias: bool
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None
 
 
 def swiglu_forward(
@@ -68,48 +71,80 @@ def swiglu_forward(
     down_bias: Tensor | None = None,
 ) -> tuple[Tensor, SwiGLUSaved]:
     """``x [*, h]``, ``gate_weight, up_weight [m, h]``, ``down_weight [h, m]``, biases ``[m], [m], [h]``
-    (all or none) → ``(y [*, h], saved)``. No autograd."""
+    (all or none) → ``(y [*, h], saved)``. No autograd. Under ``torch.autocast`` the input, weights
+    and biases are cast to the autocast dtype first (as autocast does for ``F.linear``)."""
+    dev = x.device.type
+    dtypes = (x.dtype, gate_weight.dtype)
+    cast_to, tensors = cast_for_autocast(dev, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = tensors
     x2 = x.reshape(-1, x.shape[-1])
-    g = _linear(x2, gate_weight, gate_bias)
-    u = _linear(x2, up_weight, up_bias)
-    a = _kernels().swiglu(g, u)
-    y = _linear(a, down_weight, down_bias).view(*x.shape[:-1], down_weight.shape[0])
-    return y, SwiGLUSaved(x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None)
+    with autocast_off(dev):
+        g = _linear(x2, gate_weight, gate_bias)
+        u = _linear(x2, up_weight, up_bias)
+        a = _kernels().swiglu(g, u)
+        y = _linear(a, down_weight, down_bias).view(*x.shape[:-1], down_weight.shape[0])
+    saved = SwiGLUSaved(
+        x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None
+    )
+    return y, saved
 
 
 def swiglu_backward(
     grad_out: Tensor, saved: SwiGLUSaved, needs_input_grad: bool = True
 ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
     """Hand-written backward. Returns ``(dx or None, (dW_gate, dW_up, dW_down[, db_gate, db_up, db_down]))``,
-    the order of ``SwiGLU.parameters()``."""
-    x, g, u, a, gate_weight, up_weight, down_weight, has_bias = saved
-    gy = grad_out.reshape(-1, down_weight.shape[0])
-    x2 = x.reshape(-1, x.shape[-1])
-    d_down = torch.mm(gy.t(), a)  # [h, m]: the correct orientation (Loom's code transposes it)
-    da = torch.mm(gy, down_weight)  # [rows, m]
-    dg, du = _kernels().swiglu_backward(da, g, u)
-    d_gate = torch.mm(dg.t(), x2)
-    d_up = torch.mm(du.t(), x2)
-    grads: tuple[Tensor, ...] = (d_gate, d_up, d_down)
-    if has_bias:
-        grads += (dg.sum(0), du.sum(0), gy.sum(0))
-    dx = None
-    if needs_input_grad:
-        dx = torch.addmm(torch.mm(dg, gate_weight), du, up_weight).view(x.shape)
+    the order of ``SwiGLU.parameters()``, in the parameters' dtype (``dx`` in the input's).
+
+    Memory: ``pre`` is recomputed when it was not saved and released after ``dW_down``; the gate's
+    gradient is written over ``da``'s buffer, so the backward holds at most four ``[rows, m]``
+    tensors (``g``, ``u``, ``da``/``dg``, ``du``)."""
+    x, g, u, a, gate_weight, up_weight, down_weight, has_bias, dtypes = saved
+    h = down_weight.shape[0]
+    kernels = _kernels()
+    with autocast_off(x.device.type):
+        gy = grad_out.reshape(-1, h)
+        if gy.dtype != g.dtype:
+            gy = gy.to(g.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        if a is None:
+            a = kernels.swiglu(g, u)
+        d_down = torch.mm(gy.t(), a)  # [h, m]: the correct orientation (Loom's code transposes it)
+        del a  # a recomputed intermediate is freed here
+        da = torch.mm(gy, down_weight)  # [rows, m]
+        dg, du = kernels.swiglu_backward(da, g, u, out_gate=da)  # dg over da: one [rows, m] less
+        del da
+        d_gate = torch.mm(dg.t(), x2)
+        d_up = torch.mm(du.t(), x2)
+        grads: tuple[Tensor, ...] = (d_gate, d_up, d_down)
+        if has_bias:
+            grads += (dg.sum(0), du.sum(0), gy.sum(0))
+        dx = None
+        if needs_input_grad:
+            dx = torch.mm(dg, gate_weight).addmm_(du, up_weight).view(x.shape)
+    if dtypes is not None:
+        grads = tuple(t.to(dtypes[1]) for t in grads)
+        dx = dx.to(dtypes[0]) if dx is not None else None
     return dx, grads
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """SwiGLU as an ``autograd.Function``. Saves ``x``, ``g``, ``u`` (not the gated intermediate,
+    recomputed in the backward: one ``[rows, m]`` tensor less between forward and backward). A second
+    derivative raises ``RuntimeError``."""
+
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
         y, saved = swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-        ctx.save_for_backward(*saved[:-1])
+        ctx.save_for_backward(saved.input, saved.gate, saved.up, saved.gate_weight, saved.up_weight, saved.down_weight)
         ctx.has_bias = saved.has_bias
+        ctx.dtypes = saved.dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = SwiGLUSaved(*ctx.saved_tensors, ctx.has_bias)
+        forbid_double_backward("SwiGLU")
+        x, g, u, gw, uw, dw = ctx.saved_tensors
+        saved = SwiGLUSaved(x, g, u, None, gw, uw, dw, ctx.has_bias, ctx.dtypes)
         dx, grads = swiglu_backward(grad_out, saved, ctx.needs_input_grad[0])
         biases = grads[3:] if ctx.has_bias else (None, None, None)
         return (dx, *grads[:3], *biases)
@@ -145,6 +180,11 @@ class SwiGLU(Layer):
     projections), biases 0.
 
     Shapes: input ``[batch, ..., h]`` → output ``[batch, ..., h]``.
+
+    The input's dtype must be the parameters' (``TypeError`` otherwise) except under
+    ``torch.autocast`` (input and parameters cast to the autocast dtype, gradients returned in their
+    own dtypes). A second derivative (``create_graph=True``) raises ``RuntimeError``;
+    ``torch.func.functional_call`` works; ``vmap`` and ``torch.jit.script`` raise ``RuntimeError``.
     """
 
     def __init__(
@@ -191,6 +231,7 @@ class SwiGLU(Layer):
                 f"SwiGLU({self.hidden}→{self.intermediate}→{self.hidden}): input must have shape "
                 f"[batch, ..., {self.hidden}], got {list(x.shape)}"
             )
+        check_dtype(x, "input", self.gate_weight.dtype, f"SwiGLU({self.hidden}→{self.intermediate}→{self.hidden})")
 
     def _params(self) -> tuple[Tensor | None, ...]:
         return (self.gate_weight, self.up_weight, self.down_weight, self.gate_bias, self.up_bias, self.down_bias)

@@ -18,6 +18,9 @@ from .backprop import BackpropTrainer
 from .config import TrainingConfig
 from .train import make_trainer, train
 from .tween import TweenConfig, TweenState, TweenTrainer
+from .data import Batches, as_batch_iterable, predict_inputs
+from .evaluate import evaluate, predict
+from .metrics import METRIC_NAMES, MetricSet
 
 __all__ = [
     "StepOutput",
@@ -54,4 +57,11 @@ __all__ = [
     "TweenTrainer",
     "GraphedStep",
     "make_graphed_step",
+    "Batches",
+    "as_batch_iterable",
+    "predict_inputs",
+    "evaluate",
+    "predict",
+    "MetricSet",
+    "METRIC_NAMES",
 ]

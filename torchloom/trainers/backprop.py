@@ -195,6 +195,7 @@ class BackpropTrainer(Trainer):
         from ..kernels.grad_norm import grad_sq_partials
 
         out, saved = self.model.forward_saved(x)
+        self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         loss_parts, grad = loss_and_grad(out, y, self.loss_type, validate=False, unreduced=True)
         _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
         if len(grads) != len(self.params):
@@ -202,6 +203,9 @@ class BackpropTrainer(Trainer):
         moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
         if moved:
             torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
+        if self.dist is not None:  # data-parallel: loss partials and gradients averaged over the ranks, in the step
+            self.dist.all_reduce_(self.grad_views, "mean")
+            self.dist.all_reduce_([loss_parts], "mean")
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_parts, grad_sq_partials(self.norm_inputs), clip_norm)
         if self.clip > 0 and self.clip_mode == "value" and not self._value_clip_in_optimizer:
@@ -239,15 +243,20 @@ class BackpropTrainer(Trainer):
         else:
             out = events.run_forward(self.model, x)
         loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        if self.dist is not None:  # data-parallel: the global batch's loss (mean over equal shards), agreed
+            self.dist.all_reduce_([loss_t], "mean")
         loss = float(loss_t)
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
+        self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
         if events is None:
             _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
         else:
             grads = events.run_backward(self.model, grad)
         if len(grads) != len(self.params):  # frozen parameters get no gradient and no update
             grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
+        if self.dist is not None:  # data-parallel: the global batch's gradients; a NaN on one rank reaches all
+            self.dist.all_reduce_(grads, "mean")
         if not all_finite(grads):
             return StepOutput(loss, StepStatus.NAN_GRAD)
         for p, g in zip(self.params, grads):

@@ -17,10 +17,11 @@ records one step with every decision in device tensors, using three services of 
 
 The runner knows no method's rules. Nothing in a step reads a device value on the host, so steps
 queue up back to back. When the batches are a list (shapes fixed per position, a ragged last batch
-included) every batch position's step is captured once into CUDA graphs of up to
-``STEPS_PER_GRAPH`` steps (sharing one memory pool) and replayed every later epoch; from the first
-epoch when no layer needs an eager host check of its inputs (Embedding's index range), else from the
-second. A ``DataLoader`` (new tensors every epoch) runs eager device steps. At the end of an epoch
+included) the steps are captured in two CUDA graphs, whatever the number of batches: one of
+``STEPS_PER_GRAPH`` steps over static input slots, replayed once per chunk of that many batches
+(copied into the slots by one ``torch.stack``), and one for the remaining tail (``_capture``). Capture
+starts in the first epoch when no layer needs an eager host check of its inputs (Embedding's index
+range), else in the second. A ``DataLoader`` (new tensors every epoch) runs eager device steps. At the end of an epoch
 one host sync reads the per-step losses, statuses and logs, prints Loom's NaN messages and fills the
 epoch log.
 
@@ -48,8 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
 
-# Steps recorded into one CUDA graph: enough to amortise a replay's launch cost (~10 µs) over many
-# steps, few enough that capture and instantiation stay short.
+# Steps recorded into the chunk graph: enough to amortise a replay's launch and slot copies over many
+# steps, few enough that capture (the Python of that many steps) stays short.
 STEPS_PER_GRAPH = 64
 
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
@@ -122,8 +123,13 @@ class CudaRunner:
         self.step_logs[slot, : self.n_logs].copy_(row)
 
     def graph_eligible(self, source: BatchSource) -> bool:
-        """Whether the steps over ``source`` may be captured and replayed (a list of batches on CUDA)."""
-        return self.t.device.type == "cuda" and self.t.training.cuda_graph is not False and source.items is not None
+        """Whether the steps over ``source`` may be captured and replayed: a list of batches on CUDA,
+        and no training metrics (their running sums live on the host side of each step)."""
+        t = self.t
+        return (
+            t.device.type == "cuda" and t.training.cuda_graph is not False and source.items is not None
+            and getattr(t, "metric_set", None) is None
+        )
 
     # ---------------------------------------------------------------------- one epoch
     @torch.no_grad()
@@ -157,8 +163,7 @@ class CudaRunner:
         if self.graphs is not None:
             if t.scheduler is not None:
                 self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
-            for graph in self.graphs:
-                graph.replay()
+            self._replay(source)
             count = n
         else:
             count = 0
@@ -204,19 +209,49 @@ class CudaRunner:
         return torch.tensor(rows, dtype=torch.float32)
 
     def _capture(self, source: BatchSource) -> None:
-        """Record every batch position's step into graphs of up to ``STEPS_PER_GRAPH`` steps that
-        share one memory pool (captured and replayed in the same order). A masked warm-up step
-        first compiles every kernel specialisation the captured steps use (the learning rate read
-        from the device, for one) and creates lazily made state: compiling or allocating state is
-        impossible during capture. It runs with CUDA's sync debug mode set to "error", so a step
-        that reads a device value on the host fails there, before any capture starts (a capture that
-        fails midway leaves CUDA's random-number state unusable for the rest of the process)."""
+        """Capture the epoch's steps in two CUDA graphs that share one memory pool, whatever the
+        number of batches:
+
+        * the **chunk graph**: ``K = STEPS_PER_GRAPH`` steps reading their inputs from a static slot
+          buffer ``[K, batch, ...]`` (and their learning rates from ``K`` slot rows), writing their
+          results into ``K`` slot rows. It serves every whole chunk of ``K`` equal-shaped batches:
+          before each replay one ``torch.stack`` copies the chunk's batches into the slots, after it
+          one copy per result array moves the slot rows to the epoch's rows;
+        * the **tail graph**: the remaining steps (fewer than ``K``, a ragged last batch among them),
+          captured over their own batches and rows.
+
+        So capture costs at most ``2K`` recorded steps, not one per batch, and a replay costs one
+        stack, one graph launch and three small copies per ``K`` steps. A masked warm-up first
+        compiles every kernel specialisation the captured steps use (the learning rate read from the
+        device, for one) and creates lazily made state: compiling or allocating state is impossible
+        during capture. It runs with CUDA's sync debug mode set to "error", so a step that reads a
+        device value on the host fails there, before any capture starts (a capture that fails midway
+        leaves CUDA's random-number state unusable for the rest of the process)."""
         t = self.t
         items = source.items
+        n = len(items)
         groups = t.rate_groups()
         host_lrs = [g["lr"] for g in groups]
+        x0, y0 = items[0]
+        same = 0
+        while same < n and items[same][0].shape == x0.shape and items[same][1].shape == y0.shape:
+            same += 1
+        k_steps = STEPS_PER_GRAPH
+        n_chunks = same // k_steps
+        self._chunk = None
+        if n_chunks:
+            self._chunk = {
+                "x": torch.empty(k_steps, *x0.shape, dtype=x0.dtype, device=x0.device),
+                "y": torch.empty(k_steps, *y0.shape, dtype=y0.dtype, device=y0.device),
+                "loss": torch.zeros(k_steps, _SLOT, dtype=self.loss_dtype, device=t.device),
+                "status": torch.zeros(k_steps, _SLOT, dtype=torch.int32, device=t.device),
+                "logs": torch.zeros(k_steps, self.step_logs.shape[1], dtype=torch.float64, device=t.device),
+                "lr": torch.zeros(k_steps, len(groups), _SLOT, dtype=torch.float32, device=t.device),
+                "n_chunks": n_chunks,
+            }
+        tail_start = n_chunks * k_steps
         if t.scheduler is not None:  # each captured step reads its lr from its (aligned) row
-            self.lr_table = torch.zeros(len(items), len(groups), _SLOT, dtype=torch.float32, device=t.device)
+            self.lr_table = torch.zeros(n, len(groups), _SLOT, dtype=torch.float32, device=t.device)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         try:
@@ -237,10 +272,24 @@ class CudaRunner:
                     if epoch_begin is not None:  # state the warm-up created joins the layout
                         epoch_begin(self, 1)
                 torch.cuda.synchronize(t.device)
-                for start in range(0, len(items), STEPS_PER_GRAPH):
+                if self._chunk is not None:
+                    c = self._chunk
+                    epoch_rows = (self.step_loss, self.step_status, self.step_logs)
+                    self.step_loss, self.step_status, self.step_logs = c["loss"], c["status"], c["logs"]
+                    try:
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            for k in range(k_steps):
+                                self._use_lr_row(k, table=c["lr"] if t.scheduler is not None else None)
+                                t.device_step(c["x"][k], c["y"][k], k, self)
+                    finally:
+                        self.step_loss, self.step_status, self.step_logs = epoch_rows
+                    c["graph"] = graph
+                    self.capture_count += 1
+                if tail_start < n:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        for k in range(start, min(start + STEPS_PER_GRAPH, len(items))):
+                        for k in range(tail_start, n):
                             self._use_lr_row(k)
                             t.device_step(*items[k], k, self)
                     graphs.append(graph)
@@ -250,11 +299,33 @@ class CudaRunner:
                 g["lr"] = lr
         self.graphs = graphs
 
-    def _use_lr_row(self, k: int) -> None:
-        """Point every rate group's lr at row ``k`` of the lr table (when there is a schedule)."""
-        if self.lr_table is not None:
+    def _replay(self, source: BatchSource) -> None:
+        """One epoch from the captured graphs (see ``_capture``)."""
+        c = self._chunk
+        if c is not None:
+            items = source.items
+            k_steps = c["x"].shape[0]
+            for chunk in range(c["n_chunks"]):
+                lo, hi = chunk * k_steps, (chunk + 1) * k_steps
+                torch.stack([x for x, _ in items[lo:hi]], out=c["x"])
+                torch.stack([y for _, y in items[lo:hi]], out=c["y"])
+                if self.lr_table is not None:
+                    c["lr"].copy_(self.lr_table[lo:hi])
+                c["graph"].replay()
+                self.step_loss[lo:hi].copy_(c["loss"])
+                self.step_status[lo:hi].copy_(c["status"])
+                if self.n_logs:
+                    self.step_logs[lo:hi].copy_(c["logs"])
+        for graph in self.graphs:
+            graph.replay()
+
+    def _use_lr_row(self, k: int, table: Tensor | None = None) -> None:
+        """Point every rate group's lr at row ``k`` of the lr table, or of ``table`` (when there is a
+        schedule)."""
+        table = self.lr_table if table is None else table
+        if table is not None:
             for j, g in enumerate(self.t.rate_groups()):
-                g["lr"] = self.lr_table[k, j, 0]
+                g["lr"] = table[k, j, 0]
 
     def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
         """One host sync: the epoch's per-step losses, statuses and logs → an ``EpochOutcome``, with

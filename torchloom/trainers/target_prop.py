@@ -208,11 +208,27 @@ class TargetPropState:
         self.steps = 0
 
     @torch.no_grad()
-    def calculate_link_budgets(self) -> None:
+    def calculate_link_budgets(self, reduce: Callable[[Tensor], None] | None = None) -> None:
         """Link budget ``(cos(f, b) + 1)/2`` and gap ``sqrt(mean((f − b)²))`` of every layer, between its
         output ``f = forward_acts[i+1]`` and target ``b = backward_targets[i+1]`` over the whole batch
         (sums in float64, as Loom). A budget stays as it was when ``f`` or ``b`` is all zeros; layers
-        without a target are left alone. One host sync for all layers."""
+        without a target are left alone. One host sync for all layers. ``reduce`` (data-parallel
+        training): sums, in place, the per-layer sums ``[layers, 5]`` (``dot(f, b)``, ``|f|²``,
+        ``|b|²``, ``Σ(f − b)²``, element count) over the ranks before budgets and gaps are formed."""
+        if reduce is not None:
+            from .distributed import layer_sums
+
+            index = [i for i in range(self.num_layers) if self.forward_acts[i + 1] is not None and self.backward_targets[i + 1] is not None]
+            if not index:
+                return
+            sums = torch.stack([layer_sums(self.forward_acts[i + 1], self.backward_targets[i + 1]) for i in index])
+            reduce(sums)
+            for i, (dot, f_mag, b_mag, sq, count) in zip(index, sums.tolist()):
+                if f_mag > 0 and b_mag > 0:
+                    cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
+                    self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
+                self.gaps[i] = math.sqrt(sq / max(count, 1.0))
+            return
         rows, index = [], []
         for i in range(self.num_layers):
             f, b = self.forward_acts[i + 1], self.backward_targets[i + 1]
@@ -291,6 +307,11 @@ def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target")
         raise TypeError(f"{fn}: target must be a floating tensor or integer class labels, got dtype {target.dtype}")
     if tuple(target.shape) != out_shape:
         raise ValueError(f"{fn}: target must have the output's shape {list(out_shape)}, got {list(target.shape)}")
+
+
+def _mse_to_target(output: Tensor, target: Tensor) -> Tensor:
+    """TargetProp's reported loss: ``mean((output − t)²)`` with ``t`` the target (labels one-hot)."""
+    return ((output - _as_float_target(output, target)) ** 2).mean()
 
 
 def _as_float_target(output: Tensor, target: Tensor) -> Tensor:
@@ -582,6 +603,10 @@ class TargetPropTrainer(Trainer):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
 
+    def eval_loss_type(self) -> Any:
+        """``val_loss`` is the training loss's MSE ``mean((y − t)²)``, labels one-hot encoded."""
+        return _mse_to_target
+
     def convert_batch(self, x: Any, y: Any, index: int | None = None) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device (floats to its dtype; labels stay integers) and check it
         against the model's output shape (one forward per distinct input shape)."""
@@ -606,17 +631,23 @@ class TargetPropTrainer(Trainer):
         stats = [((out - target) ** 2).mean(dtype=torch.float64)]
         if labels is not None:
             stats.append((out.argmax(-1) == labels).double().mean())
-        values = torch.stack(stats).tolist()
+        stats_t = torch.stack(stats)
+        if self.dist is not None:  # data-parallel: loss and accuracy of the global batch (equal shards), agreed
+            self.dist.all_reduce_([stats_t], "mean")
+        values = stats_t.tolist()
         loss = values[0]
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
+        self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
         _fill_backward(self.model, state, target)
         if events is not None and state.config.use_chain_rule:  # pure mode takes no gradients
             for i in range(len(self.model.layers) - 1, -1, -1):
                 g = state.gradients[i]  # t − y carried back: the loss gradient is its negative
                 events.backward(i, self.model.layers[i], None if g is None else -g)
-        state.calculate_link_budgets()
+        state.calculate_link_budgets(None if self.dist is None else self.dist.all_reduce_)
         directions = [d for ds in state.weight_gradients if ds for d in ds]
+        if self.dist is not None:  # data-parallel: directions are sums over samples; a NaN on one rank reaches all
+            self.dist.all_reduce_(directions, "sum")
         if not all_finite(directions):
             return StepOutput(loss, StepStatus.NAN_GRAD)
         self._clip(directions)
@@ -676,12 +707,16 @@ class TargetPropTrainer(Trainer):
         st, cfg, model = self.state, self.config, self.model
         n = st.num_layers
         out = target_prop_forward(model, st, x)
+        self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None
         target = _as_float_target(out, y)
         loss = ((out - target) ** 2).mean(dtype=torch.float64)
         _fill_backward(model, st, target)
         directions = [d for ds in st.weight_gradients if ds for d in ds]
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
+        if self.dist is not None:  # data-parallel: directions summed, loss averaged over the ranks, in the step
+            self.dist.all_reduce_(directions, "sum")
+            self.dist.all_reduce_([loss], "mean")
         runner.decide(slot, loss.reshape(1), grad_sq_partials(directions), clip_norm)
         ok = runner.found_inf == 0
         # link budgets and gaps: float64 sums, as the host path
@@ -692,6 +727,13 @@ class TargetPropTrainer(Trainer):
             diff = f64 - b64
             rows.append(torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff / max(f64.numel(), 1)]))
         dot, f_mag, b_mag, mean_sq = torch.stack(rows).unbind(1)
+        if self.dist is not None:  # data-parallel: budgets and gaps from the per-layer sums over every rank's rows
+            from .distributed import layer_sums
+
+            sums = torch.stack([layer_sums(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)])
+            self.dist.all_reduce_([sums], "sum")
+            dot, f_mag, b_mag, sq, count = sums.unbind(1)
+            mean_sq = sq / count.clamp_min(1.0)
         both = (f_mag > 0) & (b_mag > 0)
         cosine = dot / torch.where(both, f_mag.sqrt() * b_mag.sqrt(), 1.0)
         status = runner.step_status[slot, 0]
@@ -721,4 +763,6 @@ class TargetPropTrainer(Trainer):
                     v.copy_(torch.where(apply, v * mu + c * d, v))
                     p.add_(torch.where(apply, v, 0.0))
         accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else self._nan
+        if self.dist is not None and labels is not None:  # data-parallel: the global batch's accuracy
+            self.dist.all_reduce_([accuracy], "mean")
         runner.log(slot, [budgets.mean(), gaps.mean(), (self._weighted & ~open_gate).double().sum(), accuracy])

@@ -1,0 +1,503 @@
+"""Layer-by-layer mapping between Loom's saved-network JSON and torchloom modules.
+
+Import: ``build_network(spec, dtype, gelu)`` turns a validated ``NetSpec`` into a ``Network``.
+Export: ``export_layers(net, shapes)`` turns torchloom modules into Loom layer dicts; ``shapes`` maps
+``id(module)`` to the input shape recorded from an example input (Loom stores spatial sizes and
+sequence lengths that torchloom layers do not hold).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..layers.base import Layer
+from ..layers.containers import Parallel, Residual
+from ..layers.conv import Conv1D, Conv2D, Conv3D, Flatten, _ConvND
+from ..layers.conv_transpose import ConvTranspose1D, ConvTranspose2D, ConvTranspose3D, _ConvTransposeND
+from ..layers.dense import Dense
+from ..layers.embedding import Embedding
+from ..layers.lstm import LSTM
+from ..layers.network import Network, Sequential
+from ..layers.norm import LayerNorm, RMSNorm
+from ..layers.rnn import RNN
+from ..layers.softmax import Softmax
+from ..layers.swiglu import SwiGLU
+from ..layers.attention import MultiHeadAttention
+from ._codec import LayerSpec, NetSpec, decode_weights, encode_float32
+
+__all__ = ["build_network", "export_layers", "LoomReshape", "ACT_FROM_LOOM", "GELU_CHOICES"]
+
+# Loom activation spelling (upper-cased) → torchloom name. "GELU" is resolved by the gelu option.
+ACT_FROM_LOOM = {
+    "RELU": "relu", "SILU": "silu", "GELU": None, "TANH": "tanh", "SIGMOID": "sigmoid",
+    "LEAKYRELU": "leaky_relu", "LEAKY_RELU": "leaky_relu", "LINEAR": "linear", "": "linear",
+}
+GELU_CHOICES = ("gelu_tanh", "gelu_loom")
+_ACT_TO_LOOM = {
+    "relu": "ReLU", "silu": "Silu", "gelu_tanh": "GELU", "gelu_loom": "GELU", "tanh": "Tanh",
+    "sigmoid": "Sigmoid", "leaky_relu": "LeakyReLU", "linear": "Linear",
+}
+_CONV = {"CNN1": (Conv1D, 1), "CNN2": (Conv2D, 2), "CNN3": (Conv3D, 3)}
+_CONVT = {"ConvTransposed1D": (ConvTranspose1D, 1), "ConvTransposed2D": (ConvTranspose2D, 2), "ConvTransposed3D": (ConvTranspose3D, 3)}
+_COMBINE = {"concat": "concat", "": "concat", "grid_scatter": "concat", "add": "add", "avg": "avg"}
+
+
+def _err(where: str, msg: str) -> ValueError:
+    return ValueError(f"Loom JSON: {where}: {msg}")
+
+
+class LoomReshape(Layer):
+    """Reshapes each sample to ``shape``: ``[B, ...] → [B, *shape]`` (C order), as Loom reads its flat
+    activation buffers; backward reshapes the gradient back. Inserted on import where a layer that
+    needs a structured input (convolution, RNN, LSTM) follows one with a flat output. No parameters."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"LoomReshape: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x[:1].numel() != math.prod(self.shape):
+            raise ValueError(f"LoomReshape{self.shape}: each sample must hold {math.prod(self.shape)} values, got input {list(x.shape)}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return super().forward(x)
+
+    def forward_saved(self, x: Tensor):
+        self._check(x)
+        return x.reshape(x.shape[0], *self.shape), tuple(x.shape)
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        return (grad_out.reshape(saved) if needs_input_grad else None), ()
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+
+# =============================================================================== import
+class _Builder:
+    def __init__(self, dtype: torch.dtype, gelu: str) -> None:
+        self.dtype = dtype
+        self.gelu = gelu
+
+    def activation(self, s: LayerSpec) -> str:
+        raw = s.f["activation"] or ""
+        key = raw.upper()
+        if key == "RELU2":
+            raise _err(s.where, "activation 'ReLU2': Loom v0.80 reads this name back as linear, so the file "
+                       "does not say which one ran; refusing rather than guessing")
+        if key not in ACT_FROM_LOOM:
+            raise _err(s.where, f"unknown activation {raw!r} (Loom would silently run it as linear); Loom's "
+                       f"spellings: {sorted(k for k in ACT_FROM_LOOM if k)}")
+        return self.gelu if key == "GELU" else ACT_FROM_LOOM[key]
+
+    def weights(self, s: LayerSpec) -> np.ndarray | None:
+        return decode_weights(s) if s.f["weights"] is not None else None
+
+    def _set(self, param: Tensor, values: np.ndarray, shape=None) -> None:
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        with torch.no_grad():
+            param.copy_(t.reshape(shape if shape is not None else param.shape).to(param.dtype))
+
+    def common_checks(self, s: LayerSpec) -> None:
+        f = s.f
+        if f["is_remote_link"]:
+            raise _err(s.where, "remote links (is_remote_link) are not supported")
+        if f["meta_rules"] or f["meta_observed_layer"] is not None:
+            raise _err(s.where, "metacognition rules are not supported")
+        if f["gumbel_noise"]:
+            raise _err(s.where, "Gumbel noise (gumbel_noise) is not supported")
+
+    # ------------------------------------------------------------------ containers
+    def build_list(self, specs: list[LayerSpec], *, in_sequential: bool) -> list[nn.Module]:
+        """Modules for a run of layers. Inside a Sequential, Loom's Residual adds the previous
+        (enabled) sub-layer's input to its output; with no previous sub-layer, and at the top level,
+        Loom's Residual has no skip input and passes its input through."""
+        out: list[nn.Module] = []
+        last_was_residual = False
+        for s in specs:
+            if s.f["is_disabled"]:
+                continue  # Loom's forward skips disabled layers
+            self.common_checks(s)
+            if s.kind == "Residual":
+                if in_sequential and out:
+                    if last_was_residual:
+                        raise _err(s.where, "two Residual layers in a row: Loom adds the first residual's "
+                                   "input again, which torchloom's Residual cannot express")
+                    prev = out.pop()
+                    if isinstance(prev, Flatten):
+                        raise _err(s.where, "a Residual after a flattening step is not supported")
+                    out.append(Residual(prev))
+                    last_was_residual = True
+                continue  # identity: no skip input in Loom
+            last_was_residual = False
+            mod = self.build_one(s)
+            if mod is None:
+                continue
+            # Loom keeps activations as flat buffers; torchloom reshapes explicitly between layers.
+            if isinstance(mod, Dense) and out and isinstance(out[-1], (_ConvND, _ConvTransposeND, RNN, LSTM)):
+                out.append(Flatten())
+            elif out and isinstance(mod, (_ConvND, _ConvTransposeND)) and not isinstance(out[-1], (_ConvND, _ConvTransposeND)):
+                n_in, _ = _spatial(s.f, mod.ndim, conv=isinstance(mod, _ConvND))
+                out.append(LoomReshape((mod.in_channels, *n_in)))
+            elif out and isinstance(mod, (RNN, LSTM)) and not isinstance(out[-1], (RNN, LSTM)):
+                out.append(LoomReshape((max(s.f["seq_length"], 1), mod.input_size)))
+            out.append(mod)
+        return out
+
+    def build_one(self, s: LayerSpec) -> nn.Module | None:
+        k = s.kind
+        f = s.f
+        if k in ("KMeans", "Metacognition"):
+            raise _err(s.where, f"Loom layer type {k} has no torchloom equivalent")
+        if k == "Sequential":
+            mods = self.build_list(s.children, in_sequential=True)
+            return Sequential(*mods) if mods else None  # empty: Loom passes the input through
+        if k == "Parallel":
+            mode = f["combine_mode"] or ""
+            if mode == "filter":
+                raise _err(s.where, "combine_mode 'filter' needs Loom's gate layer, which Loom does not save "
+                           "(a loaded 'filter' Parallel outputs zeros in Loom)")
+            if mode not in _COMBINE:
+                raise _err(s.where, f"combine_mode {mode!r} is not one of Loom's {sorted(set(_COMBINE) | {'filter'})}")
+            if not s.children:
+                return None  # Loom passes the input through
+            branches = []
+            for c in s.children:
+                self.common_checks(c)
+                if c.kind == "Residual":
+                    raise _err(c.where, "a Residual as a Parallel branch (an identity in Loom) is not supported")
+                b = self.build_one(c)  # Loom runs every branch, even a disabled one
+                if b is None:
+                    raise _err(c.where, "an empty branch is not supported")
+                branches.append(b)
+            return Parallel(branches, combine=_COMBINE[mode])
+        w = self.weights(s)
+        dt = self.dtype
+        if k == "Dense":
+            i, o = f["input_height"], f["output_height"]
+            m = Dense(i, o, self.activation(s), bias=False, dtype=dt)
+            if w is not None:
+                self._set(m.weight, w, (o, i))
+            return m
+        if k in _CONV:
+            cls, nd = _CONV[k]
+            kk, st, pd = f["kernel_size"] or 1, f["stride"], f["padding"]
+            if st < 1:
+                raise _err(s.where, f"{k} needs 'stride' >= 1, got {st}")
+            n_in, n_out = _spatial(f, nd, conv=True)
+            want = tuple((n + 2 * pd - kk) // st + 1 for n in n_in)
+            if any(n < 1 for n in n_in) or n_out != want:
+                raise _err(s.where, f"{k}: output size {n_out} does not follow from input size {n_in}, kernel {kk}, "
+                           f"stride {st}, padding {pd} (expected {want}); Loom would compute a different result")
+            m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=False, dtype=dt)
+            if w is not None:
+                self._set(m.weight, w)
+            return m
+        if k in _CONVT:
+            cls, nd = _CONVT[k]
+            kk, st, pd = f["kernel_size"] or 1, f["stride"], f["padding"]
+            if st < 1:
+                raise _err(s.where, f"{k} needs 'stride' >= 1, got {st}")
+            n_in, n_out = _spatial(f, nd, conv=False)
+            natural = tuple((n - 1) * st - 2 * pd + kk for n in n_in)
+            op = tuple(o - n for o, n in zip(n_out, natural))
+            if any(n < 1 for n in n_in) or any(not 0 <= p < st for p in op):
+                raise _err(s.where, f"{k}: output size {n_out} is not (n − 1)·stride − 2·padding + kernel + "
+                           f"output_padding with 0 <= output_padding < stride for input size {n_in} (that is, "
+                           f"{natural} + [0, {st})); Loom would crop or pad differently")
+            m = cls(f["input_channels"], f["filters"], kk, st, pd, op, self.activation(s), bias=False, dtype=dt)
+            if w is not None:  # Loom: [F, C, k...]; torchloom (PyTorch): [C, F, k...]
+                loom_w = torch.from_numpy(np.ascontiguousarray(w)).reshape(f["filters"], f["input_channels"], *m.kernel_size)
+                self._set(m.weight, loom_w.transpose(0, 1).contiguous().numpy())
+            return m
+        if k == "RNN":
+            i, h = f["input_height"], f["output_height"]
+            m = RNN(i, h, bias=True, dtype=dt)
+            if w is not None:
+                self._set(m.weight_ih, w[: h * i])
+                self._set(m.weight_hh, w[h * i : h * i + h * h])
+                self._set(m.bias, w[h * i + h * h :])
+            return m
+        if k == "LSTM":
+            i, h = f["input_height"], f["output_height"]
+            m = LSTM(i, h, bias=True, dtype=dt)
+            if w is not None:
+                g = i * h + h * h + h
+                blocks = w.reshape(4, g)
+                self._set(m.weight_ih, blocks[:, : h * i])
+                self._set(m.weight_hh, blocks[:, h * i : h * i + h * h])
+                self._set(m.bias, blocks[:, h * i + h * h :])
+            return m
+        if k == "MultiHeadAttention":
+            d, heads = f["d_model"], f["num_heads"]
+            kvh = f["num_kv_heads"] or heads
+            hd = f["head_dim"] or d // heads
+            if hd * heads != d or f["query_dim"] not in (0, d):
+                raise _err(s.where, f"MultiHeadAttention with head_dim {hd} × num_heads {heads} != d_model {d} "
+                           f"(or query_dim {f['query_dim']} != d_model) is not supported")
+            if heads % kvh or hd % 2:
+                raise _err(s.where, f"MultiHeadAttention needs num_heads ({heads}) divisible by num_kv_heads "
+                           f"({kvh}) and an even head_dim ({hd}) for RoPE")
+            theta = f["rope_freq_base"] or 10000.0
+            if theta <= 0:
+                raise _err(s.where, f"rope_freq_base must be > 0, got {theta}")
+            m = MultiHeadAttention(d, heads, kvh, causal=True, rope=True, bias=True, rope_theta=theta, dtype=dt)
+            if w is not None:
+                kv = kvh * hd
+                sizes = [d * d, kv * d, kv * d, d * d, d, kv, kv, d]
+                parts = np.split(w, np.cumsum(sizes)[:-1])
+                for p, vals in zip((m.q_weight, m.k_weight, m.v_weight, m.o_weight, m.q_bias, m.k_bias, m.v_bias, m.o_bias), parts):
+                    self._set(p, vals)
+            return m
+        if k == "SwiGLU":
+            h, mm = f["input_height"], f["output_height"]
+            m = SwiGLU(h, mm, bias=True, dtype=dt)
+            if w is not None:
+                sizes = [mm * h, mm * h, h * mm, mm, mm, h]
+                parts = np.split(w, np.cumsum(sizes)[:-1])
+                for p, vals in zip((m.gate_weight, m.up_weight, m.down_weight, m.gate_bias, m.up_bias, m.down_bias), parts):
+                    self._set(p, vals)
+            return m
+        if k in ("RMSNorm", "LayerNorm"):
+            n = f["input_height"]
+            if f["output_height"] != n:
+                raise _err(s.where, f"{k} needs output_height == input_height (Loom sizes the weights by one and "
+                           f"normalises by the other), got {f['output_height']} and {n}")
+            if k == "RMSNorm":
+                m = RMSNorm(n, eps=1e-6, dtype=dt)
+                if w is not None:
+                    self._set(m.weight, w)
+            else:
+                m = LayerNorm(n, eps=1e-5, dtype=dt)
+                if w is not None:
+                    self._set(m.weight, w[:n])
+                    self._set(m.bias, w[n:])
+            return m
+        if k == "Embedding":
+            m = Embedding(f["vocab_size"], f["embedding_dim"], dtype=dt)
+            if w is not None:
+                self._set(m.weight, w)
+            return m
+        if k == "Softmax":
+            st = f["softmax_type"]
+            grid = st in ("Grid", 1)
+            if not grid and st not in (None, "", "Standard", "Temperature", 0, 3):
+                raise _err(s.where, f"softmax_type {st!r} is not supported (only 'Standard', 'Temperature', 'Grid')")
+            if grid and (f["softmax_rows"] < 1 or f["softmax_cols"] < 1):
+                raise _err(s.where, "a 'Grid' softmax needs softmax_rows and softmax_cols >= 1")
+            t = f["temperature"] or 1.0
+            if t <= 0:
+                raise _err(s.where, f"temperature must be > 0, got {t}")
+            return Softmax(dim=-1, temperature=t)
+        raise _err(s.where, f"layer type {k} is not supported")  # pragma: no cover
+
+
+def _spatial(f: dict, nd: int, conv: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Input and output spatial sizes as Loom reads them (CNN2/CNN3 default missing width/depth to
+    the height, as Loom's builder does; ConvTransposed1D uses the width fields)."""
+    if nd == 1:
+        if conv:
+            return (f["input_height"],), (f["output_height"],)
+        return (f["input_width"],), (f["output_width"],)
+    ih, oh = f["input_height"], f["output_height"]
+    iw = f["input_width"] or (ih if conv else 0)
+    ow = f["output_width"] or (oh if conv else 0)
+    if nd == 2:
+        return (ih, iw), (oh, ow)
+    idp = f["input_depth"] or (ih if conv else 0)
+    odp = f["output_depth"] or (oh if conv else 0)
+    return (idp, ih, iw), (odp, oh, ow)
+
+
+def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str) -> Network:
+    mods = _Builder(dtype, gelu).build_list(spec.layers, in_sequential=False)
+    if not mods:
+        raise ValueError("Loom JSON: no layer computes anything (every layer is disabled or an identity)")
+    return Network(*mods)
+
+
+# =============================================================================== export
+def _refuse(name: str, msg: str) -> ValueError:
+    return ValueError(f"to_loom_json: {name}: {msg}")
+
+
+def _act(layer, name: str) -> str:
+    a = layer.activation.name
+    if a == "relu2":
+        raise _refuse(name, "activation 'relu2': Loom v0.80 writes 'ReLU2' but reads it back (and builds it) as "
+                      "linear, so the network would run differently in Loom")
+    if a == "gelu":
+        raise _refuse(name, "activation 'gelu' (exact erf form): Loom's GELU is the tanh approximation; use "
+                      "'gelu_tanh' (or 'gelu_loom' for Loom's training arithmetic)")
+    if a not in _ACT_TO_LOOM:
+        raise _refuse(name, f"activation {a!r} has no Loom equivalent; Loom has {sorted(_ACT_TO_LOOM)}")
+    return _ACT_TO_LOOM[a]
+
+
+def _flat(*tensors: Tensor | None, like: Tensor) -> str:
+    parts = [
+        (t if t is not None else like.new_zeros(n)).detach().to("cpu", torch.float32).reshape(-1)
+        for t, n in tensors
+    ]
+    vals = torch.cat(parts).numpy()
+    if not np.isfinite(vals).all():
+        raise ValueError("to_loom_json: weights must be finite to be written, found NaN/Inf")
+    return encode_float32(vals)
+
+
+def _same(values: tuple[int, ...], what: str, name: str) -> int:
+    if len(set(values)) != 1:
+        raise _refuse(name, f"Loom has one {what} for every spatial dimension, got {values}")
+    return values[0]
+
+
+def _base(loom_type: str, act: str = "Linear") -> dict:
+    return {"type": loom_type, "activation": act, "dtype": "float32"}
+
+
+def _weights(d: dict, b64: str) -> dict:
+    d["weights"] = b64
+    d["native"] = True
+    d["scale"] = 1
+    return d
+
+
+def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str) -> list[dict]:
+    """Loom layer dicts for ``mod`` (empty for Flatten, several for a Network / Sequential at the
+    top level is handled by the caller)."""
+    shape = shapes.get(id(mod))
+    if isinstance(mod, (Flatten, LoomReshape)):
+        return []  # Loom's activations are flat buffers already
+    if isinstance(mod, Dense):
+        if mod.bias is not None:
+            raise _refuse(name, "Dense has a bias; Loom's Dense has none (use bias=False)")
+        d = _base("Dense", _act(mod, name))
+        d.update(input_height=mod.in_features, output_height=mod.out_features)
+        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+    if isinstance(mod, (_ConvND, _ConvTransposeND)):
+        transposed = isinstance(mod, _ConvTransposeND)
+        nd = mod.ndim
+        kind = f"ConvTransposed{nd}D" if transposed else f"CNN{nd}"
+        if mod.bias is not None:
+            raise _refuse(name, f"{type(mod).__name__} has a bias; Loom's {kind} has none (use bias=False)")
+        k = _same(mod.kernel_size, "kernel size", name)
+        st = _same(mod.stride, "stride", name)
+        pd = _same(mod.padding, "padding", name)
+        if shape is None:
+            raise _refuse(name, f"{type(mod).__name__}: Loom stores the spatial input/output sizes; " + (
+                "its input shape could not be recorded from example_input (a convolution inside a Parallel "
+                "branch is not supported)" if shapes else
+                "pass example_input= (a tensor or its shape) to to_loom_json / save_loom"))
+        n_in = tuple(shape[2:])
+        n_out = mod.output_shape(n_in)
+        d = _base(kind, _act(mod, name))
+        d.update(input_channels=mod.in_channels, filters=mod.filters, kernel_size=k, stride=st, padding=pd)
+        if transposed:
+            op = _same(mod.output_padding, "output padding", name)
+            if op:
+                d["output_padding"] = op
+            keys = {1: ("width",), 2: ("height", "width"), 3: ("depth", "height", "width")}[nd]
+            w = mod.weight.transpose(0, 1)  # PyTorch [C, F, k...] → Loom [F, C, k...]
+        else:
+            keys = {1: ("height",), 2: ("height", "width"), 3: ("depth", "height", "width")}[nd]
+            w = mod.weight
+        for key, a, b in zip(keys, n_in, n_out):
+            d[f"input_{key}"] = a
+            d[f"output_{key}"] = b
+        return [_weights(d, _flat((w.contiguous(), 0), like=mod.weight))]
+    if isinstance(mod, (RNN, LSTM)):
+        if shape is None:
+            raise _refuse(name, f"{type(mod).__name__}: Loom stores the sequence length; " + (
+                "its input shape could not be recorded from example_input (an RNN / LSTM inside a Parallel "
+                "branch is not supported)" if shapes else
+                "pass example_input= (a tensor or its shape [batch, time, features]) to to_loom_json / save_loom"))
+        i, h = mod.input_size, mod.hidden_size
+        d = _base(type(mod).__name__, "Tanh")
+        d.update(input_height=i, output_height=h, seq_length=int(shape[1]))
+        if isinstance(mod, RNN):
+            b64 = _flat((mod.weight_ih, 0), (mod.weight_hh, 0), (mod.bias, h), like=mod.weight_ih)
+        else:
+            bias = mod.bias if mod.bias is not None else torch.zeros(4 * h, dtype=mod.weight_ih.dtype)
+            blocks = torch.cat([mod.weight_ih.detach().reshape(4, h * i), mod.weight_hh.detach().reshape(4, h * h),
+                                bias.detach().reshape(4, h)], dim=1)
+            b64 = _flat((blocks, 0), like=mod.weight_ih)
+        return [_weights(d, b64)]
+    if isinstance(mod, MultiHeadAttention):
+        if not (mod.causal and mod.rope):
+            raise _refuse(name, "MultiHeadAttention: Loom's attention is always causal with RoPE; "
+                          f"got causal={mod.causal}, rope={mod.rope}")
+        dm, kv = mod.d_model, mod.num_kv_heads * mod.head_dim
+        d = _base("MultiHeadAttention")
+        d.update(d_model=dm, num_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads, head_dim=mod.head_dim,
+                 rope_freq_base=mod.rope_theta)
+        if shape is not None and len(shape) == 3:
+            d["seq_length"] = int(shape[1])
+        b64 = _flat((mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
+                    (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight)
+        return [_weights(d, b64)]
+    if isinstance(mod, SwiGLU):
+        h, m = mod.hidden, mod.intermediate
+        d = _base("SwiGLU")
+        d.update(input_height=h, output_height=m)
+        b64 = _flat((mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
+                    (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight)
+        return [_weights(d, b64)]
+    if isinstance(mod, (RMSNorm, LayerNorm)):
+        want = 1e-6 if isinstance(mod, RMSNorm) else 1e-5
+        if mod.eps != want:
+            raise _refuse(name, f"{type(mod).__name__}(eps={mod.eps}): Loom's {type(mod).__name__} uses eps={want} "
+                          "and does not store it")
+        n = mod.normalized_shape
+        d = _base(type(mod).__name__)
+        d.update(input_height=n, output_height=n)
+        parts = [(mod.weight, 0)] + ([(mod.bias, 0)] if isinstance(mod, LayerNorm) else [])
+        return [_weights(d, _flat(*parts, like=mod.weight))]
+    if isinstance(mod, Embedding):
+        d = _base("Embedding")
+        d.update(vocab_size=mod.num_embeddings, embedding_dim=mod.embedding_dim)
+        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+    if isinstance(mod, Softmax):
+        if mod.dim != -1 and not (shape is not None and mod.dim == len(shape) - 1):
+            raise _refuse(name, f"Softmax(dim={mod.dim}): Loom normalises the last dimension only; use dim=-1")
+        d = _base("Softmax")
+        d["temperature"] = mod.temperature
+        if shape is not None:  # Loom fixes the number of rows in the file: rows × last dim
+            d.update(softmax_type="Grid", softmax_rows=math.prod(shape[:-1]), softmax_cols=shape[-1])
+        else:  # Loom's Standard softmax spans the whole input: torchloom's result for one row
+            d["softmax_type"] = "Standard" if mod.temperature == 1.0 else "Temperature"
+        return [d]
+    if isinstance(mod, Residual):
+        inner = export_layers(mod.inner, shapes, f"{name}.inner")
+        if len(inner) != 1:
+            raise _refuse(name, "Residual: its inner layer must map to exactly one Loom layer")
+        # Loom's Residual inside a Sequential adds the previous sub-layer's input to its output.
+        d = _base("Sequential")
+        d["sequential_layers"] = inner + [_base("Residual")]
+        return [d]
+    if isinstance(mod, Parallel):
+        branches = []
+        for i, b in enumerate(mod.branches):
+            out = export_layers(b, shapes, f"{name}.branches[{i}]")
+            if len(out) != 1:
+                raise _refuse(name, f"Parallel: branch {i} must map to exactly one Loom layer")
+            branches.append(out[0])
+        d = _base("Parallel")
+        d.update(combine_mode=mod.combine, parallel_branches=branches)
+        return [d]
+    if isinstance(mod, Sequential):  # Network too, when nested
+        subs = []
+        for i, c in enumerate(mod):
+            subs.extend(export_layers(c, shapes, f"{name}[{i}]"))
+        if not subs:
+            raise _refuse(name, "Sequential: nothing to write")
+        d = _base("Sequential")
+        d["sequential_layers"] = subs
+        return [d]
+    raise _refuse(name, f"{getattr(mod, 'loom_type', type(mod).__name__)} has no Loom equivalent that runs the same")

@@ -1,0 +1,278 @@
+"""LayerNorm forward and hand-written backward, each one pass over the rows, and the row-tiled kernels
+that RMSNorm shares (``RMS=True``).
+
+Rows are the leading dimensions of ``x [..., n]``, each normalised over its last dimension:
+
+    forward   μ = mean(x),  r = 1 / sqrt(mean((x − μ)²) + eps)     (μ, r saved: one float32 per row)
+              x̂ = (x − μ)·r,  y = x̂·w + b
+    backward  gw = g ⊙ w
+              dx = r·(gw − mean(gw) − x̂·mean(gw ⊙ x̂))
+              dw = Σ_rows g ⊙ x̂,   db = Σ_rows g
+
+RMSNorm is the same with ``μ = 0``, no ``b`` and no ``mean(gw)`` term.
+
+Bytes: the forward reads ``x`` and writes ``y``; the backward reads ``g`` and ``x`` and writes ``dx``
+(plus ``[programs, n]`` float32 partial sums of ``dw``/``db``, reduced by one small ``sum``). That is
+the floor for these ops; the flops (~10 per element) are far below the H100's ratio, so the kernels
+are memory bound and the work is to keep enough loads in flight: a program normalises a tile of
+``ROWS`` rows at once (``ROWS · BLOCK`` ≈ ``_TILE_ELEMS`` values), and the backward gives each program
+several tiles so that ``dw``/``db`` accumulate in registers.
+
+The tiled kernels need the row in one block (``n ≤ 8192`` on CUDA); longer rows run the reference
+(LayerNorm) or RMSNorm's chunked kernel.
+
+Read top to bottom: ``layernorm_ref`` / ``layernorm_backward_ref`` (the spec), the kernels, the
+launchers ``layernorm`` / ``layernorm_backward`` (the one place that picks the kernel or the
+reference) and ``tiled_forward`` / ``tiled_backward`` (shared with RMSNorm).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._tl import jit, tl
+from ._triton import KERNEL_DTYPES, use_triton
+
+__all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled"]
+
+_CUDA_MAX_BLOCK = 8192  # a row up to this length sits in registers in one piece
+_INTERPRETER_MAX_BLOCK = 1 << 16
+# Launch settings: values per tile, programs per SM in the backward (capped so that the float32
+# partial sums of dw/db stay a small fraction of the input: at most one row of partials per 64
+# bytes of a column of the input), values per thread (warps capped at 16). A sweep on
+# an H100 at 8192 rows of 1024/4096 could not separate the settings: at those sizes the layer's time
+# is the host's launch overhead, not the kernels'.
+_TILE_ELEMS = 4096
+_PROGRAMS_PER_SM = 4
+_ELEMS_PER_THREAD = 16
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    """Half-precision inputs are computed in float32, like the kernels; float32/64 in their own dtype."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+# ------------------------------------------------------------------------------------ reference
+def layernorm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [..., n]``, ``weight [n]``, ``bias [n]`` → ``(y [..., n] in x's dtype, mean [...],
+    rstd [...])`` (mean and rstd in the compute dtype; biased variance)."""
+    dt = _compute_dtype(x)
+    xc = x.to(dt)
+    mean = xc.mean(dim=-1)
+    centered = xc - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
+    y = centered * rstd.unsqueeze(-1) * weight.to(dt) + bias.to(dt)
+    return y.to(x.dtype), mean, rstd
+
+
+def layernorm_backward_ref(
+    grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx [..., n] in x's dtype, dw [n], db [n] in weight's dtype)`` from the upstream gradient, the
+    input, the weight and the saved ``mean``, ``rstd``."""
+    dt = _compute_dtype(x)
+    n = x.shape[-1]
+    g, r = grad_out.to(dt), rstd.to(dt).unsqueeze(-1)
+    x_hat = (x.to(dt) - mean.to(dt).unsqueeze(-1)) * r
+    gw = g * weight.to(dt)
+    dx = r * (gw - gw.mean(dim=-1, keepdim=True) - x_hat * (gw * x_hat).mean(dim=-1, keepdim=True))
+    dw = (g * x_hat).reshape(-1, n).sum(0)
+    db = g.reshape(-1, n).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
+
+
+# -------------------------------------------------------------------------------------- kernels
+@jit
+def _norm_forward_kernel(
+    y_ptr,  # [R, n] out, x's dtype
+    mean_ptr,  # [R] out, float32 (unused when RMS)
+    rstd_ptr,  # [R] out, float32
+    x_ptr,  # [R, n], rows contiguous
+    w_ptr,  # [n]
+    b_ptr,  # [n] (unused without HAS_BIAS)
+    n_rows,
+    n_cols,
+    eps,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: row · n may pass 2³¹
+    cols = tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    cmask = cols < n_cols
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / n_cols
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y += b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _norm_backward_kernel(
+    dx_ptr,  # [R, n] out, x's dtype
+    dw_partial_ptr,  # [programs, n] out, float32: this program's share of dw
+    db_partial_ptr,  # [programs, n] out, float32 (unused without HAS_BIAS)
+    g_ptr,  # [R, n] upstream gradient, rows contiguous
+    x_ptr,  # [R, n], rows contiguous
+    w_ptr,  # [n]
+    mean_ptr,  # [R] float32 (unused when RMS)
+    rstd_ptr,  # [R] float32
+    n_rows,
+    n_cols,
+    tiles_per_program,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in range(0, tiles_per_program):
+        rows = (pid * tiles_per_program + t) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        if RMS:
+            x_hat = x * rstd[:, None]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        gw = g * w[None, :]
+        c1 = tl.sum(gw * x_hat, axis=1) / n_cols
+        if RMS:
+            dx = rstd[:, None] * (gw - x_hat * c1[:, None])
+        else:
+            c2 = tl.sum(gw, axis=1) / n_cols
+            dx = rstd[:, None] * (gw - c2[:, None] - x_hat * c1[:, None])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(g * x_hat, axis=0)
+        if HAS_BIAS:
+            db += tl.sum(g, axis=0)
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cmask)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=cmask)
+
+
+# ------------------------------------------------------------------------------------ launchers
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def fits_tiled(n_cols: int, is_cuda: bool) -> bool:
+    """Whether a row of ``n_cols`` fits the tiled kernels' single block."""
+    return n_cols <= (_CUDA_MAX_BLOCK if is_cuda else _INTERPRETER_MAX_BLOCK)
+
+
+def _settings(n_cols: int, is_cuda: bool) -> tuple[int, int, int]:
+    """``(ROWS, BLOCK, num_warps)``: the row rounded up to a power of two, as many rows per tile as
+    make ``_TILE_ELEMS`` values, ``_ELEMS_PER_THREAD`` values per thread (1 to 16 warps)."""
+    block = max(_next_pow2(n_cols), 16)
+    rows = max(1, _TILE_ELEMS // block) if is_cuda else max(1, min(16, 1024 // block))
+    num_warps = min(max(rows * block // (32 * _ELEMS_PER_THREAD), 1), 16) if is_cuda else 4
+    return rows, block, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def tiled_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(y, mean or None, rstd)`` of LayerNorm (``rms=False``) or RMSNorm (``rms=True``, no bias)
+    through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``."""
+    x2 = _rows(x)
+    n_rows, n = x2.shape
+    rows, block, num_warps = _settings(n, x2.is_cuda)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    mean = rstd if rms else torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    _norm_forward_kernel[(-(-n_rows // rows),)](
+        y, mean, rstd, x2, w, b, n_rows, n, eps,
+        RMS=rms, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block, num_warps=num_warps,
+    )
+    lead = x.shape[:-1]
+    return y.view(x.shape), (None if rms else mean.view(lead)), rstd.view(lead)
+
+
+def tiled_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dx, dw, db or None)`` of LayerNorm (``mean`` given) or RMSNorm (``mean=None``) through the
+    tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s."""
+    x2, g2 = _rows(x), _rows(grad_out)
+    n_rows, n = x2.shape
+    rows, block, num_warps = _settings(n, x2.is_cuda)
+    tiles = -(-n_rows // rows)
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 2
+    # Each program writes one float32 row of dw (and db) partials: at most one per 64 bytes of a
+    # column of x, so the partials stay within 1/16 of x's size (peak memory), but at least one per SM.
+    cap = max(sms, n_rows * x2.element_size() // 64)
+    programs = max(1, min(tiles, _PROGRAMS_PER_SM * sms, cap))
+    tiles_per_program = -(-tiles // programs)
+    programs = -(-tiles // tiles_per_program)  # no program without rows
+    dx = torch.empty_like(x2)
+    dw_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32)
+    db_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32) if has_bias else dw_partial
+    rstd2 = rstd.reshape(-1).to(torch.float32).contiguous()
+    mean2 = rstd2 if mean is None else mean.reshape(-1).to(torch.float32).contiguous()
+    _norm_backward_kernel[(programs,)](
+        dx, dw_partial, db_partial, g2, x2, weight.contiguous(), mean2, rstd2, n_rows, n, tiles_per_program,
+        RMS=mean is None, HAS_BIAS=has_bias, ROWS=rows, BLOCK=block, num_warps=num_warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype)
+    db = db_partial.sum(0).to(weight.dtype) if has_bias else None
+    return dx.view(x.shape), dw, db
+
+
+def layernorm(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, backend: str | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` of LayerNorm over the last dimension of ``x [..., n]``: the Triton kernel on
+    CUDA for float32/float16/bfloat16 rows up to 8192 (``mean``, ``rstd`` float32), the reference
+    elsewhere (``backend`` as ``_triton.use_triton``)."""
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda):
+        return layernorm_ref(x, weight, bias, eps)
+    y, mean, rstd = tiled_forward(x, weight, bias, eps, rms=False)
+    return y, mean, rstd
+
+
+def layernorm_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, backend: str | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dw, db)`` of LayerNorm: the Triton kernel on CUDA, the reference elsewhere."""
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda):
+        return layernorm_backward_ref(grad_out, x, weight, mean, rstd)
+    dx, dw, db = tiled_backward(grad_out, x, weight, mean, rstd, has_bias=True)
+    return dx, dw, db
