@@ -49,6 +49,44 @@ def _global_step_hooks() -> bool:
     return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
+class LossScaler:
+    """Dynamic loss scaling for ``precision="16-mixed"`` (the rule of ``torch.amp.GradScaler``): the
+    output gradient is multiplied by ``scale`` before the backward (so small float16 gradients do not
+    flush to zero), the parameter gradients are divided by it after; a step whose gradients came out
+    non-finite is skipped and halves the scale, and every ``interval`` finite steps in a row double
+    it. ``scale`` and the count are 0-d device tensors updated with ``torch.where``: no host read, so
+    the device step stays capturable.
+
+    Args: ``device``; ``init`` (2¹⁶), ``growth`` (2), ``backoff`` (0.5), ``interval`` (2000)."""
+
+    def __init__(self, device: torch.device, init: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5, interval: int = 2000) -> None:
+        self.scale = torch.full((), init, dtype=torch.float32, device=device)
+        self.good = torch.zeros((), dtype=torch.float32, device=device)
+        self.growth, self.backoff, self.interval = growth, backoff, interval
+
+    def scale_grad(self, grad: Tensor) -> Tensor:
+        return grad * self.scale.to(grad.dtype)
+
+    def unscale_(self, grads: Sequence[Tensor]) -> None:
+        inv = self.scale.reciprocal()
+        for g in grads:
+            g.mul_(inv.to(g.dtype))
+
+    def update_(self, overflow: Tensor) -> None:
+        overflow = overflow.to(self.scale.device)
+        good = torch.where(overflow, 0.0, self.good + 1.0)
+        grow = good >= self.interval
+        self.scale.copy_(torch.where(overflow, self.scale * self.backoff, torch.where(grow, self.scale * self.growth, self.scale)))
+        self.good.copy_(torch.where(grow, 0.0, good))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"scale": self.scale.clone(), "good": self.good.clone()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.scale.copy_(state["scale"])
+        self.good.copy_(state["good"])
+
+
 class BackpropTrainer(Trainer):
     """Backpropagation on the engine: exact gradients through the hand-written backward, any optimizer.
 
@@ -81,6 +119,7 @@ class BackpropTrainer(Trainer):
             for group in self.optimizer.param_groups:  # step counts on the device: graph-capturable
                 group["capturable"] = True
         self.scheduler = as_scheduler(config.scheduler, self.optimizer)
+        self.loss_scaler = LossScaler(self.device) if config.precision == "16-mixed" else None
         self._direct_update = self._owns_optimizer and self.scheduler is None and isinstance(self.optimizer, FusedOptimizer)
         if self.device.type == "cuda" and config.cuda_graph and not self.device_ready():
             raise ValueError(
@@ -104,6 +143,8 @@ class BackpropTrainer(Trainer):
 
     def training_state(self) -> dict[str, Any]:
         state = super().training_state()
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
         state["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -111,6 +152,8 @@ class BackpropTrainer(Trainer):
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         super().load_training_state(state)
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -197,6 +240,9 @@ class BackpropTrainer(Trainer):
         out, saved = self.model.forward_saved(x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         loss_parts, grad = loss_and_grad(out, y, self.loss_type, validate=False, unreduced=True)
+        scaler = self.loss_scaler
+        if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled below
+            grad = scaler.scale_grad(grad)
         _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
         if len(grads) != len(self.params):
             grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
@@ -206,8 +252,12 @@ class BackpropTrainer(Trainer):
         if self.dist is not None:  # data-parallel: loss partials and gradients averaged over the ranks, in the step
             self.dist.all_reduce_(self.grad_views, "mean")
             self.dist.all_reduce_([loss_parts], "mean")
+        if scaler is not None:
+            scaler.unscale_(self.grad_views)
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_parts, grad_sq_partials(self.norm_inputs), clip_norm)
+        if scaler is not None:  # an overflow in the scaled backward (status 2) halves the scale
+            scaler.update_(runner.step_status[slot, 0] == 2)
         if self.clip > 0 and self.clip_mode == "value" and not self._value_clip_in_optimizer:
             torch._foreach_clamp_min_(self.grad_views, -self.clip)
             torch._foreach_clamp_max_(self.grad_views, self.clip)
@@ -243,6 +293,9 @@ class BackpropTrainer(Trainer):
         else:
             out = events.run_forward(self.model, x)
         loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        scaler = self.loss_scaler
+        if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled after
+            grad = scaler.scale_grad(grad)
         if self.dist is not None:  # data-parallel: the global batch's loss (mean over equal shards), agreed
             self.dist.all_reduce_([loss_t], "mean")
         loss = float(loss_t)
@@ -257,7 +310,12 @@ class BackpropTrainer(Trainer):
             grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
         if self.dist is not None:  # data-parallel: the global batch's gradients; a NaN on one rank reaches all
             self.dist.all_reduce_(grads, "mean")
-        if not all_finite(grads):
+        if scaler is not None:
+            scaler.unscale_(grads)
+        finite = all_finite(grads)
+        if scaler is not None:
+            scaler.update_(torch.tensor(not finite))
+        if not finite:
             return StepOutput(loss, StepStatus.NAN_GRAD)
         for p, g in zip(self.params, grads):
             p.grad = g

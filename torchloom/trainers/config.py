@@ -77,6 +77,8 @@ class TrainingConfig:
     resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
     scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
+    precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
+    distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,8 +153,19 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: shuffle must be a bool, got {self.shuffle!r}")
         if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
             raise TypeError(f"TrainingConfig: resume_from must be None or a path (str or os.PathLike), got {type(self.resume_from).__name__}")
+        from ..layers.base import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainingConfig: precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "16-mixed" and self.method_config() is not None:
+            raise ValueError(
+                "TrainingConfig: precision='16-mixed' (float16 with loss scaling) is for backprop; TargetProp and "
+                "Tweening update from activations and gaps, not from a scaled loss: use 'bf16-mixed'"
+            )
         if self.scheduler_interval not in ("batch", "epoch"):
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
+        if self.distributed is not None and not isinstance(self.distributed, bool):
+            raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != _DEFAULT_LR:
@@ -244,6 +257,9 @@ def as_network(model: Any) -> Network:
     or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
     Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
     through their hand-written backward. The parameters are the model's own (nothing is copied)."""
+    from .distributed import unwrap_ddp
+
+    model = unwrap_ddp(model)  # a DistributedDataParallel wrapper: its .module, with a note
     if isinstance(model, Network):
         return model
     if isinstance(model, Layer):

@@ -150,7 +150,7 @@ class BatchSource:
 
     def __init__(
         self, batches: Any, convert: Callable[[Any, Any, int], tuple[Tensor, Tensor]], config: Any = None, *,
-        name: str = "batches", shuffle: bool | None = None,
+        name: str = "batches", shuffle: bool | None = None, dist: Any = None,
     ) -> None:
         self._convert = convert
         self._loader: Any = None
@@ -164,6 +164,8 @@ class BatchSource:
             from .data import as_batch_iterable
 
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
+            if dist is not None:  # data-parallel: this rank's equal share of every global batch
+                data = dist.shard_batches(data, batch_size, name)
             if data.is_list:
                 batches = data.materialise()
             else:
@@ -179,6 +181,8 @@ class BatchSource:
                 "already batched (a list of batches or a DataLoader): leave batch_size at None"
             )
         if isinstance(batches, torch.utils.data.DataLoader):
+            if dist is not None:  # data-parallel: a DistributedSampler unless the loader has the user's own
+                batches = dist.distribute_loader(batches, seed)
             self._loader = batches
             first = next(iter(batches), None)
             if first is None:
@@ -261,6 +265,7 @@ class Trainer:
 
     model: Network
     scheduler: Any = None
+    metric_set: Any = None  # the training metrics of a fit() run (TrainingConfig.metrics), else None
     device_log_names: tuple[str, ...] = ()  # per-step logs the device step writes (averaged per epoch)
 
     def __init__(self, model: Network, config: Any) -> None:
@@ -285,6 +290,15 @@ class Trainer:
         self.epoch = 0
         self.global_step = 0
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
+        from .distributed import resolve_distributed
+
+        self.dist = resolve_distributed(getattr(config, "distributed", None))  # None: single process
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process prints and writes files: always, except on ranks other than 0 of
+        data-parallel training (``TrainingConfig.distributed``)."""
+        return self.dist is None or self.dist.is_main
 
     # ---------------------------------------------------------------- device path
     def device_ready(self) -> bool:
@@ -374,7 +388,7 @@ class Trainer:
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar
         (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing."""
-        printer = {1: ProgressObserver, 2: EpochLinePrinter}.get(self.verbose)
+        printer = {1: ProgressObserver, 2: EpochLinePrinter}.get(self.verbose) if self.is_main else None
         return ObserverList([*self.user_observers, *([printer()] if printer else [])])
 
     # ------------------------------------------------------------------- loop
@@ -383,6 +397,18 @@ class Trainer:
         (``cuda_path.py``: guarded steps, graph replay, one sync per epoch); otherwise Loom's loop of
         host-checked steps (``host_epoch``). The schedule advances once per batch either way, also
         over the batches an abandoned epoch did not reach."""
+        with self.autocast():
+            return self._run_epoch(source, epoch)
+
+    def autocast(self) -> Any:
+        """The training steps' precision context (``TrainingConfig.precision``): nothing for ``"32"``,
+        ``torch.autocast`` to bfloat16 / float16 for the mixed precisions. Weights, gradients and
+        method state stay in the parameters' dtype (float32 master weights)."""
+        from ..layers.base import precision_context
+
+        return precision_context(self.training.precision, self.device.type)
+
+    def _run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
         from ..observers.layer_stats import LayerEvents
 
         cuda_graph = self.training.cuda_graph
@@ -437,7 +463,7 @@ class Trainer:
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
-        if self.verbose:
+        if self.verbose and self.is_main:
             print(_MESSAGES[status.value].format(epoch=epoch + 1), flush=True)
 
     # --------------------------------------------------------------- run state
@@ -453,6 +479,8 @@ class Trainer:
         """Called by ``fit`` once the data has been checked, before the first step: the model moves
         to the training device and, on CUDA with a method that has a device step, the runner is built."""
         self.model.to(self.device)
+        if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
+            self.dist.broadcast_module_(self.model)
         if self.device.type == "cuda" and self._runner is None and self.device_ready():
             from .cuda_path import CudaRunner
 
@@ -488,7 +516,9 @@ class Trainer:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
         self.preflight()
-        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg)
+        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+        if self.dist is not None:
+            self.dist.check_same_count(len(source) if source.sized else None, "batches")
         validation = None
         if cfg.validation_data is not None:
             validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
@@ -538,7 +568,7 @@ class Trainer:
             elapsed = time.perf_counter() - start
             # Loom's epoch loss: counted losses / all batches; NaN when nothing counted (never a fake 0)
             avg_loss = out.loss_sum / n_total if out.counted else math.nan
-            if not out.counted:
+            if not out.counted and self.is_main:  # data-parallel: rank 0 alone warns (every rank skipped alike)
                 warnings.warn(
                     f"epoch {epoch + 1}: no batch counted ({skipped} skipped for non-finite loss, gradients or "
                     f"weights{', or the data yielded no batch' if n_total == 0 else ''}); its loss is reported as NaN",
@@ -553,7 +583,8 @@ class Trainer:
                 **{k: v / out.counted for k, v in out.extra_sums.items() if out.counted},
             }
             if self.metric_set is not None and out.counted:
-                logs.update(self.metric_set.compute())
+                computed = self.metric_set.compute()
+                logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
             if validation is not None:
                 logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
             logs.update(
@@ -577,6 +608,8 @@ class Trainer:
             history.on_epoch_end(self, epoch, logs)
             self.epoch = epoch + 1  # epochs completed: what a checkpoint written now records
             observers("on_epoch_end", self, epoch, logs)
+            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to
+                self.stop_training = self.dist.any(self.stop_training)
             if self.stop_training:
                 break
 
