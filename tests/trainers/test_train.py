@@ -121,7 +121,7 @@ def test_seed_makes_shuffled_training_reproducible():
 
 
 def test_verbose_epoch_line_format(capsys):
-    train(_net(), _batches(), epochs=2, verbose=True)
+    train(_net(), _batches(), epochs=2, verbose=2)  # verbose 2: Loom's exact epoch line
     lines = capsys.readouterr().out.strip().splitlines()
     pattern = r"Epoch (\d+)/2 - Loss: \d+\.\d{6} \| Time: [0-9.]+(ns|µs|ms|s) \| Samples/s: \d+\.\d{2} \| ETA: \d+s"
     assert len(lines) == 2

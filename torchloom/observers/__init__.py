@@ -8,7 +8,8 @@ from .gradient_stats import print_gradient_stats
 from .history import History
 from .layer_stats import LayerEvent, LayerEvents, LayerStats
 from .plots import LossPlot
-from .progress import EpochLinePrinter, ProgressObserver, format_duration, format_epoch_line
+from .progress import EpochLinePrinter, ProgressObserver, format_duration, format_epoch_line, human_duration
+from .tensorboard import TensorBoardLogger
 
 __all__ = [
     "HOOKS",
@@ -24,8 +25,10 @@ __all__ = [
     "print_gradient_stats",
     "LossPlot",
     "CSVLogger",
+    "TensorBoardLogger",
     "EarlyStopping",
     "Checkpoint",
     "format_duration",
     "format_epoch_line",
+    "human_duration",
 ]

@@ -302,8 +302,9 @@ class Checkpoint(Observer):
         improved = self._tracker.better(value)
         if improved or not self.save_best_only:
             full = self.full_state and hasattr(trainer, "checkpoint_state")
-            state = trainer.checkpoint_state() if full else trainer.model.state_dict()
-            atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
+            if getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
+                state = trainer.checkpoint_state() if full else trainer.model.state_dict()
+                atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
             self.saved_epochs.append(epoch)
         if improved:  # recorded once saved: after a failed save, best still names the file's epoch
             self._tracker.record(value, epoch)

@@ -149,6 +149,8 @@ class CSVLogger(Observer):
         self._active = True
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        if not getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
+            return
         if not self._active:  # hooks called outside a trainer's fit(): start as fit() would
             self.on_train_begin(trainer)
         row = {"epoch": str(epoch)}

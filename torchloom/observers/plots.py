@@ -123,11 +123,12 @@ class LossPlot(Observer):
         for key, values in self.history.items():  # a key absent this epoch (no batch counted): a gap
             if key not in logs:
                 values.append(math.nan)
-        if self.every_epoch:
+        if self.every_epoch and getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
             self.save()
 
     def on_train_end(self, trainer: Any, result: Any) -> None:
-        self.save()
+        if getattr(trainer, "is_main", True):
+            self.save()
 
     def save(self, path: str | os.PathLike | None = None) -> str:
         """Draw the curves recorded so far and write the PNG atomically (temporary file, then

@@ -388,8 +388,15 @@ class Trainer:
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar
         (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing."""
-        printer = {1: ProgressObserver, 2: EpochLinePrinter}.get(self.verbose) if self.is_main else None
-        return ObserverList([*self.user_observers, *([printer()] if printer else [])])
+        printer: Any = None
+        if self.is_main and self.verbose == 2:
+            printer = EpochLinePrinter()
+        elif self.is_main and self.verbose == 1:
+            # an in-epoch bar needs a per-batch hook, which takes the run off the device path: there,
+            # the bar advances per epoch instead (unless another observer forces the host loop anyway)
+            host_loop = self._runner is None or any(callable(getattr(o, "on_batch_end", None)) for o in self.user_observers)
+            printer = ProgressObserver(per_batch=host_loop)
+        return ObserverList([*self.user_observers, *([printer] if printer else [])])
 
     # ------------------------------------------------------------------- loop
     def run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
@@ -464,7 +471,9 @@ class Trainer:
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
         if self.verbose and self.is_main:
-            print(_MESSAGES[status.value].format(epoch=epoch + 1), flush=True)
+            from ..observers.progress import print_line
+
+            print_line(_MESSAGES[status.value].format(epoch=epoch + 1))  # above a live progress bar, if any
 
     # --------------------------------------------------------------- run state
     def preflight(self) -> None:
