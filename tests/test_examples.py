@@ -44,3 +44,11 @@ def test_tweening_example():
     pytest.importorskip("sklearn")
     results = load_example("04_tweening.py").main()
     assert results["tween"] >= 0.95 and results["backprop"] >= 0.95
+
+
+@pytest.mark.parametrize("method", ["backprop", "tween"])
+def test_validation_and_resume_example(method):
+    pytest.importorskip("sklearn")
+    out = load_example("06_validation_and_resume.py").main(method=method, epochs=6, verbose=False)
+    assert out["resume_exact"] == 1.0  # 3 epochs + resume for 3 equals 6 in one run, bit for bit
+    assert out["val_accuracy"] > 0.9 and out["predicted"] == pytest.approx(out["val_accuracy"])
