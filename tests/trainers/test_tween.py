@@ -48,6 +48,54 @@ def _per_sample_loss(out, target, kind):
     return -(target * torch.log_softmax(out, 1)).sum(1)
 
 
+class RefWatch:
+    """The explosion rule written out from its documented formulas (plain Python floats): baseline
+    ``exp(min(m + 3s, peak))`` of ``x = log(avg_gap)``; 10 warm-up steps of plain averages; then
+    exponential averages over 100 steps, a peak forgetting ln 10 per 1000 steps; explosive steps clip
+    the pull at the threshold, move the peak 10 %, and three leaky (0.9) explosions re-anchor."""
+
+    def __init__(self, cfg: TweenConfig):
+        self.cfg = cfg
+        self.m, self.s, self.peak, self.p, self.k = 0.0, 0.0, -math.inf, 0.0, 0
+        self.adaptive = cfg.base_rate
+
+    def step(self, g, base=None):
+        cfg, lim = self.cfg, math.log(self.cfg.explosion_limit)
+        base = cfg.base_rate if base is None else base
+        x = math.log(min(max(g, 1e-30), 1e30))
+        level = min(self.m + 3 * self.s, self.peak)
+        growth = math.exp(x - level) if self.k > 0 else 1.0
+        exploded = False
+        if self.k < 10:
+            m_new = self.m + (x - self.m) / (self.k + 1)
+            self.s += (abs(x - m_new) - self.s) / (self.k + 1)
+            self.m, self.peak = m_new, max(self.peak, x)
+        else:
+            exploded = cfg.explosion_detection and x - level > lim
+            d, c = x - self.m, lim + 3 * self.s
+            if exploded:
+                self.m += min(d, c) / 100
+                self.s += (min(abs(d), c) - self.s) / 100
+                self.peak += 0.1 * (x - self.peak)
+                self.p = 0.9 * self.p + 1
+                if self.p >= 3:
+                    self.m, self.peak, self.p = x - 3 * self.s, x, 0.0
+            else:
+                self.m += d / 100
+                self.s += (abs(d) - self.s) / 100
+                self.peak = max(x, self.peak - math.log(10) / 1000)
+                self.p *= 0.9
+        self.k += 1
+        if not cfg.explosion_detection:
+            self.adaptive = base
+        elif exploded:
+            self.adaptive = min(base, max(self.adaptive * cfg.recovery_rate, 0.01 * base))
+        else:
+            self.adaptive = min(base, self.adaptive * cfg.recovery_growth)
+        baseline = math.exp(min(self.m + 3 * self.s, self.peak))
+        return exploded, growth, baseline
+
+
 class RefTween:
     """SPEC §9 written out for the 3-layer reference network: one object per run, ``step`` per batch."""
 
@@ -55,9 +103,13 @@ class RefTween:
         self.params = [p.detach().clone() for p in net.parameters()]
         self.vel = [torch.zeros_like(p) for p in self.params]
         self.cfg, self.kind = cfg, kind
-        self.adaptive = cfg.base_rate
+        self.watch = RefWatch(cfg)
         self.prev = None
         self.explosions = 0
+
+    @property
+    def adaptive(self):
+        return self.watch.adaptive
 
     def step(self, x, target, out_classes=None):
         cfg = self.cfg
@@ -82,14 +134,10 @@ class RefTween:
         budgets = [rms(a[i + 1]) / rms(a[i]) for i in range(3)]
         aligns = [((fs[i] * targets[i + 1]).sum() / (fs[i].norm() * targets[i + 1].norm()) + 1) / 2 for i in range(3)]
         avg = sum(float(g) for g in gaps) / 3
-        growth = avg / self.prev if self.prev else 1.0
-        exploded = cfg.explosion_detection and growth > cfg.explosion_limit
+        exploded, growth, baseline = self.watch.step(avg)
         if exploded:
             self.explosions += 1
-            self.adaptive = min(cfg.base_rate, self.adaptive * cfg.recovery_rate)
             self.vel = [torch.zeros_like(v) for v in self.vel]
-        else:
-            self.adaptive = min(cfg.base_rate, self.adaptive * cfg.recovery_growth)
         self.prev = avg
         scales = [1 / math.sqrt(3), 1 / math.sqrt(2), 1.0] if cfg.depth_scaling else [1.0, 1.0, 1.0]
         s = cfg.link_budget_scale
@@ -99,7 +147,7 @@ class RefTween:
             self.vel[j] = cfg.momentum_decay * self.vel[j] - rates[j // 2] * pgrads[j] / b
             self.params[j] = self.params[j] + self.vel[j]
         return dict(loss=loss, chain=chain, targets=targets, gaps=gaps, budgets=budgets, aligns=aligns,
-                    rates=rates, mask=mask.bool(), growth=growth, exploded=exploded, avg=avg)
+                    rates=rates, mask=mask.bool(), growth=growth, exploded=exploded, avg=avg, baseline=baseline)
 
 
 def _check_step(state, net, ref, r, step_name):
@@ -112,6 +160,8 @@ def _check_step(state, net, ref, r, step_name):
         assert_close(torch.tensor(got, dtype=D), torch.tensor([float(v) for v in want], dtype=D), name=f"{step_name} {name}", **EXACT)
     assert torch.equal(state.active.cpu(), r["mask"]), f"{step_name}: active samples {state.active} != {r['mask']}"
     assert state.gap_growth_rate == pytest.approx(r["growth"], rel=1e-12)
+    assert state.gap_baseline == pytest.approx(r["baseline"], rel=1e-12)
+    assert state.explosion_count == ref.explosions and state.adaptive_rate == pytest.approx(ref.adaptive, rel=1e-15)
     for j, (p, want) in enumerate(zip(net.parameters(), ref.params)):
         assert_close(p, want, name=f"{step_name} parameter {j}", **EXACT)
     vels = [v for i in range(3) for v in (state.weight_velocity[i][0], state.bias_velocity[i][0])]
@@ -165,6 +215,14 @@ def test_two_tween_steps_exact_values(kind):
 
 
 # -------------------------------------------------------------------------------- explosions
+def _warm(state, ref, net, x, y, steps):
+    for k in range(steps):
+        r = ref.step(x, y)
+        state.tween_step(net, x, y)
+        _check_step(state, net, ref, r, f"warm step {k}")
+    return r
+
+
 def test_explosion_cuts_rate_resets_velocity_and_recovers_to_base_never_above():
     net = _tiny_net()
     cfg = TweenConfig(base_rate=0.05, momentum_decay=0.9, gap_threshold=0.0, explosion_limit=10.0,
@@ -175,32 +233,61 @@ def test_explosion_cuts_rate_resets_velocity_and_recovers_to_base_never_above():
     x = torch.randn(6, 3, generator=g, dtype=D)
     with torch.no_grad():
         y = net(x) + 0.01 * torch.randn(6, 2, generator=g, dtype=D)  # a small error first
-    for _ in range(2):
-        r = ref.step(x, y)
-        state.tween_step(net, x, y)
-    assert state.explosion_count == 0 and not r["exploded"]
+    assert state.gap_baseline == 0.0 and state.gap_growth_rate == 1.0
+    r = _warm(state, ref, net, x, y, 12)  # past the 10-step warm-up, no explosion
+    assert state.explosion_count == 0 and not r["exploded"] and state.gap_baseline > 0
     assert any(v.abs().sum() > 0 for v in state.weight_velocity[0] + state.bias_velocity[2]), "momentum must be non-zero before the spike"
 
-    y_far = y + 2.0  # the output gap jumps ~10⁵-fold, far more than explosion_limit
+    y_far = y + 2.0  # the output gap jumps ~10⁴-fold, far more than explosion_limit × baseline
     r = ref.step(x, y_far)
     assert r["exploded"] and r["growth"] > 10
+    baseline_before = state.gap_baseline
     state.tween_step(net, x, y_far)
-    assert state.explosion_count == 1
+    assert state.explosion_count == 1 and state.explosion_history[-2:] == [0, 1]
     assert state.adaptive_rate == pytest.approx(0.05 * 0.5, rel=1e-15)
-    assert state.gap_growth_rate == pytest.approx(r["growth"], rel=1e-12)
+    assert state.gap_growth_rate == pytest.approx(state.prev_avg_gap / baseline_before, rel=1e-12)
+    assert state.gap_baseline < 2 * baseline_before, "one explosive step must not pull the baseline up at full weight"
     # The reference zeroed every velocity before the update; matching it to 1e-12 (with μ = 0.9 and a
     # non-zero old velocity) shows the state did too.
     _check_step(state, net, ref, r, "explosion step")
 
     rates = []
-    for _ in range(25):
-        state.tween_step(net, x, y_far)  # the same batch again: the gap shrinks, no explosion
+    for k in range(25):  # back to ordinary batches (a small error again): no explosion, the rate recovers 5 % per step
+        with torch.no_grad():
+            y = net(x) + 0.01 * torch.randn(6, 2, generator=g, dtype=D)
+        r = ref.step(x, y)
+        state.tween_step(net, x, y)
+        _check_step(state, net, ref, r, f"recovery step {k}")
         rates.append(state.adaptive_rate)
     assert state.explosion_count == 1
     expected = [min(0.05, 0.025 * 1.05 ** (k + 1)) for k in range(25)]
     assert rates == pytest.approx(expected, rel=1e-12)
     assert max(state.rate_history) <= 0.05 and rates[-1] == 0.05
-    assert state.explosion_history[-1] == 1 and state.explosion_history[:2] == [0, 0]
+
+
+def test_sustained_new_gap_level_is_absorbed_and_the_rate_floor_holds():
+    net = _tiny_net()
+    cfg = TweenConfig(base_rate=0.05, gap_threshold=0.0, recovery_rate=0.05)
+    state = TweenState(net, cfg)
+    ref = RefTween(net, cfg, "mse")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, generator=g, dtype=D)
+    with torch.no_grad():
+        y = net(x) + 0.01 * torch.randn(6, 2, generator=g, dtype=D)
+    _warm(state, ref, net, x, y, 12)
+    y_new = y + 3.0  # a new task whose gap stays far above the old level
+    losses = []
+    for k in range(120):
+        r = ref.step(x, y_new)
+        losses.append(state.tween_step(net, x, y_new))
+        _check_step(state, net, ref, r, f"new level step {k}")
+        assert state.adaptive_rate >= 0.01 * 0.05 * (1 - 1e-12), "adaptive_rate fell below its floor of 1 % of base_rate"
+    rates = state.rate_history[12:]
+    assert min(rates) == pytest.approx(0.01 * 0.05, rel=1e-12), "three cuts of ×0.05 must reach the floor"
+    assert 3 <= state.explosion_count <= 6, f"a sustained level must be absorbed after a few explosions, got {state.explosion_count}"
+    assert state.explosion_history[-60:] == [state.explosion_count] * 60, "detection kept firing on the new level"
+    assert state.adaptive_rate == 0.05, "the rate must recover to base_rate: learning never freezes"
+    assert losses[-1] < 0.2 * losses[0], "the new target must be learned"
 
 
 def test_explosion_detection_off_keeps_rate_and_velocity():

@@ -4,8 +4,10 @@ its Tweening document.
 Forward activations and backward targets meet at every layer; the trainer measures per layer how far
 apart they are (gap), how much signal the layer keeps (link budget) and how well activation and
 target point the same way (alignment); it updates with momentum at rates modulated by alignment and
-depth, leaves already-learned samples alone, and treats a sudden growth of the average gap as an
-explosion (rate cut, momentum reset).
+depth, leaves already-learned samples alone, and treats a mean gap far above its running baseline as an
+explosion (rate cut with a floor, momentum reset; a gap that stays at a new level is absorbed into the
+baseline, so learning never freezes: ``ExplosionRule``). Watch ``state.explosion_count``,
+``state.adaptive_rate``, ``state.gap_baseline`` and ``state.gap_growth_rate``.
 
     state = TweenState(net, TweenConfig())
     loss = state.tween_step(net, x, labels)            # one step; batch or a single sample
@@ -31,11 +33,11 @@ from torch import Tensor
 from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
-from .loop import finite_flag, RateHolder, StepOutput, StepStatus, Trainer, TrainingResult
+from .loop import finite_flag, RateHolder, StepOutput, StepStatus, Trainer, TrainingResult, as_flat, flatten_tensors_
 from .losses import LOSS_TYPES, is_label_target, loss_and_grad
 from .config import as_network
 
-__all__ = ["TweenConfig", "TweenState", "TweenTrainer"]
+__all__ = ["ExplosionRule", "TweenConfig", "TweenState", "TweenTrainer"]
 
 
 def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -59,7 +61,7 @@ class TweenConfig:
     momentum_decay: float = 0.9  # μ in [0, 1); 0 = no momentum (document's value)
     link_budget_scale: float = 1.0  # s in [0, 2]; rate·(1 − s/2 + s/2·alignment); 1 = Loom's 0.5 + 0.5·budget, 0 = off
     gap_threshold: float = 0.1  # >= 0; samples with output error Σ(ŷ − t)² below it are learned: no gradient; 0 = off
-    explosion_limit: float = 10.0  # > 1; avg-gap growth factor between two steps that counts as an explosion
+    explosion_limit: float = 10.0  # > 1; a step whose mean gap exceeds explosion_limit × gap_baseline is an explosion
     recovery_rate: float = 0.5  # in (0, 1]; adaptive_rate is multiplied by it on an explosion (document's value)
     recovery_growth: float = 1.05  # >= 1; adaptive_rate grows by it per stable step, up to base_rate (Loom's 5 %)
     depth_scaling: bool = True  # scale weighted layer k of L by 1/sqrt(L − k) (document's formula)
@@ -68,6 +70,12 @@ class TweenConfig:
     loss_type: str | None = None  # None: "cross_entropy" for class labels, "mse" for float targets; or a SPEC §4 name
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` unless every field is valid (cheap host checks). Called at
+        construction, when a ``TweenState`` is made, at the start of ``TweenTrainer.fit`` and by the
+        public ``tween_step``/``step``, so a field changed after construction is checked too."""
         o = "TweenConfig"
         _number(o, "base_rate", self.base_rate, 0.0, lo_open=True)
         _number(o, "momentum_decay", self.momentum_decay, 0.0, 1.0, hi_open=True)
@@ -96,6 +104,149 @@ def _rate(owner: str, rate: Any) -> float:
     return float(rate)
 
 
+class _FloatOps:
+    """The few operations ``ExplosionRule`` needs, on Python floats and bools (the host step)."""
+
+    @staticmethod
+    def log(v: float) -> float:
+        return math.log(v) if v > 0 else -math.inf
+
+    exp = staticmethod(math.exp)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def clamp(v: float, lo: float, hi: float) -> float:
+        return min(max(v, lo), hi)
+
+    minimum = staticmethod(min)
+
+    @staticmethod
+    def where(cond: bool, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    @staticmethod
+    def logical_not(c: bool) -> bool:
+        return not c
+
+
+class _TensorOps:
+    """The same operations on 0-d tensors (the device step: no host read)."""
+
+    log = staticmethod(torch.log)
+    exp = staticmethod(torch.exp)
+    clamp = staticmethod(torch.clamp)
+    maximum = staticmethod(torch.maximum)
+    minimum = staticmethod(torch.minimum)
+    where = staticmethod(torch.where)
+    logical_not = staticmethod(torch.logical_not)
+
+
+@dataclass(frozen=True)
+class ExplosionRule:
+    """Tweening's explosion detection: one step's decision from its mean gap and a running baseline.
+
+    A step's mean gap ``g = avg_gap`` (the mean of the per-layer gaps) varies enormously in ordinary
+    training: with one sample per step it is ~1e-4 (or far less) for a sample the network already gets
+    right (its gradient is gated off) and ~0.1 for one it gets wrong; with 32 samples per step it varies
+    far less. The baseline is built from ``x = log g`` (``g`` clamped to ``[1e-30, 1e30]``) by two
+    running statistics, and is the lower of the two:
+
+    * a running mean ``m`` of ``x`` and running mean absolute deviation ``s`` of ``x`` from ``m``:
+      ``m + spread·s`` (``spread`` = 3) sits well above ordinary variation whatever its size (tight at
+      batch 32, wide at batch 1);
+    * a running peak ``λ`` of ``x`` that forgets slowly (falls by ``ln 10`` over ``forget_steps`` = 1000
+      quiet steps): the largest gap of recent ordinary training (at batch 1, the last wrong sample's);
+
+        gap_baseline = exp(min(m + spread·s, λ)),
+        explosion    = g > explosion_limit · gap_baseline   (after the warm-up, detection on),
+        gap_growth_rate = g / gap_baseline                  (the baseline before this step's update).
+
+    Updates, per counted step ``k`` (``d = x − m``):
+
+    * **warm-up** (the first ``warmup`` = 10 steps): plain averages (``m += d/(k+1)``, ``s += (|x − m| −
+      s)/(k+1)``), ``λ = max(λ, x)``; no detection;
+    * **ordinary step**: ``m += d/horizon``, ``s += (|d| − s)/horizon`` (exponential averages over
+      ``horizon`` = 100 steps), ``λ = max(x, λ − ln 10/forget_steps)``;
+    * **explosive step**: the baseline is pulled only part of the way: ``d`` is clipped to the
+      detection threshold ``c = ln(explosion_limit) + spread·s`` in the averages, and ``λ`` moves a tenth
+      of the way (``absorb`` = 0.1) towards ``x``. Explosions also add to a leaky count ``p`` (``p =
+      0.9·p + 1``; ``p = 0.9·p`` on an ordinary step); when ``p`` reaches ``sustain`` = 3 (explosions on
+      about 4 steps in a row, or 4–5 close together) the gap is taken as a **new level** (a task switch, a
+      new data regime, damage that stays): ``m = x − spread·s``, ``λ = x`` (the baseline jumps to the
+      current gap) and ``p = 0``. A persistent change costs a few rate cuts, then detection stops
+      firing and the rate recovers: learning never freezes.
+
+    Rate (detection on): an explosion sets ``adaptive_rate = min(base, max(adaptive_rate·recovery_rate,
+    floor·base))`` (``floor`` = 0.01: never below 1 % of the rate, Loom's legacy floor; ``base`` =
+    ``base_rate`` or the step's scheduled rate) and the caller resets every velocity to zero; an
+    ordinary step sets ``adaptive_rate = min(base, adaptive_rate·recovery_growth)``. With detection off
+    the baseline is still tracked (for watching) and ``adaptive_rate = base``.
+
+    The rule is written once over an ``ops`` namespace (``log``, ``exp``, ``clamp``, ``maximum``,
+    ``minimum``, ``where``, ``logical_not``), so the same code runs on Python floats in the host step
+    and on 0-d tensors with ``torch.where`` in the device step (no host read).
+    """
+
+    warmup: int = 10
+    horizon: float = 100.0
+    spread: float = 3.0
+    forget_steps: float = 1000.0
+    absorb: float = 0.1
+    sustain: float = 3.0
+    leak: float = 0.9
+    floor: float = 0.01
+    gap_min: float = 1e-30
+    gap_max: float = 1e30
+
+    def __call__(
+        self, ops: Any, avg_gap: Any, watch: tuple[Any, Any, Any, Any], adaptive_rate: Any, steps: Any, base: Any,
+        config: TweenConfig,
+    ) -> tuple[Any, Any, tuple[Any, Any, Any, Any], Any, Any]:
+        """One step. ``watch = (m, s, λ, p)`` and ``adaptive_rate`` are the values before it (``(0, 0,
+        −inf, 0)`` before the first step), ``steps`` the counted steps before it, ``base`` the ceiling
+        of the rate. Returns ``(exploded, adaptive_rate, watch, gap_baseline, gap_growth_rate)`` after
+        it (``gap_baseline`` from the updated watch)."""
+        m, s, lam, p = watch
+        x = ops.log(ops.clamp(avg_gap, self.gap_min, self.gap_max))
+        level = ops.minimum(m + self.spread * s, lam)  # log of the baseline before this step
+        growth = ops.where(steps > 0, ops.exp(ops.clamp(x - level, -700.0, 700.0)), 1.0)
+        d = x - m
+        threshold = math.log(config.explosion_limit) + self.spread * s
+        warm = steps < self.warmup
+        exploded = ops.logical_not(warm) & (x - level > math.log(config.explosion_limit))
+        if not config.explosion_detection:
+            exploded = exploded & False
+        # warm-up: plain averages and the peak
+        w0 = 1.0 / (steps + 1.0)
+        m_warm = m + w0 * d
+        s_warm = s + w0 * (abs(x - m_warm) - s)
+        lam_warm = ops.maximum(lam, x)
+        # after it: exponential averages and a forgetting peak, an explosive step pulling only part way
+        w = 1.0 / self.horizon
+        m_run = m + w * ops.where(exploded, ops.minimum(d, threshold), d)
+        s_run = s + w * (ops.where(exploded, ops.minimum(abs(d), threshold), abs(d)) - s)
+        lam_run = ops.where(exploded, lam + self.absorb * (x - lam), ops.maximum(x, lam - math.log(10.0) / self.forget_steps))
+        p_run = self.leak * p + ops.where(exploded, 1.0, 0.0)
+        shift = p_run >= self.sustain  # a sustained new level: the baseline jumps to it
+        m_run = ops.where(shift, x - self.spread * s_run, m_run)
+        lam_run = ops.where(shift, x, lam_run)
+        p_run = ops.where(shift, 0.0, p_run)
+        m_new = ops.where(warm, m_warm, m_run)
+        s_new = ops.where(warm, s_warm, s_run)
+        lam_new = ops.where(warm, lam_warm, lam_run)
+        p_new = ops.where(warm, 0.0, p_run)
+        if config.explosion_detection:
+            cut = ops.minimum(base, ops.maximum(adaptive_rate * config.recovery_rate, base * self.floor))
+            new_rate = ops.where(exploded, cut, ops.minimum(base, adaptive_rate * config.recovery_growth))
+        else:
+            new_rate = base
+        baseline = ops.exp(ops.minimum(m_new + self.spread * s_new, lam_new))
+        return exploded, new_rate, (m_new, s_new, lam_new, p_new), baseline, growth
+
+
+EXPLOSION_RULE = ExplosionRule()
+
+
 class TweenState:
     """Everything Neural Tweening keeps between steps (SPEC §9), for one network.
 
@@ -113,8 +264,11 @@ class TweenState:
     * ``gaps``, ``link_budgets``, ``alignments``: ``n`` floats (step 3 of ``tween_step``);
     * ``weight_velocity``, ``bias_velocity``: per layer, a tuple of tensors aligned with the layer's
       non-bias / bias parameters (in ``named_parameters()`` order; empty for layers without any);
-    * ``prev_avg_gap`` (``None`` before the first step), ``gap_growth_rate``, ``explosion_count``
-      (total explosions detected), ``adaptive_rate`` (starts at ``base_rate``), ``steps``;
+    * the explosion watch (``ExplosionRule``): ``prev_avg_gap`` (the last step's mean gap, ``None``
+      before the first step), ``gap_baseline`` (the running baseline of the mean gap, 0 before the
+      first step), ``gap_growth_rate`` (the last step's mean gap / the baseline it was compared with),
+      ``explosion_count`` (total explosions detected), ``adaptive_rate`` (the rate in use: starts at
+      ``base_rate``, cut on an explosion, never below 1 % of it), ``steps`` (counted steps);
     * ``depth_scales`` (per layer, ``None`` for layers without parameters), ``layer_rates`` (the rate
       each layer used in the last step, ``0.0`` where none), ``active`` (``[B]`` bool: samples that
       contributed a gradient), ``last_status`` (a ``StepStatus``);
@@ -128,6 +282,7 @@ class TweenState:
         config = TweenConfig() if config is None else config
         if not isinstance(config, TweenConfig):
             raise TypeError(f"TweenState: config must be a TweenConfig, got {type(config).__name__}")
+        config.validate()
         self.config = config
         self._net = net  # tween_step on this same object skips the compatibility check
         n = len(net.layers)
@@ -158,6 +313,11 @@ class TweenState:
         self.active: Tensor | None = None
         self.prev_avg_gap: float | None = None
         self.gap_growth_rate: float = 1.0
+        self.gap_baseline: float = 0.0
+        self.gap_log_mean: float = 0.0  # the explosion watch's running mean of log(avg_gap) (ExplosionRule)
+        self.gap_log_dev: float = 0.0  # ... its running mean absolute deviation
+        self.gap_log_peak: float = -math.inf  # ... its slowly forgetting running peak of log(avg_gap)
+        self.explosion_pressure: float = 0.0  # ... its leaky count of recent explosions
         self.explosion_count: int = 0
         self.adaptive_rate: float = float(config.base_rate)
         self.steps: int = 0
@@ -223,8 +383,8 @@ class TweenState:
         ``x [B, ...]``; ``target``: integer class labels (the output's shape without its last
         dimension, values in ``[0, C)``) or a float tensor of the output's shape. ``num_classes``
         (optional) must equal the output size ``C``. ``rate`` (optional, > 0) replaces ``base_rate``
-        for this step as the ceiling of ``adaptive_rate``. Bad arguments raise ``ValueError`` /
-        ``TypeError`` before anything changes.
+        for this step as the ceiling of ``adaptive_rate``. Bad arguments, and a ``TweenConfig`` field
+        made invalid after construction, raise ``ValueError`` / ``TypeError`` before anything changes.
 
         With ``B`` rows, ``ℓ_b`` the loss of sample ``b`` (so the batch loss is ``mean_b ℓ_b``), ``ŷ``
         the output as the loss reads it (``softmax(a_n)`` for ``"cross_entropy"``, ``a_n`` otherwise),
@@ -243,12 +403,17 @@ class TweenState:
            ``gaps[i] = mean((f − t)²)``; ``link_budgets[i] = rms(a_{i+1}) / rms(a_i)`` (0 when
            ``rms(a_i) = 0``); ``alignments[i] = (cos(f, t) + 1)/2`` over the whole batch tensor (0.5
            when either is zero).
-        4. **Explosion handling**: ``avg_gap = mean(gaps)``; ``gap_growth_rate = avg_gap/prev_avg_gap``
-           (1 without a positive previous value). If ``explosion_detection`` and growth >
-           ``explosion_limit``: ``explosion_count += 1``, ``adaptive_rate *= recovery_rate``, every
-           velocity (weights and biases) set to 0. Else ``adaptive_rate = min(base, adaptive_rate ·
-           recovery_growth)`` with ``base = rate or base_rate`` (never above it, also after a cut).
-           ``prev_avg_gap = avg_gap``.
+        4. **Explosion handling** (``ExplosionRule``): ``avg_gap = mean(gaps)`` is compared with a
+           running baseline ``gap_baseline = exp(min(m + 3·s, λ))`` of ``log avg_gap`` (``m``, ``s``: its
+           running mean and mean absolute deviation; ``λ``: its slowly forgetting running peak; built
+           over a 10-step warm-up without detection). ``gap_growth_rate = avg_gap/gap_baseline``. If
+           ``explosion_detection`` and ``avg_gap > explosion_limit·gap_baseline``: ``explosion_count +=
+           1``, ``adaptive_rate = min(base, max(adaptive_rate·recovery_rate, 0.01·base))``, every
+           velocity (weights and biases) set to 0; such a step pulls the baseline only part of the
+           way, and after explosions on about 4 steps in a row the baseline jumps to the new gap level
+           (a persistent change is absorbed, so learning never freezes). Else ``adaptive_rate =
+           min(base, adaptive_rate·recovery_growth)`` with ``base = rate or base_rate`` (never above
+           it, also after a cut). ``prev_avg_gap = avg_gap``.
         5. **Update**, weighted layer ``k`` (of ``L``) at index ``i``: ``r_i = adaptive_rate · (1 − s/2
            + s/2·alignments[i]) · scale_k`` with ``s = link_budget_scale`` and ``scale_k = 1/sqrt(L − k)``
            (1 when ``depth_scaling`` is off); per parameter ``v = momentum_decay·v − r_i·G_i/B``;
@@ -268,12 +433,13 @@ class TweenState:
         gap gating; its explosion test (off by default) uses a fixed 1.5× growth or 10× a 10-step
         baseline, cuts by 0.7 and never lets the multiplier fall below 0.01.
         """
+        self.config.validate()
         return self._step(model, x, target, num_classes, rate, check_labels=True)
 
     @torch.no_grad()
     def _step(
         self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None,
-        clip: Any = None,
+        clip: Any = None, dist: Any = None,
     ) -> StepOutput:
         """``step``'s body. ``events``: a ``LayerEvents`` (observers/layer_stats.py) that gets each layer's
         output and input gradient (the batch loss's, as in backprop), or ``None``. ``clip``: a callable
@@ -325,8 +491,11 @@ class TweenState:
         targets: list[Tensor | None] = [None] + [acts[i] - cfg.gradient_scale * chain[i] for i in range(1, n)] + [t_out]
 
         # 3. Metrics, computed on the device and read back with the loss and the finiteness test in one sync.
-        metrics = [self._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
         flat_grads = [pg for pgs in param_grads for pg in pgs]
+        if dist is None:
+            metrics = [self._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
+        else:  # data-parallel (``dist``, a DistContext): sums over every rank's rows, as one process on the global batch
+            loss_t, metrics, batch = _global_step_numbers(dist, loss_t, batch, flat_grads, acts, y_hat, targets)
         finite = finite_flag(flat_grads) if flat_grads else torch.tensor(True)
         numbers = torch.cat([loss_t.reshape(1).double().to(out.device), finite.reshape(1).double().to(out.device), *metrics]).tolist()
         loss, ok = numbers[0], numbers[1] > 0.5
@@ -346,19 +515,16 @@ class TweenState:
 
         # 4. Explosion handling.
         avg_gap = sum(gaps) / n
-        prev = self.prev_avg_gap
-        self.gap_growth_rate = avg_gap / prev if prev is not None and prev > 0 else 1.0
-        exploded = cfg.explosion_detection and self.gap_growth_rate > cfg.explosion_limit
+        watch = (self.gap_log_mean, self.gap_log_dev, self.gap_log_peak, self.explosion_pressure)
+        exploded, self.adaptive_rate, watch, self.gap_baseline, self.gap_growth_rate = EXPLOSION_RULE(
+            _FloatOps, avg_gap, watch, self.adaptive_rate, self.steps, base, cfg
+        )
+        self.gap_log_mean, self.gap_log_dev, self.gap_log_peak, self.explosion_pressure = watch
         if exploded:
             self.explosion_count += 1
-            self.adaptive_rate = min(base, self.adaptive_rate * cfg.recovery_rate)
             for v in (*self.weight_velocity, *self.bias_velocity):
                 for t in v:
                     t.zero_()
-        elif cfg.explosion_detection:
-            self.adaptive_rate = min(base, self.adaptive_rate * cfg.recovery_growth)
-        else:
-            self.adaptive_rate = base
         self.prev_avg_gap = avg_gap
 
         # 5. Update: per-layer rate, momentum per parameter.
@@ -394,6 +560,8 @@ class TweenState:
             "mean_link_budget": mean_budget,
             "explosion": 1.0 if exploded else 0.0,
             "adaptive_rate": self.adaptive_rate,
+            "gap_baseline": self.gap_baseline,
+            "explosion_count": float(self.explosion_count),
         }
         return StepOutput(loss, StepStatus.OK, logs)
 
@@ -419,9 +587,17 @@ class TweenState:
         return new
 
 
+def _tween_auto_loss(output: Tensor, target: Tensor) -> Tensor:
+    """Tween's default loss: softmax cross-entropy for class labels, MSE for float targets."""
+    from .losses import compute_loss
+
+    return compute_loss(output, target, "cross_entropy" if is_label_target(target) else "mse")
+
+
 # TweenState's plain (non-tensor) fields a snapshot or checkpoint keeps
 _TWEEN_SCALARS = (
     "prev_avg_gap", "gap_growth_rate", "explosion_count", "adaptive_rate", "steps", "gap_baseline",
+    "gap_log_mean", "gap_log_dev", "gap_log_peak", "explosion_pressure",
     "loss_history", "gap_history", "link_budget_history", "explosion_history", "rate_history",
 )
 
@@ -433,8 +609,9 @@ class TweenTrainer(Trainer):
         model: a ``Network`` (or a torchloom layer / list of layers).
         cfg: a ``TweenConfig`` (defaults when ``None``).
         observers: SPEC §10 observers (per-layer events included); each ``on_batch_end`` gets ``loss``, ``mean_gap``,
-            ``mean_link_budget``, ``explosion`` (1.0 when the step detected one) and ``adaptive_rate``;
-            epoch logs hold their averages (``explosion``: the fraction of steps that detected one).
+            ``mean_link_budget``, ``explosion`` (1.0 when the step detected one), ``adaptive_rate``,
+            ``gap_baseline`` and ``explosion_count`` (the total so far); epoch logs (and the result's
+            history) hold their per-epoch means (``explosion``: the fraction of steps that detected one).
         verbose: print Loom's epoch line.
 
     ``trainer.state`` is the ``TweenState`` (its histories are per step). Training runs on the model's
@@ -472,6 +649,13 @@ class TweenTrainer(Trainer):
 
     def rate_groups(self) -> list[dict[str, Any]]:
         return self.rates.param_groups
+
+    def eval_loss_type(self) -> Any:
+        """``val_loss`` is Tween's loss: ``config.loss_type``, or cross-entropy for class labels and
+        MSE for float targets."""
+        if self.config.loss_type is not None:
+            return self.config.loss_type
+        return _tween_auto_loss
 
     def setup(self) -> None:
         """The engine moves the model to the training device; the velocities follow it."""
@@ -521,7 +705,10 @@ class TweenTrainer(Trainer):
         events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
         rate = float(self.rates.lr)  # base_rate, or the schedule's value
         clip = self._clip if self.clip > 0 else None
-        return self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip)  # checked in convert_batch
+        out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist)  # checked in convert_batch
+        if out.status is not StepStatus.NAN_LOSS and self.state.forward_acts:
+            self.observe_outputs(self.state.forward_acts[-1], y)  # training metrics, if any
+        return out
 
     def _clip(self, grads: list[Tensor], batch: int) -> None:
         """``gradient_clip`` on the batch loss's gradient ``G_i/B``: the global L2 norm, or each element
@@ -540,8 +727,12 @@ class TweenTrainer(Trainer):
 
         ``data``: a list of ``(input, target)`` batches (or ``TrainingBatch``es, or a ``DataLoader``);
         or one ``(X [N, ...], Y [N, ...])`` pair of tensors, split in order into batches of
-        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample)."""
-        if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Tensor) for d in data):
+        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample). The
+        ``TweenConfig`` is re-validated first (a field changed after construction raises here, before
+        anything changes)."""
+        self.config.validate()
+        engine_batches = batch_size is None and self.training.batch_size is not None  # train(..., batch_size=B): the engine cuts (X, Y)
+        if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Tensor) for d in data) and not engine_batches:
             xs, ys = data
             if xs.dim() == 0 or ys.dim() == 0 or xs.shape[0] != ys.shape[0]:
                 raise ValueError(f"data: X and Y must have the same number of samples, got shapes {list(xs.shape)} and {list(ys.shape)}")
@@ -555,7 +746,7 @@ class TweenTrainer(Trainer):
 
 
     # ---------------------------------------------------------------------- device step
-    device_log_names = ("mean_gap", "mean_link_budget", "explosion", "adaptive_rate")
+    device_log_names = ("mean_gap", "mean_link_budget", "explosion", "adaptive_rate", "gap_baseline", "explosion_count")
 
     def device_ready(self) -> bool:
         return True
@@ -566,17 +757,25 @@ class TweenTrainer(Trainer):
         ``TweenState`` fields once per epoch (``device_epoch_end``)."""
         st, dev = self.state, self.device
         f64 = dict(dtype=torch.float64, device=dev)
-        self.dev = {
-            "adaptive_rate": torch.tensor(float(st.adaptive_rate), **f64),
-            "explosion_count": torch.tensor(float(st.explosion_count), **f64),
-            "steps": torch.tensor(float(st.steps), **f64),
-            **{k: torch.tensor(float(v), **f64) for k, v in self._rule_state().items()},
+        values = {
+            "adaptive_rate": float(st.adaptive_rate),
+            "explosion_count": float(st.explosion_count),
+            "steps": float(st.steps),
+            **{k: float(v) for k, v in self._rule_state().items()},
         }
+        self._dev_flat = torch.tensor(list(values.values()), **f64)  # one buffer, 0-d views by name
+        self.dev = {k: self._dev_flat[i] for i, k in enumerate(values)}
         scales = [0.0 if s is None else s for s in st.depth_scales]
         self._scales = torch.tensor(scales, **f64)
+        # parameters and velocities each in one buffer: the weight guard then checks a few tensors
+        flatten_tensors_(list(self.model.parameters()))
+        velocities = [v for vs in (*st.weight_velocity, *st.bias_velocity) for v in vs]
+        flatten_tensors_(velocities)
 
     def guarded_device_tensors(self) -> list[Tensor]:
-        return [*self.guarded_tensors(), *self.dev.values()]
+        velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return [*as_flat(params), *as_flat(velocities), self._dev_flat]
 
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
@@ -596,6 +795,7 @@ class TweenTrainer(Trainer):
             acts.append(out_i)
             saved.append(s_i)
         out = acts[-1]
+        self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
         if is_label_target(y):  # scatter one-hot: F.one_hot reads the labels on the host
             t_out = torch.zeros_like(out).scatter_(-1, y.unsqueeze(-1), 1.0)
@@ -611,14 +811,31 @@ class TweenTrainer(Trainer):
         chain: list[Tensor | None] = [None] * (n + 1)
         chain[n] = g
         param_grads: list[tuple[Tensor, ...]] = [()] * n
+        reducing = []  # data-parallel: each layer's G_i summed over the ranks while the layers below run
+        overlap = self.dist is not None and self.dist.overlap_pays(list(self.model.parameters()))
         for i in range(n - 1, -1, -1):
             g, param_grads[i] = layers[i].backward_saved(g, saved[i], needs_input_grad=i > 0)
             if i > 0:
                 chain[i] = g
+            if overlap and param_grads[i]:
+                reducing.append(self.dist.all_reduce_(list(param_grads[i]), "sum", async_op=True))
         targets = [None] + [acts[i] - cfg.gradient_scale * chain[i] for i in range(1, n)] + [t_out]
-        metrics = torch.stack(
-            [TweenState._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
-        )
+        if self.dist is None:
+            metrics = torch.stack(
+                [TweenState._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
+            )
+        else:  # data-parallel (equal shards): sums over every rank's rows, in the step
+            from .distributed import tween_metrics, tween_sums
+
+            if not overlap:
+                reducing.append(self.dist.all_reduce_([pg for pgs in param_grads for pg in pgs], "sum", async_op=True))
+            sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
+            packed = torch.cat([sums.reshape(-1), loss_parts.sum().double().reshape(1) / self.dist.world_size])
+            self.dist.all_reduce_([packed], "sum")  # metric sums and the mean loss: one all-reduce
+            for finish in reducing:
+                finish()
+            metrics, loss_parts = tween_metrics(packed[:-1].view(n, 9)), packed[-1:]
+            batch = batch * self.dist.world_size
         gaps, budgets, aligns = metrics.unbind(1)
         flat_grads = [pg for pgs in param_grads for pg in pgs]
         clip_norm = self.clip * batch if self.clip > 0 and self.clip_mode == "norm" else 0.0
@@ -630,7 +847,8 @@ class TweenTrainer(Trainer):
 
         # explosion handling and the adaptive rate, as device decisions
         lr = self.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
-        base = lr.double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64, device=self.device)
+        # torch.full, not torch.tensor: a fill kernel, where a host→device copy would synchronise
+        base = lr.double() if isinstance(lr, Tensor) else torch.full((), float(lr), dtype=torch.float64, device=self.device)
         avg_gap = gaps.mean()
         exploded = self._device_rule(avg_gap, base, ok)
         d = self.dev
@@ -656,7 +874,7 @@ class TweenTrainer(Trainer):
                         continue
                     v.copy_(torch.where(ok, v * k - c * pg, v))
                     p.add_(torch.where(ok, v, 0.0))
-        runner.log(slot, [avg_gap, budgets.mean(), exploded.double(), d["adaptive_rate"]])
+        runner.log(slot, [avg_gap, budgets.mean(), exploded.double(), d["adaptive_rate"], d["gap_baseline"], d["explosion_count"]])
         self._last_metrics = metrics
 
     def device_epoch_end(self, runner: Any, losses: list[float], statuses: list[int], logs: list[list[float]] | None) -> None:
@@ -683,30 +901,57 @@ class TweenTrainer(Trainer):
             gaps, budgets, aligns = self._last_metrics.double().cpu().unbind(1)
             st.gaps, st.link_budgets, st.alignments = gaps.tolist(), budgets.tolist(), aligns.tolist()
 
-    # The explosion rule's state and its device form (see ``TweenState.step``, step 4).
+    # The explosion rule's state and its device form (see ``ExplosionRule``).
     def _rule_state(self) -> dict[str, float]:
-        prev = self.state.prev_avg_gap
-        return {"prev_avg_gap": math.nan if prev is None else float(prev)}
+        st = self.state
+        prev = st.prev_avg_gap
+        return {
+            "prev_avg_gap": math.nan if prev is None else float(prev),
+            "gap_baseline": float(st.gap_baseline),
+            "gap_growth_rate": float(st.gap_growth_rate),
+            "gap_log_mean": float(st.gap_log_mean),
+            "gap_log_dev": float(st.gap_log_dev),
+            "gap_log_peak": float(st.gap_log_peak),
+            "explosion_pressure": float(st.explosion_pressure),
+        }
 
     def _set_rule_state(self, values: dict[str, float]) -> None:
+        st = self.state
         prev = values["prev_avg_gap"]
-        self.state.prev_avg_gap = None if math.isnan(prev) else prev
+        st.prev_avg_gap = None if math.isnan(prev) else prev
+        for key in ("gap_baseline", "gap_growth_rate", "gap_log_mean", "gap_log_dev", "gap_log_peak", "explosion_pressure"):
+            setattr(st, key, values[key])
 
     def _device_rule(self, avg_gap: Tensor, base: Tensor, ok: Tensor) -> Tensor:
-        """Step 4 in device tensors; returns the 0-d bool ``exploded`` and updates ``self.dev``."""
-        cfg, d = self.config, self.dev
-        prev = d["prev_avg_gap"]
-        growth = torch.where(prev > 0, avg_gap / torch.where(prev > 0, prev, 1.0), 1.0)
-        rate = d["adaptive_rate"]
-        if cfg.explosion_detection:
-            exploded = ok & (growth > cfg.explosion_limit)
-            new_rate = torch.where(exploded, torch.minimum(base, rate * cfg.recovery_rate), torch.minimum(base, rate * cfg.recovery_growth))
-        else:
-            exploded = torch.zeros((), dtype=torch.bool, device=avg_gap.device)
-            new_rate = base
-        rate.copy_(torch.where(ok, new_rate, rate))
-        prev.copy_(torch.where(ok, avg_gap, prev))
+        """Step 4 in device tensors (``ExplosionRule`` over ``torch`` ops); returns the 0-d bool
+        ``exploded`` and updates ``self.dev``, every write masked by ``ok``."""
+        d = self.dev
+        watch = (d["gap_log_mean"], d["gap_log_dev"], d["gap_log_peak"], d["explosion_pressure"])
+        exploded, rate, (m, s, lam, p), baseline, growth = EXPLOSION_RULE(
+            _TensorOps, avg_gap, watch, d["adaptive_rate"], d["steps"], base, self.config
+        )
+        exploded = ok & exploded
+        new = {"adaptive_rate": rate, "gap_baseline": baseline, "gap_growth_rate": growth, "prev_avg_gap": avg_gap,
+               "gap_log_mean": m, "gap_log_dev": s, "gap_log_peak": lam, "explosion_pressure": p}
+        for key, value in new.items():
+            d[key].copy_(torch.where(ok, value, d[key]))
         return exploded
+
+
+def _global_step_numbers(dist: Any, loss_t: Tensor, batch: int, grads: list[Tensor], acts: list[Tensor], y_hat: Tensor, targets: list[Any]) -> tuple[Tensor, list[Tensor], int]:
+    """Data-parallel ``_step``: the parameter gradients ``G_i`` (sums over samples) summed over the
+    ranks in place; the loss (weighted by each rank's rows), the per-layer metrics (from summed
+    ``tween_sums``) and the global batch size, as one process would find them on the global batch."""
+    from .distributed import tween_metrics, tween_sums
+
+    n = len(acts) - 1
+    dist.all_reduce_(grads, "sum")
+    sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
+    head = torch.stack([loss_t.detach().double().reshape(()) * batch, torch.full((), float(batch), dtype=torch.float64, device=sums.device)])
+    packed = torch.cat([head, sums.reshape(-1)])
+    dist.all_reduce_([packed], "sum")
+    rows = packed[0:1] / packed[1]
+    return rows.reshape(()), list(tween_metrics(packed[2:].view(n, 9)).unbind(0)), int(round(float(packed[1])))
 
 
 def _check_target_shape(out_shape: tuple[int, ...], batch: int, y: Tensor) -> None:
