@@ -18,7 +18,7 @@ def test_pair_stats(cuda_default_device, n, n_extra, dtype):
     got = pair_stats(f, t, e, backend="triton").double().cpu()
     f64, t64 = f.double().cpu(), t.double().cpu()
     want = torch.tensor([(f64 * t64).sum(), (f64 * f64).sum(), (t64 * t64).sum(), ((f64 - t64) ** 2).sum(),
-                         (e.double().cpu() ** 2).sum() if e is not None else 0.0], dtype=torch.float64)
+                         (e.double().cpu() ** 2).sum() if e is not None else 0.0], dtype=torch.float64, device="cpu")
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * n)
 

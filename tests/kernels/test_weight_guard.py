@@ -41,3 +41,20 @@ def test_flag_is_never_lowered():
     flag = torch.ones((), dtype=torch.int32)
     nonfinite_flag_([torch.zeros(5)], flag, backend="reference")
     assert int(flag) == 1
+
+
+def test_update_guard_restores_memory_seen_through_new_view_objects():
+    """A flat buffer's view is a new object at every call: the guard must treat it as the memory it
+    saved (restore it), never as state the update created (which it would zero)."""
+    from torchloom.trainers.guards import UpdateGuard
+
+    buf = torch.randn(10)
+    before = buf.clone()
+    guard = UpdateGuard(lambda: [buf[:]])
+    guard.save()
+    buf[3] = float("inf")
+    flag = guard.restore_if_nonfinite_(torch.zeros((), dtype=torch.int32))
+    assert int(flag) == 1 and torch.equal(buf, before)
+    guard.save()
+    buf[5] = float("nan")
+    assert not guard.check_or_restore() and torch.equal(buf, before)

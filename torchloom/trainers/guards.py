@@ -54,11 +54,18 @@ def state_tensors(optimizer: torch.optim.Optimizer | None) -> list[Tensor]:
     return list(seen.values())
 
 
+def _key(t: Tensor) -> tuple[int, int, torch.dtype]:
+    """Which memory a tensor is: start address, size and dtype (two view objects of the same
+    elements are the same tensor to the guard)."""
+    return (t.data_ptr(), t.numel(), t.dtype)
+
+
 def _unique_storage(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` without duplicates (a tensor listed twice is copied once)."""
-    out: dict[int, Tensor] = {}
+    """``tensors`` without duplicates (a tensor listed twice, or two views of the same elements, is
+    copied once)."""
+    out: dict[tuple[int, int, torch.dtype], Tensor] = {}
     for t in tensors:
-        out.setdefault(id(t), t)
+        out.setdefault(_key(t), t)
     return list(out.values())
 
 
@@ -81,18 +88,21 @@ class UpdateGuard:
     def save(self) -> None:
         """Copy the current values (reusing the backup buffers while the tensor set is unchanged)."""
         live = _unique_storage([t for t in self._tensors() if t.numel()])
-        same = len(live) == len(self._live) and all(a is b for a, b in zip(live, self._live))
+        # the same memory (a flat buffer's view is often a new object each call): keep the backups
+        same = len(live) == len(self._live) and all(_key(a) == _key(b) for a, b in zip(live, self._live))
         if not same:
             self._live = live
             self._backup = [torch.empty_like(t) for t in live]
         if live:
-            torch._foreach_copy_(self._backup, live)
-        self._known = {id(t) for t in live}
+            torch._foreach_copy_(self._backup, self._live)
+        self._known = {_key(t) for t in self._live}
         if self._flag is not None:
             self._flag.zero_()
 
     def _new_tensors(self) -> list[Tensor]:
-        return [t for t in _unique_storage(self._tensors()) if t.numel() and id(t) not in self._known]
+        """Tensors the update itself created (lazily made state), not merely new view objects of
+        memory already guarded."""
+        return [t for t in _unique_storage(self._tensors()) if t.numel() and _key(t) not in self._known]
 
     # ---------------------------------------------------------------------------- host form
     @torch.no_grad()

@@ -775,7 +775,9 @@ class TweenTrainer(Trainer):
     def guarded_device_tensors(self) -> list[Tensor]:
         velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return [*as_flat(params), *as_flat(velocities), self._dev_flat]
+        # the explosion watch (self._dev_flat) is not guarded: an update cannot overflow it, and its
+        # "no previous gap" marker is a NaN on purpose
+        return [*as_flat(params), *as_flat(velocities)]
 
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
