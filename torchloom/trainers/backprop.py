@@ -243,14 +243,19 @@ class BackpropTrainer(Trainer):
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled below
             grad = scaler.scale_grad(grad)
-        _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
+        overlapped = self.dist is not None and self.dist.overlap_pays(self.grad_views)
+        if overlapped:  # data-parallel, large model: each layer's gradients averaged while the layers below run
+            _, grads = self.dist.backward_overlapped(self.model, grad, saved, self._grad_out(), "mean")
+        else:
+            _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
         if len(grads) != len(self.params):
             grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
         moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
         if moved:
             torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
         if self.dist is not None:  # data-parallel: loss partials and gradients averaged over the ranks, in the step
-            self.dist.all_reduce_(self.grad_views, "mean")
+            if not overlapped:
+                self.dist.all_reduce_(self.grad_views, "mean")
             self.dist.all_reduce_([loss_parts], "mean")
         if scaler is not None:
             scaler.unscale_(self.grad_views)

@@ -292,7 +292,7 @@ class Trainer:
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
         from .distributed import resolve_distributed
 
-        self.dist = resolve_distributed(getattr(config, "distributed", None))  # None: single process
+        self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
 
     @property
     def is_main(self) -> bool:

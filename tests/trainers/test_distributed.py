@@ -1,0 +1,392 @@
+"""Data-parallel training through ``torch.distributed`` (CPU, gloo, 2 processes on 127.0.0.1).
+
+One spawn of 2 ranks runs every scenario (starting processes costs seconds); each rank saves what it
+saw, and the tests compare it with an independent reference: the same ``train()`` call in this one
+process on the concatenated global batch (``distributed=False``), and the ranks with each other.
+
+* every method (backprop, TargetProp chain rule and pure, Tweening): weights and loss history after
+  several epochs equal one process on the global batch (float64 to 1e-10; float32 to float tolerance),
+  with the data as ``(X, Y)`` tensors (sharded by the engine, shuffled), as a list of batches the
+  caller sharded, and as a ``DataLoader`` (``DistributedSampler``);
+* a NaN/Inf that only one rank sees: both ranks skip the same steps and keep the same weights;
+* an observer stopping on one rank stops both; only rank 0 prints and writes files;
+* a full-state checkpoint written by the 2 ranks resumes in 1 process, equal to 4 epochs in one;
+* a ``DistributedDataParallel``-wrapped model trains its ``.module``, with a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import socket
+import time
+import traceback
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchloom import Checkpoint, ConsoleObserver, CSVLogger, Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig, train
+from torchloom.observers.base import Observer
+
+WORLD = 2
+PERM = [(7 * i + 3) % 64 for i in range(64)]  # a row order of the user's own sampler
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT_S = 120  # bounded: a hung collective fails the test instead of hanging CI
+
+METHODS = {
+    "backprop": dict(method="backprop", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
+    "tp-chain": dict(method=TargetPropConfig(learning_rate=0.05, gate_threshold=0.3)),
+    "tp-pure": dict(method=TargetPropConfig(mode="pure", learning_rate=0.02)),
+    "tween": dict(method=TweenConfig(base_rate=0.05), loss_type="cross_entropy"),
+}
+
+
+def _net(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return Network(Dense(6, 12, "tanh", dtype=dtype), Dense(12, 4, "sigmoid", dtype=dtype))
+
+
+def _xy(n=64, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g)
+
+
+def _cfg(name, **kw):
+    base = copy.deepcopy(METHODS[name])
+    return TrainingConfig(**{"epochs": 3, "verbose": 0, **base, **kw})
+
+
+def _weights(net):
+    return [p.detach().clone() for p in net.parameters()]
+
+
+class _StopOnRank(Observer):
+    """Asks to stop after epoch ``epoch`` on rank ``rank`` only."""
+
+    def __init__(self, rank, epoch):
+        self.rank, self.epoch = rank, epoch
+
+    def on_epoch_end(self, trainer, epoch, logs):
+        if dist.get_rank() == self.rank and epoch == self.epoch:
+            trainer.stop_training = True
+
+
+class _Rows(Observer):
+    """Records the rows of every step this rank ran."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_batch_end(self, trainer, step, logs):
+        self.rows.append(int(logs["batch_size"]))
+
+
+# ----------------------------------------------------------------------------- the ranks' work
+def _scenarios(rank, tmp):
+    out = {}
+    X, Y = _xy()
+    # every method, (X, Y) sharded by the engine, shuffled with a seed: float64
+    for name in METHODS:
+        net, rows = _net(), _Rows()
+        r = train(net, (X, Y), _cfg(name, batch_size=16, shuffle=True, seed=3, observers=[rows]))
+        out[f"xy-{name}"] = (_weights(net), r.loss_history)
+        out[f"rows-{name}"] = rows.rows
+    # float32 backprop and tween
+    X32 = X.float()
+    for name in ("backprop", "tween"):
+        net = _net(torch.float32)
+        r = train(net, (X32, Y), _cfg(name, batch_size=16))
+        out[f"f32-{name}"] = (_weights(net), r.loss_history)
+    # a list of batches sharded by the caller (rank r: rows r*8 .. r*8+7 of every batch of 16)
+    shards = [(X[j + rank * 8 : j + rank * 8 + 8], Y[j + rank * 8 : j + rank * 8 + 8]) for j in range(0, 64, 16)]
+    for name in ("tween", "tp-chain"):
+        net = _net()
+        r = train(net, shards, _cfg(name))
+        out[f"list-{name}"] = (_weights(net), r.loss_history)
+    # a DataLoader: a DistributedSampler is put in (8 rows per rank per batch)
+    net = _net()
+    r = train(net, DataLoader(TensorDataset(X, Y), batch_size=8), _cfg("backprop"))
+    out["loader-backprop"] = (_weights(net), r.loss_history)
+    # a DataLoader with a sampler of the user's own (this rank's rows of every batch of 16): respected
+    mine = [PERM[j + rank * 8 + k] for j in range(0, 64, 16) for k in range(8)]
+    net = _net()
+    r = train(net, DataLoader(TensorDataset(X, Y), batch_size=8, sampler=mine), _cfg("backprop"))
+    out["own-sampler-backprop"] = (_weights(net), r.loss_history)
+    # the device step (the engine's runner, here on CPU tensors: every decision in tensors, no host read)
+    for name in METHODS:
+        net = _net()
+        r, _ = _forced(net, (X, Y), _cfg(name, batch_size=16))
+        out[f"device-{name}"] = (_weights(net), r.loss_history)
+        bad = [(x.clone(), y) for x, y in shards]
+        if rank == 1:
+            bad[1][0][0, 0] = float("nan")
+        net = _net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r, _ = _forced(net, bad, _cfg(name))
+        out[f"device-nan-{name}"] = (_weights(net), r.loss_history, r.skipped_per_epoch)
+    # the same with each layer's gradients reduced during the backward (what large models do)
+    from torchloom.trainers import distributed as tl_dist
+
+    saved_bytes, tl_dist.OVERLAP_BYTES = tl_dist.OVERLAP_BYTES, 0
+    try:
+        for name in ("backprop", "tween"):
+            net = _net()
+            r, _ = _forced(net, (X, Y), _cfg(name, batch_size=16))
+            out[f"overlap-{name}"] = (_weights(net), r.loss_history)
+    finally:
+        tl_dist.OVERLAP_BYTES = saved_bytes
+    # a NaN only this rank sees (rank 1, its shard of batch 1): every rank skips the same step
+    for name in METHODS:
+        bad = [(x.clone(), y) for x, y in shards]
+        if rank == 1:
+            bad[1][0][0, 0] = float("nan")
+        net = _net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = train(net, bad, _cfg(name))
+        out[f"nan-{name}"] = (_weights(net), r.loss_history, r.skipped_per_epoch)
+    # stopping asked on rank 1 alone after epoch 2 stops both; only rank 0 prints and writes
+    net = _net()
+    buf = io.StringIO()
+    obs = [_StopOnRank(1, 1), ConsoleObserver(every=4), Checkpoint(os.path.join(tmp, f"ck{rank}.pt")), CSVLogger(os.path.join(tmp, f"log{rank}.csv"))]
+    with contextlib.redirect_stdout(buf):
+        r = train(net, (X, Y), _cfg("tween", batch_size=16, epochs=4, verbose=2, observers=obs))
+    out["stop"] = (_weights(net), r.loss_history)
+    out["printed"] = buf.getvalue()
+    # a checkpoint written by the 2 ranks, to resume in 1 process
+    net = _net()
+    train(net, (X, Y), _cfg("backprop", batch_size=16, epochs=2, observers=[Checkpoint(os.path.join(tmp, "resume.pt"))]))
+    # a DistributedDataParallel-wrapped model
+    net = _net()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = train(ddp, (X, Y), _cfg("backprop", batch_size=16))
+    out["ddp"] = (_weights(net), r.loss_history, [str(w.message) for w in caught])
+    # examples/07_multi_gpu.py inside the running process group
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return out
+    out["example"] = _example().main(epochs=2, verbose=False)
+    return out
+
+
+def _example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi_gpu_example", os.path.join(ROOT, "examples", "07_multi_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forced(net, data, cfg):
+    """The engine's device runner on a CPU trainer (as tests/trainers/test_engine.py does)."""
+    from torchloom.trainers.cuda_path import CudaRunner
+    from torchloom.trainers.train import make_trainer
+
+    trainer = make_trainer(net, cfg)
+    trainer._runner = CudaRunner(trainer)
+    return trainer.fit(data, cfg.epochs), trainer
+
+
+def _worker(rank, port, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        result = _scenarios(rank, tmp)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    finally:
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("dist"))
+    ctx = mp.start_processes(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results, tmp
+
+
+def _check(weights, losses, ref_net, ref_result, tol):
+    np.testing.assert_allclose(losses, ref_result.loss_history, rtol=tol, atol=tol)
+    for p, q in zip(weights, ref_net.parameters()):
+        torch.testing.assert_close(p, q.detach(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------ the tests
+@pytest.mark.parametrize("name", list(METHODS))
+def test_xy_sharded_equals_one_process_on_global_batch(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, (X, Y), _cfg(name, batch_size=16, shuffle=True, seed=3, distributed=False))
+    for res in results:
+        _check(*res[f"xy-{name}"], ref, r, 1e-10)
+        assert res[f"rows-{name}"] == [8] * 12  # each rank ran its 8 rows of each of the 4 global batches, 3 epochs
+    assert not all(torch.equal(p, q) for p, q in zip(results[0][f"xy-{name}"][0], _weights(_net())))  # it trained
+
+
+@pytest.mark.parametrize("name", ["backprop", "tween"])
+def test_float32_equals_one_process(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net(torch.float32)
+    r = train(ref, (X.float(), Y), _cfg(name, batch_size=16, distributed=False))
+    for res in results:
+        _check(*res[f"f32-{name}"], ref, r, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["tween", "tp-chain"])
+def test_caller_sharded_list_equals_one_process(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, [(X[j : j + 16], Y[j : j + 16]) for j in range(0, 64, 16)], _cfg(name, distributed=False))
+    for res in results:
+        _check(*res[f"list-{name}"], ref, r, 1e-10)
+
+
+def test_dataloader_gets_distributed_sampler(ranks):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, DataLoader(TensorDataset(X, Y), batch_size=16), _cfg("backprop", distributed=False))
+    for res in results:
+        _check(*res["loader-backprop"], ref, r, 1e-10)
+    perm = torch.tensor(PERM)
+    ref = _net()
+    r = train(ref, [(X[perm[j : j + 16]], Y[perm[j : j + 16]]) for j in range(0, 64, 16)], _cfg("backprop", distributed=False))
+    for res in results:
+        _check(*res["own-sampler-backprop"], ref, r, 1e-10)  # the user's sampler is kept, not replaced
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_device_step_equals_one_process(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, (X, Y), _cfg(name, batch_size=16, distributed=False))
+    for res in results:
+        weights, losses = res[f"device-{name}"]
+        np.testing.assert_allclose(losses, r.loss_history, rtol=1e-6)  # the runner keeps per-step losses in float32
+        for p, q in zip(weights, ref.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["backprop", "tween"])
+def test_device_step_overlapping_the_backward_equals_one_process(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, (X, Y), _cfg(name, batch_size=16, distributed=False))
+    for res in results:
+        weights, losses = res[f"overlap-{name}"]
+        np.testing.assert_allclose(losses, r.loss_history, rtol=1e-6)
+        for p, q in zip(weights, ref.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_nan_on_one_rank_is_agreed(ranks, name, path):
+    results, _ = ranks
+    key = f"nan-{name}" if path == "host" else f"device-nan-{name}"
+    (w0, l0, s0), (w1, l1, s1) = results[0][key], results[1][key]
+    assert s0 == s1 and sum(s0) >= 1  # both ranks skipped the same steps
+    np.testing.assert_array_equal(l0, l1)
+    for p, q in zip(w0, w1):
+        assert torch.equal(p, q)
+        assert torch.isfinite(p).all()
+
+
+def test_stop_agreed_and_only_rank0_prints_and_writes(ranks):
+    results, tmp = ranks
+    assert len(results[0]["stop"][1]) == len(results[1]["stop"][1]) == 2  # rank 1 alone asked after epoch 2
+    for p, q in zip(results[0]["stop"][0], results[1]["stop"][0]):
+        assert torch.equal(p, q)
+    assert "Epoch 2/4" in results[0]["printed"] and "[FWD]" in results[0]["printed"]
+    assert results[1]["printed"] == ""
+    assert os.path.exists(os.path.join(tmp, "ck0.pt")) and os.path.exists(os.path.join(tmp, "log0.csv"))
+    assert not os.path.exists(os.path.join(tmp, "ck1.pt")) and not os.path.exists(os.path.join(tmp, "log1.csv"))
+
+
+def test_checkpoint_of_two_ranks_resumes_in_one_process(ranks):
+    _, tmp = ranks
+    X, Y = _xy()
+    resumed = _net(seed=5)  # other initial weights: the checkpoint replaces them
+    r = train(resumed, (X, Y), _cfg("backprop", batch_size=16, epochs=4, resume_from=os.path.join(tmp, "resume.pt"), distributed=False))
+    ref = _net()
+    rr = train(ref, (X, Y), _cfg("backprop", batch_size=16, epochs=4, distributed=False))
+    _check(_weights(resumed), r.loss_history, ref, rr, 1e-10)
+
+
+def test_ddp_wrapped_model_trains_its_module(ranks):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, (X, Y), _cfg("backprop", batch_size=16, distributed=False))
+    for res in results:
+        weights, losses, notes = res["ddp"]
+        _check(weights, losses, ref, r, 1e-10)
+        assert any("DistributedDataParallel" in n for n in notes)
+
+
+def test_distributed_true_without_group_is_an_error():
+    with pytest.raises(RuntimeError, match="process group"):
+        train(_net(), [_xy(8)], _cfg("backprop", distributed=True))
+    with pytest.raises(TypeError, match="distributed"):
+        TrainingConfig(distributed="yes")
+
+
+def test_example_equals_one_process(ranks):
+    pytest.importorskip("sklearn")
+    results, _ = ranks
+    one = _example().main(epochs=2, verbose=False)
+    for res in results:
+        for method, acc in one.items():
+            assert abs(res["example"][method] - acc) <= 1.5 / 450, method  # float32: at most one test digit flips
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check; on GPUs run the benchmark itself")
+def test_bench_dry_run_prints_the_table():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "bench_distributed.py"), "--dry-run"],
+        capture_output=True, text=True, timeout=90, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for method in ("torchloom backprop", "torchloom tween", "plain PyTorch DDP"):
+        assert proc.stdout.count(f"| {method} |") == 4, proc.stdout
+    assert "| 2 GPUs |" in proc.stdout
