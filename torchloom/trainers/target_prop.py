@@ -309,6 +309,66 @@ def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target")
         raise ValueError(f"{fn}: target must have the output's shape {list(out_shape)}, got {list(target.shape)}")
 
 
+class _FlatLayout:
+    """Parameters, velocities and update directions of a network as three flat buffers of one layout
+    (consecutive views, parameter order), for the one-launch momentum update of the device steps of
+    TargetProp and Tweening (``kernels.layer_update.momentum_update_flat_``). Segments are the
+    parameters; each gets its layer's rate, and frozen parameters (``requires_grad=False``) are never
+    applied. ``build`` returns ``None`` when the buffers are not laid out so (mixed dtypes, ...)."""
+
+    def __init__(self, params: list[Tensor], velocities: list[Tensor], layer_of: list[int], trainable: list[bool]) -> None:
+        from ..kernels._update import coalesce
+
+        self.p = coalesce(params)[0][0]
+        self.v = coalesce(velocities)[0][0]
+        self.g = torch.zeros_like(self.p)
+        self.g_views, offset = [], 0
+        self.bounds = [0]
+        for t in params:
+            self.g_views.append(self.g[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+            self.bounds.append(offset)
+        dev = self.p.device
+        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64, device=dev)
+        self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=dev)
+        self.trainable = torch.tensor(trainable, device=dev)
+        self.counts = [sum(1 for i in layer_of if i == layer) for layer in range(max(layer_of) + 1)]
+
+    @classmethod
+    def build(cls, model: Network, velocities: list[Tensor]) -> "_FlatLayout | None":
+        from ..kernels._update import coalesce
+        from ..kernels.layer_update import _MAX_SEGMENTS
+
+        params, layer_of = [], []
+        for i, layer in enumerate(model.layers):
+            for p in layer.parameters():
+                params.append(p)
+                layer_of.append(i)
+        if len(params) < 2 or len(params) > _MAX_SEGMENTS or len(velocities) != len(params):
+            return None
+        if any(v.shape != p.shape or v.dtype != p.dtype for v, p in zip(velocities, params)):
+            return None
+        if coalesce(params) is None or coalesce(velocities) is None:
+            return None
+        return cls(params, velocities, layer_of, [p.requires_grad for p in params])
+
+    def fits(self, directions: list[tuple[Tensor, ...] | None]) -> bool:
+        """Whether every layer with parameters has its full set of directions this step."""
+        return all((len(ds) if ds else 0) == c for ds, c in zip(directions, self.counts))
+
+    def update_(self, directions: list[tuple[Tensor, ...] | None], a: Tensor, c: Tensor, apply: Tensor) -> None:
+        """``v = a_l·v + c_l·d``, ``p += v`` for every parameter of layer ``l`` where ``apply_l`` (and
+        the parameter is trainable); ``a``, ``c``, ``apply``: ``[layers]`` device tensors."""
+        from ..kernels.layer_update import momentum_update_flat_
+
+        torch._foreach_copy_(self.g_views, [d for ds in directions if ds for d in ds])
+        idx = self.layer_of
+        momentum_update_flat_(
+            self.p, self.v, self.g, self.bounds, a.index_select(0, idx), c.index_select(0, idx),
+            apply.index_select(0, idx) & self.trainable, bounds_t=self.bounds_t,
+        )
+
+
 def _mse_to_target(output: Tensor, target: Tensor) -> Tensor:
     """TargetProp's reported loss: ``mean((output − t)²)`` with ``t`` the target (labels one-hot)."""
     return ((output - _as_float_target(output, target)) ** 2).mean()
@@ -684,9 +744,11 @@ class TargetPropTrainer(Trainer):
             params = tuple(layer.parameters())
             if params and st.velocities[i] is None:
                 st.velocities[i] = tuple(torch.zeros_like(p) for p in params)
-        # parameters and velocities each in one buffer: the weight guard then checks two tensors
+        # parameters, velocities and update directions each in one buffer of one layout: the weight
+        # guard checks two tensors and one kernel updates every layer (``momentum_update_flat_``)
         flatten_tensors_([p for p in self.model.parameters()])
         flatten_tensors_([v for vs in st.velocities if vs is not None for v in vs])
+        self._flat = _FlatLayout.build(self.model, [v for vs in st.velocities if vs is not None for v in vs])
         self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
         n = st.num_layers
         self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
@@ -719,15 +781,13 @@ class TargetPropTrainer(Trainer):
             self.dist.all_reduce_([loss], "mean")
         runner.decide(slot, loss.reshape(1), grad_sq_partials(directions), clip_norm)
         ok = runner.found_inf == 0
-        # link budgets and gaps: float64 sums, as the host path
-        rows = []
-        for i in range(n):
-            f, b = st.forward_acts[i + 1], st.backward_targets[i + 1]
-            f64, b64 = f.double().reshape(-1), b.double().reshape(-1)
-            diff = f64 - b64
-            rows.append(torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff / max(f64.numel(), 1)]))
-        dot, f_mag, b_mag, mean_sq = torch.stack(rows).unbind(1)
-        if self.dist is not None:  # data-parallel: budgets and gaps from the per-layer sums over every rank's rows
+        if self.dist is None:  # link budgets and gaps: one fused pass per layer (kernels/layer_update.py)
+            from ..kernels.layer_update import pair_stats
+
+            stats = torch.stack([pair_stats(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)]).double()
+            dot, f_mag, b_mag, sq = stats[:, 0], stats[:, 1], stats[:, 2], stats[:, 3]
+            mean_sq = torch.stack([sq[i] / max(st.forward_acts[i + 1].numel(), 1) for i in range(n)])
+        else:  # data-parallel: budgets and gaps from the per-layer sums over every rank's rows
             from .distributed import layer_sums
 
             sums = torch.stack([layer_sums(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)])
@@ -750,18 +810,22 @@ class TargetPropTrainer(Trainer):
             torch._foreach_clamp_min_(directions, -self.clip)
             torch._foreach_clamp_max_(directions, self.clip)
         mu = cfg.momentum
+        flat = self._flat
         with runner.guard_update(slot):
-            for i, layer in enumerate(model.layers):
-                ds = st.weight_gradients[i]
-                if not ds:
-                    continue
-                apply = ok & open_gate[i]
-                c = ((1.0 - mu) * rates[i]).to(ds[0].dtype)
-                for p, v, d in zip(layer.parameters(), st.velocities[i], ds):
-                    if not p.requires_grad:
+            if flat is not None and flat.fits(st.weight_gradients):  # every layer in one launch
+                flat.update_(st.weight_gradients, a=torch.full_like(rates, mu), c=(1.0 - mu) * rates, apply=ok & open_gate)
+            else:
+                for i, layer in enumerate(model.layers):
+                    ds = st.weight_gradients[i]
+                    if not ds:
                         continue
-                    v.copy_(torch.where(apply, v * mu + c * d, v))
-                    p.add_(torch.where(apply, v, 0.0))
+                    apply = ok & open_gate[i]
+                    c = ((1.0 - mu) * rates[i]).to(ds[0].dtype)
+                    for p, v, d in zip(layer.parameters(), st.velocities[i], ds):
+                        if not p.requires_grad:
+                            continue
+                        v.copy_(torch.where(apply, v * mu + c * d, v))
+                        p.add_(torch.where(apply, v, 0.0))
         accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else self._nan
         if self.dist is not None and labels is not None:  # data-parallel: the global batch's accuracy
             self.dist.all_reduce_([accuracy], "mean")

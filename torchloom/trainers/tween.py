@@ -767,13 +767,21 @@ class TweenTrainer(Trainer):
         self.dev = {k: self._dev_flat[i] for i, k in enumerate(values)}
         scales = [0.0 if s is None else s for s in st.depth_scales]
         self._scales = torch.tensor(scales, **f64)
-        # parameters and velocities each in one buffer: the weight guard then checks a few tensors
+        # parameters and velocities each in one buffer of one layout (parameter order): the weight
+        # guard checks two tensors and one kernel updates every layer (``momentum_update_flat_``)
         flatten_tensors_(list(self.model.parameters()))
-        velocities = [v for vs in (*st.weight_velocity, *st.bias_velocity) for v in vs]
-        flatten_tensors_(velocities)
+        ordered = []
+        for i, layer in enumerate(self.model.layers):
+            wv, bv = iter(st.weight_velocity[i]), iter(st.bias_velocity[i])
+            ordered.extend(next(bv) if _is_bias(name) else next(wv) for name, _ in layer.named_parameters())
+        flatten_tensors_(ordered)
+        from .target_prop import _FlatLayout
+
+        self._flat = _FlatLayout.build(self.model, ordered)
+        self._ordered_velocities = ordered
 
     def guarded_device_tensors(self) -> list[Tensor]:
-        velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
+        velocities = getattr(self, "_ordered_velocities", None) or [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
         params = [p for p in self.model.parameters() if p.requires_grad]
         # the explosion watch (self._dev_flat) is not guarded: an update cannot overflow it, and its
         # "no previous gap" marker is a NaN on purpose
@@ -823,9 +831,7 @@ class TweenTrainer(Trainer):
                 reducing.append(self.dist.all_reduce_(list(param_grads[i]), "sum", async_op=True))
         targets = [None] + [acts[i] - cfg.gradient_scale * chain[i] for i in range(1, n)] + [t_out]
         if self.dist is None:
-            metrics = torch.stack(
-                [TweenState._layer_metrics(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)]
-            )
+            metrics = self._fused_metrics(acts, y_hat, targets)
         else:  # data-parallel (equal shards): sums over every rank's rows, in the step
             from .distributed import tween_metrics, tween_sums
 
@@ -863,8 +869,13 @@ class TweenTrainer(Trainer):
         if clip_norm > 0:
             rates = rates * runner.grad_scale.double()
         keep = (~exploded).double() * cfg.momentum_decay  # an explosion resets every velocity
+        flat = getattr(self, "_flat", None)
         with runner.guard_update(slot):
+            if flat is not None and flat.fits(param_grads):  # every layer in one launch
+                flat.update_(param_grads, a=keep.expand(n), c=-rates / batch, apply=ok.expand(n))
             for i, layer in enumerate(layers):
+                if flat is not None and flat.fits(param_grads):
+                    break
                 if st.depth_scales[i] is None:
                     continue
                 c = (rates[i] / batch).to(out.dtype)
@@ -878,6 +889,28 @@ class TweenTrainer(Trainer):
                     p.add_(torch.where(ok, v, 0.0))
         runner.log(slot, [avg_gap, budgets.mean(), exploded.double(), d["adaptive_rate"], d["gap_baseline"], d["explosion_count"]])
         self._last_metrics = metrics
+
+    def _fused_metrics(self, acts: list[Tensor], y_hat: Tensor, targets: list[Any]) -> Tensor:
+        """``[n, 3]`` = per layer ``[gap, link_budget, alignment]`` as ``TweenState._layer_metrics``
+        defines them, from one fused pass per layer (``kernels.layer_update.pair_stats``: the sums
+        Σf·t, Σf², Σt², Σ(f − t)² and Σa_out²) and a handful of vectorised ops for all layers."""
+        from ..kernels.layer_update import pair_stats
+
+        n = len(acts) - 1
+        f_list = [acts[i + 1] if i + 1 < n else y_hat for i in range(n)]
+        stats = torch.stack([pair_stats(f_list[i], targets[i + 1], acts[i + 1]) for i in range(n)]).double()
+        dot, ff, tt, dd, out_sq = stats.unbind(1)
+        in_sq = torch.cat([acts[0].double().square().sum().reshape(1), out_sq[:-1]])  # a_0 may be integer token ids
+        numel_f = [max(f.numel(), 1) for f in f_list]
+        numel_in = [max(acts[i].numel(), 1) for i in range(n)]
+        gap = torch.stack([dd[i] / numel_f[i] for i in range(n)])
+        rms_in = torch.stack([(in_sq[i] / numel_in[i]).sqrt() for i in range(n)])
+        rms_out = torch.stack([(out_sq[i] / numel_f[i]).sqrt() for i in range(n)])
+        budget = torch.where(rms_in > 0, rms_out / torch.where(rms_in > 0, rms_in, 1.0), 0.0)
+        nf, nt = ff.sqrt(), tt.sqrt()
+        both = (nf > 0) & (nt > 0)
+        align = torch.where(both, (dot / torch.where(both, nf * nt, 1.0) + 1) / 2, 0.5)
+        return torch.stack([gap, budget, align], dim=1)
 
     def device_epoch_end(self, runner: Any, losses: list[float], statuses: list[int], logs: list[list[float]] | None) -> None:
         """Once per epoch (after the runner's one host read): the device state back into the
