@@ -346,7 +346,7 @@ class _FlatLayout:
                 layer_of.append(i)
         if len(params) < 2 or len(params) > _MAX_SEGMENTS or len(velocities) != len(params):
             return None
-        if any(v.shape != p.shape or v.dtype != p.dtype for v, p in zip(velocities, params)):
+        if any(v.shape != p.shape or v.dtype != p.dtype or v.device != p.device for v, p in zip(velocities, params)):
             return None
         if coalesce(params) is None or coalesce(velocities) is None:
             return None

@@ -658,11 +658,12 @@ class TweenTrainer(Trainer):
         return _tween_auto_loss
 
     def setup(self) -> None:
-        """The engine moves the model to the training device; the velocities follow it."""
-        super().setup()
+        """The engine moves the model to the training device; the velocities go first (the device
+        runner, built by the engine's setup, lays them out in flat buffers there)."""
         st = self.state
         st.weight_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.weight_velocity]
         st.bias_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.bias_velocity]
+        super().setup()
 
     def guarded_tensors(self) -> list[Tensor]:
         velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
