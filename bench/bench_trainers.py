@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and steps")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the pipeline only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--whole-run-only", action="store_true", help="only the whole-run table")
     args = ap.parse_args(argv)
     if args.dry_run:
         dev = torch.device("cpu")
@@ -170,11 +171,12 @@ def main(argv=None) -> int:
         n_samples, max_steps = 60000, (64 if args.quick else 128)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"# bench_trainers.py on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    print("\n## Per step (µs), 784-256-256-10, steady state\n")
-    print("| batch | method | graphed | eager device | host loop | graphed / backprop graphed |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps):
-        print(f"| {batch} | {method} | {g:.1f} | {e:.1f} | {h:.1f} | {r:.2f}× |", flush=True)
+    if not args.whole_run_only:
+        print("\n## Per step (µs), 784-256-256-10, steady state\n")
+        print("| batch | method | graphed | eager device | host loop | graphed / backprop graphed |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps):
+            print(f"| {batch} | {method} | {g:.1f} | {e:.1f} | {h:.1f} | {r:.2f}× |", flush=True)
     print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
     print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
     print("|---:|---|---:|---:|---:|---:|")

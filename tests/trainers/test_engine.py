@@ -491,3 +491,25 @@ def test_epoch_interval_schedules_and_reduce_on_plateau():
     assert tw.rates.lr == pytest.approx(0.05 * 0.5**2)  # only the first epoch counts as an improvement (by 90 %)
     with pytest.raises(ValueError, match="learning_rate=0.5 is given with an optimizer instance"):
         TrainingConfig(optimizer=torch.optim.SGD(_net().parameters(), lr=0.1), learning_rate=0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("cuda_graph", [None, False])
+def test_cuda_overflowing_updates_are_undone_on_the_device(name, cuda_graph):
+    """The device path decides the weight check inside the (captured) step: no ±Inf/NaN weights."""
+    data = [(x.float() * 1e3, y) for x, y in _data()]
+    net = _net(torch.float32, acts=("linear", "linear"))
+    before = copy.deepcopy(net)
+    method = copy.deepcopy(METHODS[name])
+    kw = dict(learning_rate=1e37) if name == "backprop" else {}
+    if isinstance(method, TweenConfig):
+        method.base_rate = 1e37
+    elif isinstance(method, TargetPropConfig):
+        method.learning_rate = 1e37
+    cfg = TrainingConfig(method=method, epochs=2, verbose=0, use_gpu=True, cuda_graph=cuda_graph,
+                         loss_type="cross_entropy" if name == "backprop" else "mse", **kw)
+    with pytest.warns(DivergenceWarning):
+        result = train(net, data, cfg)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert result.skipped_batches == 10 and _same(net.cpu(), before)

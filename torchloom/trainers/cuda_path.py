@@ -260,12 +260,18 @@ class CudaRunner:
                 epoch_begin = getattr(t, "device_epoch_begin", None)
                 # two masked warm-ups: the first creates lazily made state (a first-step kernel
                 # variant), the layout then takes it in, the second compiles the variants of later steps
-                for _ in range(2):
+                # ... and one more for every other batch shape (a ragged last batch): its kernel
+                # variants must be compiled before the capture too
+                shapes = {}
+                for k, (x, y) in enumerate(items):
+                    shapes.setdefault((tuple(x.shape), tuple(y.shape)), k)
+                warmups = [0, 0, *[k for k in shapes.values() if k != 0]]
+                for k in warmups:
                     self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
                     previous_mode = torch.cuda.get_sync_debug_mode()
                     torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
                     try:
-                        t.device_step(*items[0], 0, self)
+                        t.device_step(*items[k], k, self)
                     finally:
                         torch.cuda.set_sync_debug_mode(previous_mode)
                         self.dead.zero_()
