@@ -146,8 +146,6 @@ class BackpropTrainer(Trainer):
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
         state["optimizer"] = self.optimizer.state_dict()
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -155,8 +153,6 @@ class BackpropTrainer(Trainer):
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
 
     # ------------------------------------------------------------ device path
     def device_ready(self) -> bool:

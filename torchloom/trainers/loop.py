@@ -502,11 +502,17 @@ class Trainer:
 
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (model, and the trainer's optimizer / method state), as tensors
-        and plain values; ``load_training_state`` puts it back. The base keeps the model."""
-        return {"model": self.model.state_dict()}
+        and plain values; ``load_training_state`` puts it back. The base keeps the model and the
+        schedule."""
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def fit(self, batches: Any, epochs: int, *, track_perf: bool = False) -> TrainingResult:
         """Run the epochs over ``batches`` and return a ``TrainingResult``.

@@ -650,8 +650,6 @@ class TargetPropTrainer(Trainer):
             "steps": st.steps,
             "lr": float(self.rates.lr),
         }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -660,8 +658,6 @@ class TargetPropTrainer(Trainer):
         st.velocities = [None if vs is None else tuple(v.clone() for v in vs) for vs in saved["velocities"]]
         st.link_budgets, st.gaps, st.steps = list(saved["link_budgets"]), list(saved["gaps"]), int(saved["steps"])
         self.rates.param_groups[0]["lr"] = saved["lr"]
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
 
     def eval_loss_type(self) -> Any:
         """``val_loss`` is the training loss's MSE ``mean((y − t)²)``, labels one-hot encoded."""

@@ -678,8 +678,6 @@ class TweenTrainer(Trainer):
             "scalars": {k: getattr(st, k) for k in _TWEEN_SCALARS if hasattr(st, k)},
             "lr": float(self.rates.lr),
         }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -690,8 +688,6 @@ class TweenTrainer(Trainer):
         for k, v in saved["scalars"].items():
             setattr(st, k, v)
         self.rates.param_groups[0]["lr"] = saved["lr"]
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device/dtype and validate it (labels range, target shape)."""
