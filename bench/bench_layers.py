@@ -1,32 +1,32 @@
-"""Layer kernels (RMSNorm, SwiGLU gate, softmax; forward and backward) against eager PyTorch,
-``torch.compile`` and the memory-bandwidth floor, then whole layers (forward + backward through
-autograd) on the kernels, on the references and in plain PyTorch. One process, one table, under two
-minutes on an H100.
+"""Every torchloom layer's forward + backward against the PyTorch module doing the same math (and
+``torch.compile`` of that module): time and peak memory, float32 and bfloat16, one table.
 
-Kernel rows, per op and dtype:
+Layer rows (one step = gradients set to None, forward, backward of a fixed upstream gradient):
 
-* ``kernel``: torchloom's fused Triton kernel (``torchloom.kernels.<op>``);
-* ``eager``: the same math as eager PyTorch (the op's ``*_ref`` function, which the layers run on CPU);
-* ``compile``: ``torch.compile`` of that reference;
-* ``native``: PyTorch's own op where one exists (``F.rms_norm`` / its autograd backward, ``F.silu(g)*u``
-  / its autograd backward, ``torch.softmax`` / ``aten._softmax_backward_data``);
-* ``floor``: bytes the op must move / the device's measured copy bandwidth.
+* Dense 1024→4096 on 8×1024 tokens vs ``nn.Linear``;
+* Conv2D 32→64 3×3 (padding 1) on 64×32×32×32 vs ``nn.Conv2d``;
+* LSTM and RNN 256→256, batch 64, 64 steps vs ``nn.LSTM`` / ``nn.RNN`` (cuDNN; ``bias_hh`` unused);
+* MultiHeadAttention d 1024, 16 heads, causal, RoPE, at S = 2,048 (batch 4) and S = 8,192 (batch 1)
+  vs the same projections + RoPE + ``F.scaled_dot_product_attention`` (PyTorch's flash kernel);
+* SwiGLU 1024→2816 on 8×1024 tokens vs three ``nn.Linear`` + ``F.silu``;
+* RMSNorm / LayerNorm 1024 on 8×1024 tokens vs ``F.rms_norm`` / ``F.layer_norm``.
 
-Layer rows: the torchloom layer on the kernels, the same layer with every launcher switched to
-its reference (``eager``), and the plain-PyTorch equivalent (``nn.RMSNorm``, three ``nn.Linear`` +
-``F.silu``, SDPA attention, ``torch.softmax``). The kernels pay where ``eager / torchloom`` is clearly
-above 1 (in the kernel rows and, diluted by the matrix products, in the layer rows).
+Time: median of 5 runs (each about ``--target``/5 seconds of steps). Peak memory: the largest
+``torch.cuda.max_memory_allocated`` during one step above what was allocated before it (inputs and
+parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤ 1.0× PyTorch's time
+(LSTM/RNN ≤ 1.5× cuDNN) and ≤ 1.1× its peak memory.
 
-Run: ``PYTHONPATH=. python bench/bench_layers.py`` on a CUDA machine;
-``PYTHONPATH=. python bench/bench_layers.py --smoke`` checks the script on the CPU with tiny shapes
-(kernels through Triton's interpreter; the timings then mean nothing).
+``--kernels`` adds the older kernel-level rows (RMSNorm, SwiGLU gate, softmax kernels vs eager,
+``torch.compile`` and the bandwidth floor).
+
+Run: ``PYTHONPATH=. python bench/bench_layers.py`` on a CUDA machine (``--no-compile`` skips the
+``torch.compile`` column); ``PYTHONPATH=. python bench/bench_layers.py --smoke`` checks the script on
+the CPU with tiny shapes (kernels through Triton's interpreter; the numbers then mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import math
 import os
 import statistics
@@ -44,8 +44,11 @@ from torchloom.kernels import rmsnorm as KR  # noqa: E402
 from torchloom.kernels import softmax as KS  # noqa: E402
 from torchloom.kernels import swiglu as KG  # noqa: E402
 from torchloom.layers.attention import MultiHeadAttention  # noqa: E402
-from torchloom.layers.norm import RMSNorm  # noqa: E402
-from torchloom.layers.softmax import Softmax  # noqa: E402
+from torchloom.layers.conv import Conv2D  # noqa: E402
+from torchloom.layers.dense import Dense  # noqa: E402
+from torchloom.layers.lstm import LSTM  # noqa: E402
+from torchloom.layers.norm import LayerNorm, RMSNorm  # noqa: E402
+from torchloom.layers.rnn import RNN  # noqa: E402
 from torchloom.layers.swiglu import SwiGLU  # noqa: E402
 
 T = 0.7  # softmax temperature: exercises the fused 1/T scaling
@@ -160,68 +163,107 @@ def kernel_cases(dev: torch.device, dtype: torch.dtype, smoke: bool):
 
 
 # ------------------------------------------------------------------------------------------ layers
-_LAUNCHERS = ((KR, "rmsnorm"), (KR, "rmsnorm_backward"), (KG, "swiglu"), (KG, "swiglu_backward"), (KS, "softmax"), (KS, "softmax_backward"))
+class Case:
+    """One layer row: torchloom's module and PyTorch's, each as ``forward(x)`` on the same input
+    shape, with the parameters whose gradients are reset before every step."""
+
+    def __init__(self, name, shape, x, gy, ours, ours_params, theirs, theirs_params, time_target):
+        self.name, self.shape, self.x, self.gy = name, shape, x, gy
+        self.ours, self.ours_params = ours, list(ours_params)
+        self.theirs, self.theirs_params = theirs, list(theirs_params)
+        self.time_target = time_target
 
 
-@contextlib.contextmanager
-def reference_launchers():
-    """Within the block the layers run the PyTorch references instead of the kernels: the launchers
-    they call are swapped for ``backend="reference"`` versions (benchmark only)."""
-    originals = [(mod, name, getattr(mod, name)) for mod, name in _LAUNCHERS]
-    for mod, name, fn in originals:
-        setattr(mod, name, functools.partial(fn, backend="reference"))
-    try:
-        yield
-    finally:
-        for mod, name, fn in originals:
-            setattr(mod, name, fn)
+def _step(fn, x, gy, params):
+    def run():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        fn(x).backward(gy)
+
+    return run
 
 
 def layer_cases(dev: torch.device, dtype: torch.dtype, smoke: bool):
-    """``(layer, shape, torchloom step, PyTorch step)``: one forward + backward through autograd of
-    torchloom's layer and of the plain-PyTorch equivalent (same sizes, own weights: only speed is
-    compared)."""
-    b, s, d = (2, 5, 16) if smoke else (8, 1024, 4096)
-    x = torch.randn(b, s, d, device=dev, dtype=dtype, requires_grad=True)
-    gy = torch.randn(b, s, d, device=dev, dtype=dtype)
-    ours = RMSNorm(d, device=dev, dtype=dtype)
-    theirs = torch.nn.RMSNorm(d, eps=EPS, device=dev, dtype=dtype)
-    yield "RMSNorm layer", (b, s, d), lambda: ours(x).backward(gy), lambda: theirs(x).backward(gy)
+    f = dict(device=dev, dtype=dtype)
 
-    h, m = (16, 24) if smoke else (2048, 5632)
-    xs = torch.randn(b, s, h, device=dev, dtype=dtype, requires_grad=True)
-    gs = torch.randn(b, s, h, device=dev, dtype=dtype)
-    swiglu = SwiGLU(h, m, device=dev, dtype=dtype)
-    lin = [torch.nn.Linear(i, o, device=dev, dtype=dtype) for i, o in ((h, m), (h, m), (m, h))]
-    yield "SwiGLU layer", (b, s, h, m), lambda: swiglu(xs).backward(gs), lambda: lin[2](F.silu(lin[0](xs)) * lin[1](xs)).backward(gs)
+    def inp(*shape):
+        return torch.randn(*shape, **f).requires_grad_(), torch.randn(*shape, **f)
 
-    bq, sq, dq, heads, kv = (2, 7, 16, 4, 2) if smoke else (8, 512, 1024, 16, 4)
-    xq = torch.randn(bq, sq, dq, device=dev, dtype=dtype, requires_grad=True)
-    gq = torch.randn(bq, sq, dq, device=dev, dtype=dtype)
-    mha = MultiHeadAttention(dq, heads, kv, device=dev, dtype=dtype)
-    hd, half = dq // heads, dq // heads // 2
-    proj = [torch.nn.Linear(dq, o, device=dev, dtype=dtype) for o in (dq, kv * hd, kv * hd, dq)]
-    angle = torch.arange(sq, device=dev)[:, None] * (10000.0 ** (-torch.arange(half, device=dev) * 2 / hd))[None]
-    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    # Dense 1024→4096 on 8×1024 tokens
+    n, i, o = (6, 8, 12) if smoke else (8192, 1024, 4096)
+    x, _ = inp(n, i)
+    gy = torch.randn(n, o, **f)
+    dense, lin = Dense(i, o, **f), torch.nn.Linear(i, o, **f)
+    yield Case("Dense (nn.Linear)", (n, i, o), x, gy, dense, dense.parameters(), lin, lin.parameters(), 1.0)
 
-    def rope(t):
-        t1, t2 = t[..., :half], t[..., half:]
-        return torch.cat((t1 * cos - t2 * sin, t1 * sin + t2 * cos), dim=-1)
+    b, c, hw, fo = (2, 3, 6, 4) if smoke else (64, 32, 32, 64)
+    x, gy = inp(b, c, hw, hw)
+    gy = torch.randn(b, fo, hw, hw, **f)
+    conv, tconv = Conv2D(c, fo, 3, padding=1, **f), torch.nn.Conv2d(c, fo, 3, padding=1, **f)
+    yield Case("Conv2D 3×3 (nn.Conv2d)", (b, c, hw, hw, fo), x, gy, conv, conv.parameters(), tconv, tconv.parameters(), 1.0)
 
-    def sdpa_attention():  # the same attention with PyTorch's fused (flash) SDPA
-        q = rope(proj[0](xq).view(bq, sq, heads, hd).transpose(1, 2))
-        k = rope(proj[1](xq).view(bq, sq, kv, hd).transpose(1, 2))
-        v = proj[2](xq).view(bq, sq, kv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        proj[3](o.transpose(1, 2).reshape(bq, sq, dq)).backward(gq)
+    b, t, i, h = (3, 4, 5, 7) if smoke else (64, 64, 256, 256)
+    for ours_cls, theirs_cls in ((LSTM, torch.nn.LSTM), (RNN, torch.nn.RNN)):
+        x, _ = inp(b, t, i)
+        gy = torch.randn(b, t, h, **f)
+        ours = ours_cls(i, h, **f)
+        theirs = theirs_cls(i, h, batch_first=True, **f)
+        yield Case(f"{ours_cls.__name__} (cuDNN nn.{theirs_cls.__name__})", (b, t, i, h), x, gy, ours, ours.parameters(),
+                   lambda x, m=theirs: m(x)[0], theirs.parameters(), 1.5)
 
-    yield "MultiHeadAttention layer (PyTorch: SDPA)", (bq, sq, dq, heads, kv), lambda: mha(xq).backward(gq), sdpa_attention
+    d, heads = (32, 2) if smoke else (1024, 16)
+    hd, half = d // heads, d // heads // 2
+    for bq, sq in (((2, 7), (1, 19)) if smoke else ((4, 2048), (1, 8192))):
+        x, gy = inp(bq, sq, d)
+        mha = MultiHeadAttention(d, heads, **f)
+        proj = torch.nn.ModuleList(torch.nn.Linear(d, d, **f) for _ in range(4))
+        angle = torch.arange(sq, device=dev)[:, None] * (10000.0 ** (-torch.arange(half, device=dev) * 2 / hd))[None]
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
 
-    rows, c = (4, 37) if smoke else (65536, 1024)
-    xsm = torch.randn(rows, c, device=dev, dtype=dtype, requires_grad=True)
-    gsm = torch.randn(rows, c, device=dev, dtype=dtype)
-    sm = Softmax(temperature=T)
-    yield "Softmax layer", (rows, c), lambda: sm(xsm).backward(gsm), lambda: torch.softmax(xsm / T, dim=-1).backward(gsm)
+        def sdpa_attention(x, proj=proj, cos=cos, sin=sin, bq=bq, sq=sq):
+            def rope(t):
+                t1, t2 = t[..., :half], t[..., half:]
+                return torch.cat((t1 * cos - t2 * sin, t1 * sin + t2 * cos), dim=-1)
+
+            q = rope(proj[0](x).view(bq, sq, heads, hd).transpose(1, 2))
+            k = rope(proj[1](x).view(bq, sq, heads, hd).transpose(1, 2))
+            v = proj[2](x).view(bq, sq, heads, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return proj[3](o.transpose(1, 2).reshape(bq, sq, d))
+
+        yield Case(f"MultiHeadAttention S={sq} (SDPA)", (bq, sq, d, heads), x, gy, mha, mha.parameters(),
+                   sdpa_attention, proj.parameters(), 1.0)
+
+    n, h, m = (6, 16, 24) if smoke else (8192, 1024, 2816)
+    x, gy = inp(n, h)
+    swiglu = SwiGLU(h, m, **f)
+    lins = torch.nn.ModuleList(torch.nn.Linear(a, z, **f) for a, z in ((h, m), (h, m), (m, h)))
+    yield Case("SwiGLU (3 nn.Linear + F.silu)", (n, h, m), x, gy, swiglu, swiglu.parameters(),
+               lambda x, l=lins: l[2](F.silu(l[0](x)) * l[1](x)), lins.parameters(), 1.0)
+
+    n, h = (6, 16) if smoke else (8192, 1024)
+    x, gy = inp(n, h)
+    rms = RMSNorm(h, eps=EPS, **f)
+    w = torch.ones(h, **f).requires_grad_()
+    yield Case("RMSNorm (F.rms_norm)", (n, h), x, gy, rms, rms.parameters(), lambda x, w=w: F.rms_norm(x, (h,), w, EPS), [w], 1.0)
+    x, gy = inp(n, h)
+    ln = LayerNorm(h, **f)
+    w, bb = torch.ones(h, **f).requires_grad_(), torch.zeros(h, **f).requires_grad_()
+    yield Case("LayerNorm (F.layer_norm)", (n, h), x, gy, ln, ln.parameters(), lambda x, w=w, bb=bb: F.layer_norm(x, (h,), w, bb, 1e-5), [w, bb], 1.0)
+
+
+def peak_memory(fn: Callable[[], object], dev: torch.device) -> float:
+    """Bytes allocated at the peak of one call above what was allocated before it (nan on CPU)."""
+    if dev.type != "cuda":
+        return float("nan")
+    fn()  # grads and caches exist, as in the timed runs
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return float(torch.cuda.max_memory_allocated(dev) - base)
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -229,8 +271,16 @@ def _us(s: float) -> str:
     return "—" if math.isnan(s) else f"{s * 1e6:.1f}"
 
 
+def _ms(s: float) -> str:
+    return "—" if math.isnan(s) else f"{s * 1e3:.3f}"
+
+
+def _mb(b: float) -> str:
+    return "—" if math.isnan(b) else f"{b / 2**20:.0f}"
+
+
 def _ratio(a: float, b: float) -> str:
-    return "—" if math.isnan(a) or math.isnan(b) else f"{a / b:.2f}×"
+    return "—" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}×"
 
 
 def _measure(label: str, fn: Callable | None, dev: torch.device, target: float) -> float:
@@ -239,64 +289,143 @@ def _measure(label: str, fn: Callable | None, dev: torch.device, target: float) 
     try:
         return time_fn(fn, dev, target)
     except Exception as e:  # report, don't hide: e.g. torch.compile failing on this platform
-        print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"{label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return float("nan")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--target", type=float, default=0.05, help="seconds of timed calls per measurement")
-    args = ap.parse_args()
-    start = time.perf_counter()
-    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if dev.type != "cuda" and not args.smoke:
-        raise SystemExit("bench_layers needs a CUDA GPU (or --smoke to check the script on the CPU)")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: timings mean nothing)"
-    bw = copy_bandwidth(dev)
-    print(f"device: {name}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+def _memory(label: str, fn: Callable | None, dev: torch.device) -> float:
+    if fn is None:
+        return float("nan")
+    try:
+        return peak_memory(fn, dev)
+    except Exception as e:
+        print(f"{label} memory failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
 
-    rows = []  # (case, dtype, shape, {torchloom, eager, compile, pytorch}, floor seconds or nan)
-    for dtype_name in args.dtypes.split(","):
+
+def kernel_table(dev, dtypes, smoke, target, bw) -> list[str]:
+    rows = []
+    for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        for op, shape, nbytes, impls in kernel_cases(dev, dtype, args.smoke):
+        for op, shape, nbytes, impls in kernel_cases(dev, dtype, smoke):
             r = {
-                "torchloom": _measure(f"{op} {dtype_name} kernel", impls["kernel"], dev, args.target),
-                "eager": _measure(f"{op} {dtype_name} eager", impls["eager"], dev, args.target),
-                "compile": _measure(f"{op} {dtype_name} compile", impls["compile"], dev, args.target),
-                "pytorch": _measure(f"{op} {dtype_name} native", impls["native"], dev, args.target),
+                "torchloom": _measure(f"{op} {dtype_name} kernel", impls["kernel"], dev, target),
+                "eager": _measure(f"{op} {dtype_name} eager", impls["eager"], dev, target),
+                "compile": _measure(f"{op} {dtype_name} compile", impls["compile"], dev, target),
+                "pytorch": _measure(f"{op} {dtype_name} native", impls["native"], dev, target),
             }
             rows.append((op, dtype_name, shape, r, nbytes / bw))
             print(f"{op} {dtype_name} {list(shape)}: " + ", ".join(f"{k} {_us(v)} µs" for k, v in r.items()), flush=True)
-        for layer, shape, ours, theirs in layer_cases(dev, dtype, args.smoke):
-            r = {"torchloom": _measure(f"{layer} {dtype_name}", ours, dev, args.target)}
-            with reference_launchers():
-                r["eager"] = _measure(f"{layer} {dtype_name} on references", ours, dev, args.target)
-            r["compile"] = float("nan")
-            r["pytorch"] = _measure(f"{layer} {dtype_name} PyTorch", theirs, dev, args.target)
-            rows.append((layer, dtype_name, shape, r, float("nan")))
-            print(f"{layer} {dtype_name} {list(shape)}: " + ", ".join(f"{k} {_us(v)} µs" for k, v in r.items()), flush=True)
-
     lines = [
         "",
         "Kernel rows: torchloom = the fused kernel; eager = its PyTorch reference (*_ref); compile = torch.compile(reference);",
-        "PyTorch = PyTorch's own op. Layer rows (forward + backward): torchloom = the layer on the kernels; eager = the",
-        "same layer on the references; PyTorch = the plain-PyTorch equivalent. floor = bytes moved / copy bandwidth.",
+        "PyTorch = PyTorch's own op. floor = bytes moved / copy bandwidth.",
         "",
-        "| case | dtype | shape | torchloom µs | eager µs | compile µs | PyTorch µs | floor µs | floor / torchloom | eager / torchloom | compile / torchloom | PyTorch / torchloom |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| kernel | dtype | shape | torchloom µs | eager µs | compile µs | PyTorch µs | floor µs | floor / torchloom | PyTorch / torchloom |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case, dt, shape, r, floor in rows:
         t = r["torchloom"]
         lines.append(
             f"| {case} | {dt} | {'×'.join(map(str, shape))} | {_us(t)} | {_us(r['eager'])} | {_us(r['compile'])} | "
-            f"{_us(r['pytorch'])} | {_us(floor)} | {'—' if math.isnan(floor) else f'{100 * floor / t:.0f}%'} | "
-            f"{_ratio(r['eager'], t)} | {_ratio(r['compile'], t)} | {_ratio(r['pytorch'], t)} |"
+            f"{_us(r['pytorch'])} | {_us(floor)} | {'—' if math.isnan(floor) else f'{100 * floor / t:.0f}%'} | {_ratio(r['pytorch'], t)} |"
         )
-    print("\n".join(lines))
+    return lines
+
+
+def _row(case: Case, dt: str, r: dict) -> str:
+    t, p = r["torchloom"], r["pytorch"]
+    mt, mp = r["mem_torchloom"], r["mem_pytorch"]
+    time_ok = not math.isnan(t) and not math.isnan(p) and t <= case.time_target * p
+    mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
+    met = ("time ✓" if time_ok else f"time ✗ (>{case.time_target}×)") + ", " + mem
+    return (
+        f"| {case.name} | {dt} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_ms(r['compile'])} | "
+        f"{_ratio(t, p)} | {_mb(mt)} | {_mb(mp)} | {_mb(r['mem_compile'])} | {_ratio(mt, mp)} | {met} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--target", type=float, default=0.1, help="seconds of timed calls per measurement")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--compile-only", action="store_true", help="measure only the torch.compile column")
+    ap.add_argument("--kernels", action="store_true", help="add the kernel-level rows")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the layer rows whose name contains one")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if dev.type != "cuda" and not args.smoke:
+        raise SystemExit("bench_layers needs a CUDA GPU (or --smoke to check the script on the CPU)")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: timings mean nothing)"
+    print(f"device: {name}, torch {torch.__version__}", flush=True)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for d in dtypes:
+        if d not in ("float32", "bfloat16", "float16"):
+            raise SystemExit(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
+    only = [o for o in args.only.split(",") if o]
+
+    header = [
+        "",
+        "Forward + backward per step. ratio = torchloom / PyTorch (time and peak memory above the inputs and",
+        "parameters). Targets: time ≤ 1.0× PyTorch (LSTM/RNN ≤ 1.5× cuDNN), peak memory ≤ 1.1×.",
+        "",
+        "| layer (PyTorch side) | dtype | shape | torchloom ms | PyTorch ms | compile ms | time ratio | torchloom MB | PyTorch MB | compile MB | memory ratio | targets met |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    # Layer-major order (each layer in every dtype before the next layer); every row is printed as soon
+    # as it is measured, so a run cut short still leaves complete rows.
+    order = ("MultiHeadAttention", "LSTM", "RNN", "Dense", "Conv2D", "SwiGLU", "RMSNorm", "LayerNorm")
+    cases = {
+        dt: sorted(layer_cases(dev, getattr(torch, dt), args.smoke), key=lambda c: [c.name.startswith(o) for o in order].index(True))
+        for dt in dtypes
+    }
+    lines = []
+    for idx in range(len(cases[dtypes[0]])):
+        for dtype_name in dtypes:
+            case = cases[dtype_name][idx]
+            if only and not any(o in case.name for o in only):
+                continue
+            label = f"{case.name} {dtype_name}"
+            ours = _step(case.ours, case.x, case.gy, case.ours_params)
+            theirs = _step(case.theirs, case.x, case.gy, case.theirs_params)
+            compiled = None
+            if not args.no_compile and not args.smoke:
+                cf = _compiled(case.theirs, label)
+                compiled = None if cf is None else _step(cf, case.x, case.gy, case.theirs_params)
+            if args.compile_only:
+                ours = theirs = None
+            r = {
+                "torchloom": _measure(label, ours, dev, args.target),
+                "pytorch": _measure(f"{label} PyTorch", theirs, dev, args.target),
+                "mem_torchloom": _memory(label, ours, dev),
+                "mem_pytorch": _memory(f"{label} PyTorch", theirs, dev),
+                "compile": _measure(f"{label} compile", compiled, dev, args.target),
+                "mem_compile": _memory(f"{label} compile", compiled, dev),
+            }
+            if not lines:
+                print("\n".join(header), flush=True)
+            line = _row(case, dtype_name, r)
+            lines.append(line)
+            print(line, flush=True)
+            if case.name.startswith(("LSTM", "RNN")) and dev.type == "cuda":
+                from torchloom.kernels import recurrent
+
+                print(f"  ({case.name} {dtype_name}: CUDA-graphed loop buffers held between calls: "
+                      f"{recurrent.graph_cache_bytes() / 2**20:.0f} MB, not in the peak above)", flush=True)
+                recurrent.clear_graph_cache()
+            del ours, theirs, compiled
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    del cases
+    print("\nThe table again, in one piece:\n" + "\n".join(header + lines), flush=True)
+    if args.kernels:
+        print("\n".join(kernel_table(dev, dtypes, args.smoke, args.target, copy_bandwidth(dev))))
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,6 +3,9 @@ with an independent RoPE and GQA through ``repeat_interleave`` (SPEC §3, §13).
 
 from __future__ import annotations
 
+import contextlib
+
+import warnings
 
 import pytest
 import torch
@@ -46,9 +49,9 @@ def _rope_reference(t: torch.Tensor, theta: float) -> torch.Tensor:
     t_i + j·t_{i+D/2}, multiplied by e^{j·s/θ^(2i/D)} at position s (Loom's formula). ``t [B,H,S,D]``."""
     s, d = t.shape[-2], t.shape[-1]
     half = d // 2
-    pos = torch.arange(s, dtype=torch.float64)
-    freq = torch.tensor([1.0 / theta ** (2 * i / d) for i in range(half)], dtype=torch.float64)
-    rot = torch.polar(torch.ones(s, half, dtype=torch.float64), pos[:, None] * freq[None, :])
+    pos = torch.arange(s, dtype=torch.float64, device=t.device)
+    freq = torch.tensor([1.0 / theta ** (2 * i / d) for i in range(half)], dtype=torch.float64, device=t.device)
+    rot = torch.polar(torch.ones(s, half, dtype=torch.float64, device=t.device), pos[:, None] * freq[None, :])
     z = torch.complex(t[..., :half].double(), t[..., half:].double()) * rot
     return torch.cat((z.real, z.imag), dim=-1).to(t.dtype)
 
@@ -283,3 +286,201 @@ def test_cuda_matches_reference_and_trains():
         assert_close(p.grad, r, name=f"grad {n}", rtol=1e-4, atol=1e-3)
     first, last = _train_attention_net("cuda")
     assert last < 0.3 * first, (first, last)
+
+
+# ------------------------------------------------------------------------ flash path (Triton kernel)
+def _needs_interpreter_or_cuda():
+    from torchloom.kernels._triton import interpreter_enabled, triton_available
+
+    if not triton_available() or not (torch.cuda.is_available() or interpreter_enabled()):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+
+
+# odd lengths (1, 17, 65 with the interpreter's 16-wide blocks), head sizes 16 and 32, GQA and MQA
+FLASH_CASES = [
+    (2, 1, 32, 2, 1, True, True, True),
+    (2, 17, 64, 4, 2, True, True, False),
+    (1, 65, 64, 2, 2, False, True, True),
+    (2, 17, 48, 3, 1, False, False, True),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=_ids)
+def test_flash_path_matches_reference(case):
+    """The flash path (fused q|k|v product, in-place RoPE, the Triton kernel; through the interpreter
+    on CPU) gives the SDPA reference's output and every gradient in float32, through the autograd
+    Function and through ``forward_saved``/``backward_saved``; nothing of size S×S is saved."""
+    _needs_interpreter_or_cuda()
+    b, s, d, h, kv, causal, rope, bias = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = _layer(case, torch.float32).to(dev)
+    names = [n for n, _ in layer.named_parameters()]
+    refs = [p.detach().double().cpu().requires_grad_() for p in layer.parameters()]
+    x = torch.randn(b, s, d, device=dev)
+    xr = x.double().cpu().requires_grad_()
+    y_ref, merged = _reference(xr, refs, h, kv, causal, rope)
+    g = torch.randn_like(y_ref)
+    ref_grads = torch.autograd.grad(y_ref, [xr, *refs], g)
+    xo = x.clone().requires_grad_()
+    params = list(layer.parameters()) + ([] if bias else [None] * 4)
+    y = multi_head_attention(xo, *params, num_heads=h, num_kv_heads=kv, causal=causal, rope=rope, backend="triton")
+    y.backward(g.float().to(dev))
+    tol = dict(rtol=1e-4, atol=1e-4)
+    assert_close(y, y_ref, name="output", **tol)
+    assert_close(xo.grad, ref_grads[0], name="grad input", **tol)
+    for p, r, n in zip(layer.parameters(), ref_grads[1:], names):
+        assert_close(p.grad, r, name=f"grad {n}", **tol)
+
+    import dataclasses
+
+    from torchloom.layers.attention import FlashAttentionSaved, attention_backward, attention_forward
+
+    spec = dataclasses.replace(layer.spec, backend="triton")
+    with torch.no_grad():
+        y2, saved = attention_forward(x, *layer._params(), spec)
+        gx, grads = attention_backward(g.float().to(dev), saved)
+    assert isinstance(saved, FlashAttentionSaved)
+    assert all(t.numel() < b * h * s * s or s == 1 for t in saved if isinstance(t, torch.Tensor) and t.dim() == 4)
+    assert tuple(saved.lse.shape) == (b, h, s)
+    assert_close(y2, y_ref, name="forward_saved output", **tol)
+    assert_close(saved.pre, merged, name="pre (merged heads)", **tol)
+    assert_close(gx, ref_grads[0], name="backward_saved grad input", **tol)
+    for got, r, n in zip(grads, ref_grads[1:], names):
+        assert_close(got, r, name=f"backward_saved grad {n}", **tol)
+
+
+# ----------------------------------------------------------------- mixed precision, dtypes, transforms
+def _low_precision_check(got, truth, low_ref, name):
+    """flash-attention's test rule: the error against the float64 truth is at most twice the error of
+    the plain-PyTorch reference computed at the same low precision, plus a small floor."""
+    err = (got.detach().double().cpu() - truth).abs().max().item()
+    ref_err = (low_ref.detach().double().cpu() - truth).abs().max().item()
+    floor = 1e-2 * truth.abs().max().item()
+    assert err <= 2 * ref_err + floor, f"{name}: error {err:.3e} vs the PyTorch reference's {ref_err:.3e}"
+
+
+def _truth_and_low(layer, x, g, h, kv, causal, rope, low):
+    """float64 truth and the same math in PyTorch run under ``low()`` (a context) with its inputs."""
+    refs = [p.detach().double().cpu().requires_grad_() for p in layer.parameters()]
+    xr = x.detach().double().cpu().requires_grad_()
+    y, _ = _reference(xr, refs, h, kv, causal, rope)
+    truth = (y, *torch.autograd.grad(y, [xr, *refs], g.double().cpu()))
+    lp = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    xl = x.detach().clone().requires_grad_()
+    with low():
+        yl, _ = _reference(xl, lp, h, kv, causal, rope)
+    low_res = (yl, *torch.autograd.grad(yl, [xl, *lp], g.to(yl.dtype)))
+    return truth, low_res
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["materialised", "flash"])
+def test_cpu_autocast_bfloat16_forward_and_backward(flash):
+    """Under torch.autocast("cpu", bfloat16): bfloat16 output, float32 gradients for the float32
+    parameters and input, within the bfloat16 tolerance of the float32 reference."""
+    if flash:
+        from torchloom.kernels._triton import interpreter_enabled, triton_available
+
+        if not (triton_available() and interpreter_enabled()):
+            pytest.skip("the flash path on CPU tensors needs Triton's interpreter")
+    case = (2, 17, 32, 2, 1, True, True, True)
+    b, s, d, h, kv, causal, rope, _ = case
+    layer = _layer(case, torch.float32)
+    x = torch.randn(b, s, d)
+    g = torch.randn(b, s, d)
+    xo = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = multi_head_attention(xo, *layer.parameters(), num_heads=h, num_kv_heads=kv, backend="triton" if flash else None)
+    assert y.dtype == torch.bfloat16
+    y.backward(g.to(torch.bfloat16))
+    assert xo.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in layer.parameters())
+    truth, low = _truth_and_low(layer, x, g, h, kv, causal, rope, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    for name, got, t, lo in zip(["output", "grad input", *[n for n, _ in layer.named_parameters()]], (y, xo.grad, *[p.grad for p in layer.parameters()]), truth, low):
+        _low_precision_check(got, t, lo, name)
+
+
+def test_bfloat16_parameters():
+    """A bfloat16 layer on bfloat16 input: bfloat16 output and gradients, within tolerance."""
+    case = (2, 9, 16, 2, 2, True, True, True)
+    b, s, d, h, kv, causal, rope, _ = case
+    layer = _layer(case, torch.float32).to(torch.bfloat16)
+    x = torch.randn(b, s, d).to(torch.bfloat16)
+    g = torch.randn(b, s, d).to(torch.bfloat16)
+    xo = x.clone().requires_grad_()
+    y = layer(xo)
+    y.backward(g)
+    assert y.dtype == xo.grad.dtype == layer.q_weight.grad.dtype == torch.bfloat16
+    truth, low = _truth_and_low(layer, x, g, h, kv, causal, rope, contextlib.nullcontext)
+    for name, got, t, lo in zip(["output", "grad input", *[n for n, _ in layer.named_parameters()]], (y, xo.grad, *[p.grad for p in layer.parameters()]), truth, low):
+        _low_precision_check(got, t, lo, name)
+
+
+def test_dtype_mismatch_is_a_clear_type_error():
+    layer = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"input has dtype torch.float64 but the layer's parameters are torch.float32"):
+        layer(x)
+    with pytest.raises(TypeError, match=r"input has dtype torch.float64"):
+        multi_head_attention(x, *layer.parameters(), num_heads=2)
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.ones(2, 3, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="backend must be"):
+        multi_head_attention(x.float(), *layer.parameters(), num_heads=2, backend="cuda")
+
+
+def test_double_backward_raises_instead_of_a_silent_zero():
+    layer = _layer((2, 4, 8, 2, 1, True, True, True))
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=False)
+    assert gx.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    params = [p.detach().clone().requires_grad_() for p in layer._params()]
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(MultiHeadAttentionFunction.apply, (x, *params, layer.spec))
+
+
+def test_functional_call_and_unsupported_transforms():
+    """torch.func.functional_call runs the layer on the given tensors (and differentiates to them);
+    vmap, which needs setup_context, fails loudly."""
+    layer = _layer((2, 5, 8, 2, 1, True, True, True))
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    new = {n: (p.detach() * 0.5).requires_grad_() for n, p in layer.named_parameters()}
+    y = torch.func.functional_call(layer, new, (x,))
+    y_ref, _ = _reference(x, [new[n] for n, _ in layer.named_parameters()], 2, 1, True, True)
+    assert_close(y, y_ref, name="functional_call output", rtol=1e-11, atol=1e-11)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, list(new.values()), g)
+    want = torch.autograd.grad(y_ref, list(new.values()), g)
+    for n, a, r in zip(new, got, want):
+        assert_close(a, r, name=f"functional_call grad {n}", rtol=1e-10, atol=1e-11)
+    assert layer.q_weight.grad is None
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(layer)(x[:, None])
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: layer(t).sum())(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(RuntimeError):
+            torch.jit.script(layer)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_autocast_flash_path(dtype):
+    """CUDA autocast (the flash kernel in half precision) against the float64 truth, within twice the
+    error of PyTorch's own SDPA attention under the same autocast."""
+    case = (2, 65, 128, 4, 2, True, True, True)
+    b, s, d, h, kv, causal, rope, _ = case
+    layer = _layer(case, torch.float32).cuda()
+    x = torch.randn(b, s, d, device="cuda")
+    g = torch.randn(b, s, d, device="cuda")
+    xo = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        y = layer(xo)
+    assert y.dtype == dtype
+    y.backward(g.to(dtype))
+    assert layer.q_weight.grad.dtype == torch.float32
+    truth, low = _truth_and_low(layer, x, g, h, kv, causal, rope, lambda: torch.autocast("cuda", dtype=dtype))
+    for name, got, t, lo in zip(["output", "grad input", *[n for n, _ in layer.named_parameters()]], (y, xo.grad, *[p.grad for p in layer.parameters()]), truth, low):
+        _low_precision_check(got, t, lo, name)

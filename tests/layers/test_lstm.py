@@ -208,3 +208,30 @@ def test_layout_init_and_repr():
     assert LSTM(5, 64, init="loom_uniform").weight_ih.abs().max() <= 0.1
     assert [n for n, _ in LSTM(2, 3, bias=False).named_parameters()] == ["weight_ih", "weight_hh"]
     assert repr(layer) == "LSTM(input_size=5, hidden_size=64, bias=True)"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["LSTM", "RNN"])
+def test_cuda_graphed_loops_keep_each_call_separate(name):
+    """On CUDA the time loops replay a cached CUDA graph over shared buffers: two forwards of the same
+    shape before either backward, then both backwards, give nn.LSTM/nn.RNN's gradients for each."""
+    from torchloom.kernels import recurrent
+    from torchloom.layers.rnn import RNN
+
+    cls, ref_cls = (LSTM, nn.LSTM) if name == "LSTM" else (RNN, nn.RNN)
+    layer = cls(6, 20, dtype=torch.float64).float().cuda()
+    ref = ref_cls(6, 20, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight_ih_l0.copy_(layer.weight_ih), ref.weight_hh_l0.copy_(layer.weight_hh)
+        ref.bias_ih_l0.copy_(layer.bias), ref.bias_hh_l0.zero_()
+    xs = [torch.randn(3, 7, 6) for _ in range(2)]
+    gs = [torch.randn(3, 7, 20) for _ in range(2)]
+    outs = [layer(x.cuda().requires_grad_()) for x in xs]
+    assert any(k[0] == name.lower() for k in recurrent._GRAPHS), "the graphed loop was not used"
+    for y, g in zip(outs, gs):
+        y.backward(g.cuda())
+    want = [torch.autograd.grad(ref(x.double())[0], list(ref.parameters())[:3], g.double()) for x, g in zip(xs, gs)]
+    for got, w, n in zip((layer.weight_ih.grad, layer.weight_hh.grad, layer.bias.grad), zip(*want), ("w_ih", "w_hh", "b")):
+        assert_close(got, w[0] + w[1], name=f"grad {n} (sum of both calls)", rtol=1e-4, atol=1e-4)
+    for y, x in zip(outs, xs):
+        assert_close(y, ref(x.double())[0], name="output", rtol=1e-4, atol=1e-5)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -207,3 +209,128 @@ def test_layout_init_and_repr():
     assert RNN(5, 64, init="loom_uniform").weight_hh.abs().max() <= 0.1
     assert [n for n, _ in RNN(2, 3, bias=False).named_parameters()] == ["weight_ih", "weight_hh"]
     assert repr(layer) == "RNN(input_size=5, hidden_size=64, bias=True)"
+
+
+# ------------------------------------------------------- mixed precision, double backward, transforms
+from torchloom.layers.lstm import LSTM  # noqa: E402
+
+_TORCH = {"RNN": nn.RNN, "LSTM": nn.LSTM}
+
+
+def _torch_twin(layer, dtype=None):
+    ref = _TORCH[type(layer).__name__](layer.input_size, layer.hidden_size, batch_first=True, dtype=dtype or layer.weight_ih.dtype)
+    with torch.no_grad():
+        ref.weight_ih_l0.copy_(layer.weight_ih)
+        ref.weight_hh_l0.copy_(layer.weight_hh)
+        ref.bias_ih_l0.copy_(layer.bias)
+        ref.bias_hh_l0.zero_()
+    return ref
+
+
+def _check_low(layer, x, g, y, gx, low_ctx):
+    """Output and gradients against the float64 truth: error at most twice that of PyTorch's module
+    run in ``low_ctx`` on the same input, plus a floor of 2 % of the largest value (bfloat16 keeps 8
+    bits)."""
+    truth_mod = _torch_twin(layer, torch.float64)
+    xr = x.detach().double().requires_grad_()
+    yt, _ = truth_mod(xr)
+    truth = (yt, *torch.autograd.grad(yt, [xr, truth_mod.weight_ih_l0, truth_mod.weight_hh_l0, truth_mod.bias_ih_l0], g.double()))
+    low_mod = _torch_twin(layer, torch.float32)
+    xl = x.detach().float().requires_grad_()
+    with low_ctx():
+        yl, _ = low_mod(xl)
+    low = (yl, *torch.autograd.grad(yl, [xl, low_mod.weight_ih_l0, low_mod.weight_hh_l0, low_mod.bias_ih_l0], g.to(yl.dtype)))
+    got = (y, gx, layer.weight_ih.grad, layer.weight_hh.grad, layer.bias.grad)
+    for name, a, t, lo in zip(("output", "grad input", "grad weight_ih", "grad weight_hh", "grad bias"), got, truth, low):
+        err = (a.detach().double() - t).abs().max().item()
+        lo_err = (lo.detach().double() - t).abs().max().item()
+        assert err <= 2 * lo_err + 0.02 * t.abs().max().item(), f"{name}: error {err:.3e} vs PyTorch's {lo_err:.3e}"
+
+
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_cpu_autocast_bfloat16(cls):
+    """Under torch.autocast("cpu", bfloat16) the layer computes in bfloat16 and returns float32
+    gradients for its float32 parameters and input (forward + backward, no dtype error)."""
+    layer = cls(5, 12)
+    x = torch.randn(3, 6, 5)
+    g = torch.randn(3, 6, 12)
+    xo = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(xo)
+        assert y.dtype == torch.bfloat16
+        y.backward(g.to(torch.bfloat16))  # backward inside autocast too
+    assert xo.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in layer.parameters())
+    _check_low(layer, x, g, y, xo.grad, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        y2, saved = layer.forward_saved(x)
+        _, grads = layer.backward_saved(g.to(torch.bfloat16), saved)
+    assert y2.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in grads)
+
+
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_bfloat16_parameters(cls):
+    layer = cls(4, 10).to(torch.bfloat16)
+    x = torch.randn(2, 5, 4).to(torch.bfloat16)
+    g = torch.randn(2, 5, 10).to(torch.bfloat16)
+    xo = x.clone().requires_grad_()
+    y = layer(xo)
+    y.backward(g)
+    assert y.dtype == xo.grad.dtype == layer.weight_hh.grad.dtype == torch.bfloat16
+    _check_low(layer, x, g, y, xo.grad, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_double_backward_raises(cls):
+    layer = cls(3, 4, dtype=torch.float64)
+    x = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(layer(x).square().sum(), x)
+    assert gx.abs().sum() > 0
+    with pytest.raises(RuntimeError, match=f"{cls.__name__}: double backward"):
+        torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(layer._function.apply, (x, *params))
+
+
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_functional_call_and_vmap(cls):
+    layer = cls(3, 4, dtype=torch.float64)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    new = {n: (p.detach() * 1.5).requires_grad_() for n, p in layer.named_parameters()}
+    y = torch.func.functional_call(layer, new, (x,))
+    twin = _TORCH[cls.__name__](3, 4, batch_first=True, dtype=torch.float64)
+    yt, _ = torch.func.functional_call(
+        twin, {"weight_ih_l0": new["weight_ih"], "weight_hh_l0": new["weight_hh"], "bias_ih_l0": new["bias"],
+               "bias_hh_l0": torch.zeros_like(new["bias"])}, (x,))
+    assert_close(y, yt, name="functional_call output", rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(y)
+    for n, a, r in zip(new, torch.autograd.grad(y, list(new.values()), g), torch.autograd.grad(yt, list(new.values()), g)):
+        assert_close(a, r, name=f"functional_call grad {n}", rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(layer)(x[:, None])
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: layer(t).sum())(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(RuntimeError):
+            torch.jit.script(layer)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_cuda_autocast(cls, dtype):
+    layer = cls(8, 40).cuda()
+    x = torch.randn(4, 9, 8, device="cuda")
+    g = torch.randn(4, 9, 40, device="cuda")
+    xo = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        y = layer(xo)
+    assert y.dtype == dtype
+    y.backward(g.to(dtype))
+    assert layer.weight_hh.grad.dtype == torch.float32
+    cpu = cls(8, 40)
+    cpu.load_state_dict({k: v.cpu() for k, v in layer.state_dict().items()})
+    for p, q in zip(cpu.parameters(), layer.parameters()):
+        p.grad = q.grad.cpu()
+    _check_low(cpu, x.cpu(), g.cpu(), y.cpu(), xo.grad.cpu(), lambda: torch.autocast("cpu", dtype=torch.bfloat16))

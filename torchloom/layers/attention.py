@@ -1,4 +1,4 @@
-"""Multi-head attention with RoPE and grouped-query heads, with a hand-written backward (SPEC §3).
+"""Multi-head attention with RoPE and grouped-query heads, with a hand-written backward.
 
 Shapes: ``B`` batch, ``S`` sequence, ``d`` = d_model, ``H`` query heads, ``K`` kv heads, ``G = H/K``
 query heads per kv head, ``D = d/H`` head size. Input ``x [B, S, d]`` → output ``[B, S, d]``.
@@ -23,8 +23,22 @@ Backward (the same steps in reverse):
     RoPE backward = rotation by −angle (a rotation's transpose is its inverse)
     dW_{q,k,v} = d{q,k,v}ᵀ x, db = Σ d{q,k,v},  dx = dq W_q + dk W_k + dv W_v
 
+On CUDA (float32/float16/bfloat16, head size ≤ 128) the attention runs in the flash kernel of
+``torchloom.kernels.flash_attention``: q, k and v come from one fused product, RoPE is applied in
+place, and only the softmax's log-sum-exp per query is saved, so memory is linear in S; its backward
+recomputes P block by block (same formulas as above). Elsewhere (CPU, float64) the materialised path
+above runs.
+
+Mixed precision: under ``torch.autocast`` the input and the parameters are cast to the autocast
+dtype, the layer computes in it (softmax statistics in float32) and the gradients come back in the
+input's and parameters' own dtypes; bfloat16/float16 parameters work as they are. Outside autocast an
+input whose dtype differs from the parameters' is a ``TypeError``. Not supported, each failing with a
+``RuntimeError``: double backward (``create_graph=True``), ``torch.func`` transforms (``vmap``,
+``grad``...: the Function has no ``setup_context``) and ``torch.jit.script``;
+``torch.func.functional_call`` works.
+
 Loom's code keeps keys and values in a KV cache that spans the batch, so sample ``b`` attends to the
-samples before it and its RoPE positions continue from theirs (SPEC §13): not replicated. The
+samples before it and its RoPE positions continue from theirs: not replicated. The
 softmax runs in the fused kernels of ``torchloom.kernels.softmax`` on CUDA.
 """
 
@@ -37,10 +51,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = [
-    "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved",
+    "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved", "FlashAttentionSaved",
     "multi_head_attention", "attention_forward", "attention_backward",
     "rope_tables", "rope_rotate", "rope_rotate_inverse",
 ]
@@ -53,6 +67,12 @@ def _kernels():
     return kernels
 
 
+def _flash():
+    from ..kernels import flash_attention
+
+    return flash_attention
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The attention's fixed settings: head counts, causal mask, RoPE on/off and its base θ.
@@ -63,6 +83,8 @@ class AttentionSpec:
     causal: bool
     rope: bool
     rope_theta: float
+    backend: str | None = None  # None: the flash kernel on CUDA, the materialised path elsewhere;
+    # "triton": the flash kernel (on CPU through Triton's interpreter); "reference": materialised
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -104,6 +126,25 @@ class AttentionSaved(NamedTuple):
     o_weight: Tensor
     has_bias: bool
     spec: AttentionSpec
+    param_dtype: torch.dtype | None = None  # the parameters' dtype when autocast cast them (grads come back in it)
+
+
+class FlashAttentionSaved(NamedTuple):
+    """What the flash path's backward needs (no ``[S, S]`` tensor): the input ``[B, S, d]``, ``qkv
+    [B·S, (H + 2K)·D]`` (the fused q|k|v projection, q and k after RoPE), ``lse [B, H, S]`` float32
+    (the softmax's log-sum-exp per query), ``pre [B, S, d]`` (attention output before the output
+    projection), ``w_qkv [(H + 2K)·D, d]`` (the three input weights stacked), ``o_weight``, whether
+    there are biases, the spec and the parameters' dtype when autocast cast them."""
+
+    input: Tensor
+    qkv: Tensor
+    lse: Tensor
+    pre: Tensor
+    w_qkv: Tensor
+    o_weight: Tensor
+    has_bias: bool
+    spec: AttentionSpec
+    param_dtype: torch.dtype | None = None
 
 
 def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -128,7 +169,13 @@ def attention_forward(
     o_bias: Tensor | None,
     spec: AttentionSpec,
 ) -> tuple[Tensor, AttentionSaved]:
-    """``x [B, S, d]`` → ``(y [B, S, d], saved)``. Biases: all four or none. No autograd."""
+    """``x [B, S, d]`` → ``(y [B, S, d], saved)``. Biases: all four or none. No autograd.
+
+    With ``spec.backend`` None on CUDA (float32/16/bfloat16, head size ≤ 128) or ``"triton"``, the
+    flash path: one fused q|k|v product, RoPE in place, the flash-attention kernel (memory linear in
+    S), ``saved`` a ``FlashAttentionSaved``. Otherwise the materialised path (``AttentionSaved``)."""
+    if _use_flash(x, spec):
+        return _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec)
     b, s, d = x.shape
     h, kv = spec.num_heads, spec.num_kv_heads
     hd, g = d // h, h // kv
@@ -156,8 +203,12 @@ def attention_backward(
     grad_out: Tensor, saved: AttentionSaved, needs_input_grad: bool = True
 ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
     """Hand-written backward. Returns ``(dx or None, (dW_q, dW_k, dW_v, dW_o[, db_q, db_k, db_v, db_o]))``,
-    the order of ``MultiHeadAttention.parameters()``."""
-    x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, has_bias, spec = saved
+    the order of ``MultiHeadAttention.parameters()``; the parameter gradients in the parameters'
+    dtype (``saved.param_dtype`` when autocast cast them)."""
+    if isinstance(saved, FlashAttentionSaved):
+        return _flash_backward(grad_out, saved, needs_input_grad)
+    x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, has_bias, spec, param_dtype = saved
+    grad_out = grad_out.to(x.dtype)
     b, s, d = x.shape
     h, kv = spec.num_heads, spec.num_kv_heads
     hd, g = d // h, h // kv
@@ -184,22 +235,110 @@ def attention_backward(
     dx = None
     if needs_input_grad:
         dx = torch.mm(d_q, q_weight).addmm_(d_k, k_weight).addmm_(d_v, v_weight).view(b, s, d)
-    return dx, grads
+    return dx, _to_param_dtype(grads, param_dtype)
+
+
+def _to_param_dtype(grads: tuple[Tensor, ...], param_dtype: torch.dtype | None) -> tuple[Tensor, ...]:
+    return grads if param_dtype is None else tuple(t.to(param_dtype) for t in grads)
+
+
+# ------------------------------------------------------------------------------------ flash path
+def _use_flash(x: Tensor, spec: AttentionSpec) -> bool:
+    if spec.backend == "reference" or x.dtype == torch.float64 and spec.backend is None:
+        return False
+    if spec.backend is None and not x.is_cuda:
+        return False
+    from ..kernels._triton import KERNEL_DTYPES, use_triton
+
+    hd = x.shape[-1] // spec.num_heads
+    if hd > 128 or hd < 1:
+        if spec.backend == "triton":
+            raise ValueError(f"MultiHeadAttention: the flash kernel handles head sizes up to 128, got {hd}")
+        return False
+    return use_triton(x, spec.backend, KERNEL_DTYPES)
+
+
+def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
+    b, s, d = x.shape
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hd = d // h
+    w_qkv = torch.cat((q_weight, k_weight, v_weight))
+    b_qkv = None if q_bias is None else torch.cat((q_bias, k_bias, v_bias))
+    qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
+    heads = qkv.view(b, s, h + 2 * kv, hd)
+    if spec.rope:
+        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, torch.float32)
+        _flash().rope_(heads[:, :, : h + kv], cos, sin, inverse=False, backend=spec.backend)
+    q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
+    o, lse = _flash().flash_attention(q, k, v, spec.causal, backend=spec.backend)
+    pre = o.view(b, s, d)
+    y = _linear(pre.view(b * s, d), o_weight, o_bias).view(b, s, d)
+    return y, FlashAttentionSaved(x, qkv, lse, pre, w_qkv, o_weight, q_bias is not None, spec)
+
+
+def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_grad: bool):
+    x, qkv, lse, pre, w_qkv, o_weight, has_bias, spec, param_dtype = saved
+    b, s, d = x.shape
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hd = d // h
+    gy = grad_out.to(x.dtype).reshape(b * s, d)
+    x2 = x.reshape(b * s, d)
+    d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
+    d_o = torch.mm(gy, o_weight).view(b, s, h, hd)
+    heads = qkv.view(b, s, h + 2 * kv, hd)
+    q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
+    d_qkv = torch.empty_like(qkv)
+    d_heads = d_qkv.view(b, s, h + 2 * kv, hd)
+    _flash().flash_attention_backward(
+        d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend,
+        out=(d_heads[:, :, :h], d_heads[:, :, h : h + kv], d_heads[:, :, h + kv :]),
+    )
+    del d_o, q, k, v, heads
+    if spec.rope:
+        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, torch.float32)
+        _flash().rope_(d_heads[:, :, : h + kv], cos, sin, inverse=True, backend=spec.backend)
+    d_w = torch.mm(d_qkv.t(), x2)  # [(H+2K)·D, d]: dW_q | dW_k | dW_v
+    kd = kv * hd
+    grads: tuple[Tensor, ...] = (d_w[:d], d_w[d : d + kd], d_w[d + kd :], d_o_weight)
+    if has_bias:
+        d_b = d_qkv.sum(0)
+        grads += (d_b[:d], d_b[d : d + kd], d_b[d + kd :], gy.sum(0))
+    dx = torch.mm(d_qkv, w_qkv).view(b, s, d) if needs_input_grad else None
+    return dx, _to_param_dtype(grads, param_dtype)
+
+
+def _autocast_forward(x, params, spec):
+    """Under ``torch.autocast`` on ``x``'s device: cast the input and parameters to the autocast dtype
+    (as autocast does for ``F.linear``), run the forward with autocast off, and record the parameters'
+    dtype so the backward returns their gradients in it."""
+    dt, cast = cast_for_autocast(x.device.type, x, *params)
+    with autocast_off(x.device.type):
+        y, saved = attention_forward(*cast, spec)
+    if dt is not None:
+        saved = saved._replace(param_dtype=params[0].dtype)
+    return y, saved
 
 
 class MultiHeadAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
-        y, saved = attention_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec)
-        ctx.save_for_backward(*saved[:-2])
-        ctx.has_bias, ctx.spec = saved.has_bias, spec
+        y, saved = _autocast_forward(x, (q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias), spec)
+        ctx.kind = type(saved)
+        n = len(saved) - 3  # the tensors; has_bias, spec, param_dtype kept on ctx
+        ctx.save_for_backward(*saved[:n])
+        ctx.extra = tuple(saved[n:])
+        ctx.x_dtype = x.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = AttentionSaved(*ctx.saved_tensors, ctx.has_bias, ctx.spec)
-        dx, grads = attention_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
-        biases = grads[4:] if ctx.has_bias else (None,) * 4
+        forbid_double_backward("MultiHeadAttention")
+        saved = ctx.kind(*ctx.saved_tensors, *ctx.extra)
+        with autocast_off(grad_out.device.type):
+            dx, grads = attention_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype)
+        biases = grads[4:] if ctx.extra[0] else (None,) * 4
         return (dx, *grads[:4], *biases, None)
 
 
@@ -219,13 +358,22 @@ def multi_head_attention(
     causal: bool = True,
     rope: bool = True,
     rope_theta: float = 10000.0,
+    backend: str | None = None,
 ) -> Tensor:
     """Functional multi-head attention on ``x [B, S, d]`` (weights as ``MultiHeadAttention``'s);
-    differentiable through the hand-written backward. Biases: all four or none."""
+    differentiable through the hand-written backward. Biases: all four or none. ``backend``: None
+    (the flash kernel on CUDA, the materialised softmax elsewhere), ``"triton"`` (the flash kernel;
+    on CPU through Triton's interpreter) or ``"reference"`` (materialised)."""
     biases = (q_bias, k_bias, v_bias, o_bias)
     if any(t is None for t in biases) and not all(t is None for t in biases):
         raise ValueError("multi_head_attention: pass all four biases (q, k, v, o) or none of them")
-    spec = AttentionSpec(num_heads, num_heads if num_kv_heads is None else num_kv_heads, causal, rope, float(rope_theta))
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"multi_head_attention: backend must be None, 'triton' or 'reference', got {backend!r}")
+    for name, t in (("k_weight", k_weight), ("v_weight", v_weight), ("o_weight", o_weight), *zip(("q_bias", "k_bias", "v_bias", "o_bias"), biases)):
+        if t is not None and t.dtype != q_weight.dtype:
+            raise TypeError(f"multi_head_attention: {name} has dtype {t.dtype} but q_weight has {q_weight.dtype}; all parameters must share one dtype")
+    check_dtype(x, "input", q_weight.dtype, "multi_head_attention")
+    spec = AttentionSpec(num_heads, num_heads if num_kv_heads is None else num_kv_heads, causal, rope, float(rope_theta), backend)
     return MultiHeadAttentionFunction.apply(x, q_weight, k_weight, v_weight, o_weight, *biases, spec)
 
 
@@ -339,6 +487,7 @@ class MultiHeadAttention(Layer):
                 f"MultiHeadAttention(d_model={self.d_model}): input must have shape "
                 f"[batch, seq, {self.d_model}], got {list(x.shape)}"
             )
+        check_dtype(x, "input", self.q_weight.dtype, f"MultiHeadAttention(d_model={self.d_model})")
 
     def _params(self) -> tuple[Tensor | None, ...]:
         return (
@@ -350,12 +499,13 @@ class MultiHeadAttention(Layer):
         self._check(x)
         return MultiHeadAttentionFunction.apply(x, *self._params(), self.spec)
 
-    def forward_saved(self, x: Tensor) -> tuple[Tensor, AttentionSaved]:
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, AttentionSaved | FlashAttentionSaved]:
         self._check(x)
-        return attention_forward(x, *self._params(), self.spec)
+        return _autocast_forward(x, self._params(), self.spec)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
-        return attention_backward(grad_out, saved, needs_input_grad)
+        with autocast_off(grad_out.device.type):
+            return attention_backward(grad_out, saved, needs_input_grad)
 
     def extra_repr(self) -> str:
         s = self.spec

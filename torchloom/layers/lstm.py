@@ -1,4 +1,4 @@
-"""``LSTM`` (Loom ``LSTM``) with full backpropagation through time written by hand (SPEC §3).
+"""``LSTM`` (Loom ``LSTM``) with full backpropagation through time written by hand.
 
 Read top to bottom: ``lstm_forward`` / ``lstm_backward`` (the math, side by side), ``LSTMFunction``
 (the autograd bridge), ``lstm`` (functional), ``LSTM`` (module).
@@ -11,8 +11,9 @@ order i, f, g, o (rows ``[0:H]``, ``[H:2H]``, ``[2H:3H]``, ``[3H:4H]`` of every 
     c_t = f ⊙ c_{t−1} + i ⊙ g;   h_t = o ⊙ tanh(c_t)   (h_t returned for every t: [B, T, H])
 
 One bias ``b [4H]`` (Loom's merged bias): ``nn.LSTM`` with ``bias_ih = b`` and ``bias_hh = 0``
-computes the same. The input projections of all steps are one matmul; only the recurrent product
-runs per step.
+computes the same. The input projections of all steps are one matmul; per step only the recurrent
+product (cuBLAS) and one fused kernel for the gates and the cell update run
+(``torchloom.kernels.recurrent``; its PyTorch reference on CPU and in float64).
 
 BPTT, backward over t (``dh``, ``dc`` carried from step t+1, zero after the last step)::
 
@@ -35,15 +36,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .rnn import RecurrentLayer
+from .base import autocast_off, forbid_double_backward
+from .rnn import RecurrentLayer, autocast_recurrent_forward
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
 
 class LSTMSaved(NamedTuple):
     """What the LSTM's backward needs: input ``[B, T, I]``, ``weight_ih [4H, I]``, ``weight_hh
     [4H, H]``, gate pre-activations ``pre [B, T, 4H]``, cell states ``cell [B, T, H]``, hidden states
-    ``hidden [B, T, H]`` (the output) and whether there is a bias. Gate activations are recomputed
-    from ``pre`` in the backward (one elementwise pass) rather than stored."""
+    ``hidden [B, T, H]`` (the output), whether there is a bias and, when autocast cast them, the
+    parameters' dtype (their gradients come back in it). Gate activations are recomputed from
+    ``pre`` in the backward (inside the fused step kernel) rather than stored."""
 
     input: Tensor
     weight_ih: Tensor
@@ -52,93 +55,154 @@ class LSTMSaved(NamedTuple):
     cell: Tensor
     hidden: Tensor
     has_bias: bool
+    param_dtype: torch.dtype | None = None
+
+
+def _cell_kernels():
+    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
+    from ..kernels import recurrent
+
+    return recurrent
+
+
+def _step_backend(x: Tensor, backend: str | None) -> str:
+    from ..kernels._triton import KERNEL_DTYPES, use_triton
+
+    return "triton" if use_triton(x, backend, KERNEL_DTYPES) else "reference"
 
 
 @torch.no_grad()
 def lstm_forward(
-    x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None
+    x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None, backend: str | None = None
 ) -> tuple[Tensor, LSTMSaved]:
-    """``x [B, T, I]`` → ``(h [B, T, H], saved)``, gates i, f, g, o; ``h_0 = c_0 = 0``. No autograd."""
+    """``x [B, T, I]`` → ``(h [B, T, H], saved)``, gates i, f, g, o; ``h_0 = c_0 = 0``. No autograd.
+
+    The input projections of all steps are one matmul; per step, ``h_{t−1} W_hhᵀ`` is added in place
+    (cuBLAS) and one fused kernel applies the gates and the cell update (``backend``: None = the
+    Triton kernel on CUDA, the PyTorch reference elsewhere; ``"triton"``; ``"reference"``). Every
+    buffer is allocated before the time loop."""
     B, T, I = x.shape
     H = weight_hh.shape[1]
+    K = _cell_kernels()
+    step_backend = _step_backend(x, backend)
     x2 = x.reshape(B * T, I)
-    # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
-    pre = (torch.mm(x2, weight_ih.t()) if bias is None else torch.addmm(bias, x2, weight_ih.t())).view(B, T, 4 * H)
-    cell = x.new_empty(B, T, H)
-    hidden = x.new_empty(B, T, H)
+    w_ih_t = weight_ih.t()
+    if step_backend == "triton" and K.graphs_usable(x):
+        entry = _graph_entry(K, B, T, H, x)
+        buf = entry["buffers"]
+        graph = K.ensure_graph(entry, "forward", lambda: _forward_loop(K, buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
+        # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
+        out = buf["pre"].view(B * T, 4 * H)
+        torch.mm(x2, w_ih_t, out=out) if bias is None else torch.addmm(bias, x2, w_ih_t, out=out)
+        buf["w_hh"].copy_(weight_hh)
+        graph.replay()
+        pre, cell, hidden = buf["pre"].clone(), buf["cell"].clone(), buf["hbuf"].clone()
+    else:
+        # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
+        pre = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
+        cell = x.new_empty(B, T, H)
+        hidden = x.new_empty(B, T, H)
+        _forward_loop(K, pre, weight_hh, cell, hidden, step_backend)
+    return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
+
+
+def _graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
+    """Buffers of the CUDA-graphed loops for one shape (forward and backward share pre/cell/w_hh)."""
+
+    def make():
+        e = lambda *shape: x.new_empty(*shape)  # noqa: E731
+        return {"pre": e(B, T, 4 * H), "cell": e(B, T, H), "hbuf": e(B, T, H), "w_hh": e(4 * H, H),
+                "g_pre": e(B, T, 4 * H), "kappa": e(B, H), "dh": e(B, H)}
+
+    return K.graph_buffers(("lstm", B, T, H, x.dtype, x.device), make)
+
+
+def _forward_loop(K, pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, step_backend: str) -> None:
+    T = pre.shape[1]
+    w_hh_t = weight_hh.t()
     for t in range(T):
         if t > 0:  # h_0 = 0 contributes nothing
-            pre[:, t].addmm_(hidden[:, t - 1], weight_hh.t())
-        gates = torch.sigmoid(pre[:, t])  # i, f, o use σ; the g slice is replaced by tanh below
-        i, f, o = gates[:, :H], gates[:, H : 2 * H], gates[:, 3 * H :]
-        g = torch.tanh(pre[:, t, 2 * H : 3 * H])
-        c = i * g if t == 0 else torch.addcmul(i * g, f, cell[:, t - 1])  # c_0 = 0
-        cell[:, t] = c
-        torch.mul(o, torch.tanh(c), out=hidden[:, t])
-    return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
+            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
+        K.lstm_cell(pre[:, t], cell[:, t - 1] if t > 0 else None, cell[:, t], hidden[:, t], backend=step_backend)
+
+
+def _backward_loop(K, grad_out, pre, cell, weight_hh, g_pre, kappa, dh_buf, step_backend: str) -> None:
+    T = pre.shape[1]
+    for t in range(T - 1, -1, -1):
+        if t == T - 1:
+            dh = grad_out[:, t]
+        else:
+            dh = torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh_buf)
+        K.lstm_cell_backward(
+            pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa, g_pre[:, t],
+            has_kappa=t < T - 1, backend=step_backend,
+        )
 
 
 @torch.no_grad()
 def lstm_backward(
-    grad_out: Tensor, saved: LSTMSaved, needs_input_grad: bool = True
+    grad_out: Tensor, saved: LSTMSaved, needs_input_grad: bool = True, backend: str | None = None
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
-    """Hand-written BPTT (formulas in the module docstring). Returns
-    ``(dx [B, T, I] or None, (dW_ih [4H, I], dW_hh [4H, H], db [4H] or None))``."""
-    x, weight_ih, weight_hh, pre, cell, hidden, has_bias = saved
+    """Hand-written BPTT (formulas in the module docstring). Per step one cuBLAS call
+    (``dh_t = gOut_t + gPre_{t+1} W_hh``, into a preallocated buffer) and one fused kernel (``dc_t``,
+    ``gPre_t`` and the carry ``dc_t ⊙ f_t``). Returns ``(dx [B, T, I] or None, (dW_ih [4H, I],
+    dW_hh [4H, H], db [4H] or None))``, the parameter gradients in ``saved.param_dtype`` when set."""
+    x, weight_ih, weight_hh, pre, cell, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[1]
-    # Everything that does not depend on the carried dh/dc, for all steps at once.
-    act = torch.sigmoid(pre)
-    i, f, o = act[..., :H], act[..., H : 2 * H], act[..., 3 * H :]
-    g = torch.tanh(pre[..., 2 * H : 3 * H])
-    tanh_c = torch.tanh(cell)
-    dc_from_dh = o * (1.0 - tanh_c * tanh_c)  # ∂c_t/∂h_t path: dh ⊙ o ⊙ (1 − tanh² c)
-    # gPre_t = [dc | dc | dc | dh] ⊙ factor_t, laid out like pre; built in place from σ' = σ(1 − σ).
-    factor = act * (1.0 - act)
-    factor[..., :H] *= g  # i: g ⊙ i(1−i)
-    factor[:, 0, H : 2 * H] = 0.0  # f: c_{t−1} ⊙ f(1−f), and c_0 = 0
-    factor[:, 1:, H : 2 * H] *= cell[:, :-1]
-    torch.mul(i, 1.0 - g * g, out=factor[..., 2 * H : 3 * H])  # g: i ⊙ (1 − g²)
-    factor[..., 3 * H :] *= tanh_c  # o: tanh c ⊙ o(1−o)
-
-    g_pre = torch.empty_like(pre)
-    dc = None
-    for t in range(T - 1, -1, -1):
-        dh = grad_out[:, t] if t == T - 1 else torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh)
-        dc_t = dh * dc_from_dh[:, t]
-        if dc is not None:
-            dc_t.addcmul_(dc, f[:, t + 1])
-        dc = dc_t
-        gp = g_pre[:, t].view(B, 4, H)
-        torch.mul(factor[:, t, : 3 * H].view(B, 3, H), dc.unsqueeze(1), out=gp[:, :3])
-        torch.mul(factor[:, t, 3 * H :], dh, out=gp[:, 3])
+    K = _cell_kernels()
+    step_backend = _step_backend(x, backend)
+    grad_out = grad_out.to(x.dtype)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    if step_backend == "triton" and K.graphs_usable(x):
+        entry = _graph_entry(K, B, T, H, x)
+        buf = entry["buffers"]
+        graph = K.ensure_graph(entry, "backward", lambda: _backward_loop(
+            K, buf["hbuf"], buf["pre"], buf["cell"], buf["w_hh"], buf["g_pre"], buf["kappa"], buf["dh"], "triton"))
+        buf["hbuf"].copy_(grad_out)
+        buf["pre"].copy_(pre)
+        buf["cell"].copy_(cell)
+        buf["w_hh"].copy_(weight_hh)
+        graph.replay()
+        g_pre = buf["g_pre"]  # read by the products below before any other replay
+    else:
+        g_pre = torch.empty_like(pre)
+        kappa = x.new_empty(B, H)  # dc_{t+1} ⊙ f_{t+1}, carried backward
+        _backward_loop(K, grad_out, pre, cell, weight_hh, g_pre, kappa, x.new_empty(B, H), step_backend)
 
     g2 = g_pre.reshape(B * T, 4 * H)
     grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
     grad_w_hh = torch.mm(g_pre[:, 1:].reshape(-1, 4 * H).t(), hidden[:, :-1].reshape(-1, H))
     grad_b = g2.sum(0) if has_bias else None
     grad_x = torch.mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
+    if param_dtype is not None:
+        grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
+        grad_b = None if grad_b is None else grad_b.to(param_dtype)
     return grad_x, (grad_w_ih, grad_w_hh, grad_b)
 
 
 class LSTMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_ih, weight_hh, bias):
-        hidden, saved = lstm_forward(x, weight_ih, weight_hh, bias)
-        ctx.save_for_backward(x, weight_ih, weight_hh, saved.pre, saved.cell, hidden)
-        ctx.has_bias = bias is not None
+        hidden, saved = autocast_recurrent_forward(lstm_forward, x, weight_ih, weight_hh, bias)
+        ctx.save_for_backward(*saved[:6])
+        ctx.has_bias, ctx.param_dtype, ctx.x_dtype = saved.has_bias, saved.param_dtype, x.dtype
         return hidden
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = LSTMSaved(*ctx.saved_tensors, ctx.has_bias)
-        grad_x, (gw_ih, gw_hh, gb) = lstm_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
-        return grad_x, gw_ih, gw_hh, gb
+        forbid_double_backward("LSTM")
+        saved = LSTMSaved(*ctx.saved_tensors, ctx.has_bias, ctx.param_dtype)
+        with autocast_off(grad_out.device.type):
+            grad_x, (gw_ih, gw_hh, gb) = lstm_backward(grad_out, saved, ctx.needs_input_grad[0])
+        return None if grad_x is None else grad_x.to(ctx.x_dtype), gw_ih, gw_hh, gb
 
 
 def lstm(x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None = None) -> Tensor:
     """Functional LSTM: ``x [B, T, I]`` → all hidden states ``[B, T, H]``; differentiable through the
-    hand-written BPTT."""
+    hand-written BPTT (under ``torch.autocast`` the input and parameters are cast to the autocast
+    dtype, the gradients come back in their own dtypes)."""
     return LSTMFunction.apply(x, weight_ih, weight_hh, bias)
 
 

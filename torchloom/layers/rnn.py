@@ -1,5 +1,5 @@
 """Elman ``RNN`` (Loom ``RNN``) with full backpropagation through time written by hand, and
-``LastStep``, which keeps a sequence's last time step (SPEC §3).
+``LastStep``, which keeps a sequence's last time step.
 
 Read top to bottom: ``rnn_forward`` / ``rnn_backward`` (the math, side by side), ``RNNFunction``
 (the autograd bridge), ``rnn`` (functional), ``RNN`` (module), then ``LastStep``.
@@ -13,6 +13,13 @@ One bias ``b`` (Loom's layout): it equals ``nn.RNN`` with ``bias_ih = b`` and ``
 input projections ``x_t W_ihᵀ + b`` of all steps are one matmul; only the recurrent product runs per
 step. BPTT goes backward over t with ``dh_t = gOut_t + gPre_{t+1} W_hh`` and
 ``gPre_t = dh_t ⊙ (1 − h_t²)``; the weight and input gradients are then one matmul each over all steps.
+
+RNN and LSTM under ``torch.autocast``: the input and parameters are cast to the autocast dtype, the
+whole recurrence runs in it, and the gradients come back in the input's and parameters' own dtypes;
+half-precision parameters work as they are. Outside autocast an input whose dtype differs from the
+parameters' is a ``TypeError``. Not supported, each failing with a ``RuntimeError``: double backward
+(``create_graph=True``), ``torch.func`` transforms (``vmap``, ``grad``...) and ``torch.jit.script``;
+``torch.func.functional_call`` works.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
-__all__ = ["RecurrentLayer", "RNN", "RNNFunction", "RNNSaved", "LastStep", "rnn", "rnn_forward", "rnn_backward"]
+__all__ = [
+    "RecurrentLayer", "RNN", "RNNFunction", "RNNSaved", "LastStep", "rnn", "rnn_forward", "rnn_backward",
+    "autocast_recurrent_forward",
+]
 
 _RNN_INITS = ("uniform", "loom_uniform")
 
@@ -41,6 +51,20 @@ class RNNSaved(NamedTuple):
     pre: Tensor
     hidden: Tensor
     has_bias: bool
+    param_dtype: torch.dtype | None = None  # set when autocast cast the parameters: grads come back in it
+
+
+def autocast_recurrent_forward(forward, x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None):
+    """Run ``forward(x, weight_ih, weight_hh, bias)`` (``rnn_forward`` / ``lstm_forward``); under
+    ``torch.autocast`` on ``x``'s device the input and parameters are first cast to the autocast dtype
+    (as autocast does for ``F.linear``; the whole recurrence then runs in it with autocast off) and
+    ``saved.param_dtype`` records the parameters' dtype for the backward."""
+    dt, (xc, w_ih, w_hh, b) = cast_for_autocast(x.device.type, x, weight_ih, weight_hh, bias)
+    with autocast_off(x.device.type):
+        out, saved = forward(xc, w_ih, w_hh, b)
+    if dt is not None:
+        saved = saved._replace(param_dtype=weight_ih.dtype)
+    return out, saved
 
 
 @torch.no_grad()
@@ -52,14 +76,58 @@ def rnn_forward(
     B, T, I = x.shape
     H = weight_hh.shape[0]
     x2 = x.reshape(B * T, I)
-    # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
-    pre = (torch.mm(x2, weight_ih.t()) if bias is None else torch.addmm(bias, x2, weight_ih.t())).view(B, T, H)
-    hidden = torch.empty_like(pre)
-    for t in range(T):
-        if t > 0:  # h_0 = 0 contributes nothing
-            pre[:, t].addmm_(hidden[:, t - 1], weight_hh.t())
-        torch.tanh(pre[:, t], out=hidden[:, t])
+    w_ih_t = weight_ih.t()
+    K = _graph_kernels(x)
+    if K is not None:  # CUDA: the loop replayed as a CUDA graph (torchloom.kernels.recurrent)
+        entry = _rnn_graph_entry(K, B, T, H, x)
+        buf = entry["buffers"]
+        graph = K.ensure_graph(entry, "forward", lambda: _rnn_forward_loop(buf["pre"], buf["w_hh"], buf["hidden"]))
+        # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
+        out = buf["pre"].view(B * T, H)
+        torch.mm(x2, w_ih_t, out=out) if bias is None else torch.addmm(bias, x2, w_ih_t, out=out)
+        buf["w_hh"].copy_(weight_hh)
+        graph.replay()
+        pre, hidden = buf["pre"].clone(), buf["hidden"].clone()
+    else:
+        # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
+        pre = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, H)
+        hidden = torch.empty_like(pre)
+        _rnn_forward_loop(pre, weight_hh, hidden)
     return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
+
+
+def _graph_kernels(x: Tensor):
+    """``torchloom.kernels.recurrent`` when the loops of ``x`` may run as CUDA graphs, else None."""
+    if not x.is_cuda or x.dtype == torch.float64:
+        return None
+    from ..kernels import recurrent
+
+    return recurrent if recurrent.graphs_usable(x) else None
+
+
+def _rnn_graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
+    def make():
+        e = lambda *shape: x.new_empty(*shape)  # noqa: E731
+        return {"pre": e(B, T, H), "hidden": e(B, T, H), "w_hh": e(H, H), "g_pre": e(B, T, H), "g_out": e(B, T, H), "dh": e(B, H)}
+
+    return K.graph_buffers(("rnn", B, T, H, x.dtype, x.device), make)
+
+
+def _rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None:
+    w_hh_t = weight_hh.t()
+    for t in range(pre.shape[1]):
+        if t > 0:  # h_0 = 0 contributes nothing
+            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
+        torch.tanh(pre[:, t], out=hidden[:, t])
+
+
+def _rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh: Tensor) -> None:
+    """``g_pre`` holds ``1 − h_t²`` on entry and ``gPre_t`` on exit."""
+    T = g_pre.shape[1]
+    g_pre[:, T - 1].mul_(grad_out[:, T - 1])
+    for t in range(T - 2, -1, -1):
+        torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh)  # gOut_t + gPre_{t+1} W_hh
+        g_pre[:, t].mul_(dh)
 
 
 @torch.no_grad()
@@ -68,42 +136,59 @@ def rnn_backward(
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
     """Hand-written BPTT over all steps. With ``gPre_t = (gOut_t + gPre_{t+1} W_hh) ⊙ (1 − h_t²)``:
     ``dW_ih = Σ_t gPre_tᵀ x_t``, ``dW_hh = Σ_{t≥2} gPre_tᵀ h_{t−1}``, ``db = Σ_{b,t} gPre_t``,
-    ``dx_t = gPre_t W_ih``. Returns ``(dx [B, T, I] or None, (dW_ih, dW_hh, db or None))``."""
-    x, weight_ih, weight_hh, _, hidden, has_bias = saved
+    ``dx_t = gPre_t W_ih``. Returns ``(dx [B, T, I] or None, (dW_ih, dW_hh, db or None))``, the
+    parameter gradients in ``saved.param_dtype`` when set. Per step: one cuBLAS call into a
+    preallocated buffer and one in-place multiply."""
+    x, weight_ih, weight_hh, _, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[0]
-    g_pre = 1.0 - hidden * hidden  # tanh'(pre_t) = 1 − h_t², turned into gPre in place below
-    g_pre[:, T - 1].mul_(grad_out[:, T - 1])
-    for t in range(T - 2, -1, -1):
-        dh = torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh)  # gOut_t + gPre_{t+1} W_hh
-        g_pre[:, t].mul_(dh)
+    grad_out = grad_out.to(x.dtype)
+    K = _graph_kernels(x)
+    if K is not None:
+        entry = _rnn_graph_entry(K, B, T, H, x)
+        buf = entry["buffers"]
+        graph = K.ensure_graph(entry, "backward", lambda: _rnn_backward_loop(buf["g_out"], buf["w_hh"], buf["g_pre"], buf["dh"]))
+        torch.mul(hidden, hidden, out=buf["g_pre"]).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
+        buf["g_out"].copy_(grad_out)
+        buf["w_hh"].copy_(weight_hh)
+        graph.replay()
+        g_pre = buf["g_pre"]  # read by the products below before any other replay
+    else:
+        g_pre = 1.0 - hidden * hidden  # tanh'(pre_t) = 1 − h_t², turned into gPre in place below
+        _rnn_backward_loop(grad_out, weight_hh, g_pre, x.new_empty(B, H))
     g2 = g_pre.reshape(B * T, H)
     grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
     grad_w_hh = torch.mm(g_pre[:, 1:].reshape(-1, H).t(), hidden[:, :-1].reshape(-1, H))
     grad_b = g2.sum(0) if has_bias else None
     grad_x = torch.mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
+    if param_dtype is not None:
+        grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
+        grad_b = None if grad_b is None else grad_b.to(param_dtype)
     return grad_x, (grad_w_ih, grad_w_hh, grad_b)
 
 
 class RNNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_ih, weight_hh, bias):
-        hidden, saved = rnn_forward(x, weight_ih, weight_hh, bias)
-        ctx.save_for_backward(x, weight_ih, weight_hh, hidden)
-        ctx.has_bias = bias is not None
+        hidden, saved = autocast_recurrent_forward(rnn_forward, x, weight_ih, weight_hh, bias)
+        ctx.save_for_backward(saved.input, saved.weight_ih, saved.weight_hh, hidden)
+        ctx.has_bias, ctx.param_dtype, ctx.x_dtype = bias is not None, saved.param_dtype, x.dtype
         return hidden
 
     @staticmethod
     def backward(ctx, grad_out):
+        forbid_double_backward("RNN")
         x, weight_ih, weight_hh, hidden = ctx.saved_tensors
-        saved = RNNSaved(x, weight_ih, weight_hh, None, hidden, ctx.has_bias)  # pre is not needed
-        grad_x, (gw_ih, gw_hh, gb) = rnn_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
-        return grad_x, gw_ih, gw_hh, gb
+        saved = RNNSaved(x, weight_ih, weight_hh, None, hidden, ctx.has_bias, ctx.param_dtype)  # pre is not needed
+        with autocast_off(grad_out.device.type):
+            grad_x, (gw_ih, gw_hh, gb) = rnn_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        return None if grad_x is None else grad_x.to(ctx.x_dtype), gw_ih, gw_hh, gb
 
 
 def rnn(x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None = None) -> Tensor:
     """Functional Elman RNN: ``x [B, T, I]`` → all hidden states ``[B, T, H]``; differentiable
-    through the hand-written BPTT."""
+    through the hand-written BPTT (under ``torch.autocast`` the input and parameters are cast to the
+    autocast dtype, the gradients come back in their own dtypes)."""
     return RNNFunction.apply(x, weight_ih, weight_hh, bias)
 
 
@@ -114,13 +199,13 @@ def _check_positive(owner: str, **sizes: int) -> None:
 
 
 def check_sequence(x: Tensor, input_size: int, owner: str, dtype: torch.dtype) -> None:
-    """Raise unless ``x`` is a ``[batch, time, input_size]`` tensor of ``dtype`` (time >= 1)."""
+    """Raise unless ``x`` is a ``[batch, time, input_size]`` floating tensor (time >= 1) of ``dtype``
+    (the parameters'; any floating dtype under ``torch.autocast``, which casts)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[2] != input_size or x.shape[1] < 1:
         raise ValueError(f"{owner}: input must have shape [batch, time, {input_size}] (time >= 1), got {list(x.shape)}")
-    if x.dtype != dtype:
-        raise TypeError(f"{owner}: input dtype {x.dtype} differs from the weight dtype {dtype}")
+    check_dtype(x, "input", dtype, owner)
 
 
 class RecurrentLayer(Layer):
@@ -179,10 +264,11 @@ class RecurrentLayer(Layer):
 
     def forward_saved(self, x: Tensor):
         self._check(x)
-        return self._forward(x, self.weight_ih, self.weight_hh, self.bias)
+        return autocast_recurrent_forward(self._forward, x, self.weight_ih, self.weight_hh, self.bias)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
-        grad_x, (gw_ih, gw_hh, gb) = self._backward(grad_out, saved, needs_input_grad)
+        with autocast_off(grad_out.device.type):
+            grad_x, (gw_ih, gw_hh, gb) = self._backward(grad_out, saved, needs_input_grad)
         return grad_x, (gw_ih, gw_hh) if gb is None else (gw_ih, gw_hh, gb)
 
     def extra_repr(self) -> str:
