@@ -1,4 +1,4 @@
-"""Benchmark torchloom's fused kernels (SPEC §11; issue 3) against eager PyTorch, torch.optim
+"""Benchmark torchloom's fused kernels (issue 3) against eager PyTorch, torch.optim
 (foreach / fused) and torch.compile, and against the device-to-device copy bandwidth.
 
     python bench/bench_kernels.py                      # on a CUDA GPU: 1M, 16M, 64M float32 elements

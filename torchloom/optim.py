@@ -1,4 +1,5 @@
-"""``torchloom.optim``: optimizers with fused update kernels on CUDA (SPEC §6)."""
+"""``torchloom.optim``: SGD (momentum, Nesterov), AdamW and RMSprop as
+``torch.optim.Optimizer``s, numerically as ``torch.optim``, with fused update kernels on CUDA."""
 
 from .trainers.optim import OPTIMIZERS, SGD, AdamW, RMSprop, flatten_optimizer_, make_optimizer
 

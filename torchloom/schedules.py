@@ -1,4 +1,5 @@
-"""``torchloom.schedules``: the learning-rate schedules of SPEC §7 as ``get_lr(step)`` objects, and
+"""``torchloom.schedules``: Loom's learning-rate schedules (constant, decays, warm restarts, warm-up) as
+``get_lr(step)`` objects, and
 ``ScheduleLR``, which applies one to any torch optimizer."""
 
 from .trainers.schedules import (

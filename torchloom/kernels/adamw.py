@@ -1,4 +1,4 @@
-"""Fused AdamW update: bias-corrected Adam with decoupled weight decay, in place (SPEC §6, §11).
+"""Fused AdamW update: bias-corrected Adam with decoupled weight decay, in place.
 
 Per element, in ``torch.optim.AdamW``'s order (its numbers are the test reference), at step ``t``
 (1-based, counted before the update)::

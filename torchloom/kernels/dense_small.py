@@ -1,4 +1,4 @@
-"""Fused Dense backward for small batches (SPEC §11 "layer kernels").
+"""Fused Dense backward for small batches.
 
 At batch sizes of a few rows a Dense backward is four tiny kernels whose cost is their launches:
 the activation gradient, ``dW = gPreᵀx``, ``db = Σ gPre`` and ``dx = gPre W``. Here it is one kernel

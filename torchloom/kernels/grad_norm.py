@@ -1,5 +1,5 @@
-"""Global L2 norm of a list of gradients and the clip scale, in one reduction without a host sync
-(SPEC §11): ``norm = sqrt(Σ_t Σ g_t²)``, ``scale = max_norm / norm`` when ``norm > max_norm`` else 1
+"""Global L2 norm of a list of gradients and the clip scale, in one reduction without a host sync:
+``norm = sqrt(Σ_t Σ g_t²)``, ``scale = max_norm / norm`` when ``norm > max_norm`` else 1
 (Loom's ``ClipGradients(maxNorm)``).
 
 The kernel path: each gradient's blocks write their ``Σ g²`` into one shared buffer of partials (one

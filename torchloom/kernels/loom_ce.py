@@ -1,4 +1,4 @@
-"""Loom's ``"crossentropy"`` on probabilities (SPEC §4): ``loss = (1/N) Σ −y·ln(o + 1e-10)``,
+"""Loom's ``"crossentropy"`` on probabilities: ``loss = (1/N) Σ −y·ln(o + 1e-10)``,
 ``grad = −y/(o + 1e-10)/N``, over all ``N`` output elements.
 
 The reference computes in float64 as Loom does. The kernel reads ``o`` and ``y`` once, writes

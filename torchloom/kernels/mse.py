@@ -1,4 +1,4 @@
-"""Fused MSE gradient + loss (Loom ``DispatchMSEGradPartialLoss``, SPEC §11).
+"""Fused MSE gradient + loss (Loom ``DispatchMSEGradPartialLoss``).
 
 ``loss = (1/N) Σ (o−y)²`` and ``grad = 2(o−y)/N`` over all ``N`` elements of ``output``.
 

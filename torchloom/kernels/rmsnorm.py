@@ -1,4 +1,4 @@
-"""RMSNorm forward and hand-written backward, each fused into one pass over the rows (SPEC §3).
+"""RMSNorm forward and hand-written backward, each fused into one pass over the rows.
 
 Rows are the leading dimensions of ``x [..., n]``, each normalised over its last dimension:
 

@@ -1,4 +1,4 @@
-"""Fused RMSprop update, optionally centered and with momentum, in place (SPEC §6, §11).
+"""Fused RMSprop update, optionally centered and with momentum, in place.
 
 Per element, in ``torch.optim.RMSprop``'s order (its numbers are the test reference)::
 

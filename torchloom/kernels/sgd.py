@@ -1,4 +1,4 @@
-"""Fused SGD update, plain or with momentum (dampening, Nesterov), in place (SPEC §6, §11).
+"""Fused SGD update, plain or with momentum (dampening, Nesterov), in place.
 
 Per element, in this order (``torch.optim.SGD``'s order, so its numbers are the test reference)::
 

@@ -1,7 +1,7 @@
-"""Row-wise softmax with temperature and its hand-written backward, each fused into one kernel (SPEC §3).
+"""Row-wise softmax with temperature and its hand-written backward, each fused into one kernel.
 
 Rows are the leading dimensions of ``x [..., C]``; every row is normalised on its own, so nothing
-crosses batch samples (Loom's softmax spans the whole batch: SPEC §13).
+crosses batch samples (Loom's softmax spans the whole batch: not replicated, see docs/PARITY.md).
 
     forward   p  = softmax(x / T)
     backward  dx = p ⊙ (g − ⟨g, p⟩) / T      (⟨g, p⟩ = Σ_j g_j p_j per row, from the saved output p)

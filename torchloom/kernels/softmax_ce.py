@@ -1,4 +1,4 @@
-"""Fused softmax cross-entropy: loss and gradient w.r.t. the logits in one row-wise pass (SPEC §4, §11).
+"""Fused softmax cross-entropy: loss and gradient w.r.t. the logits in one row-wise pass.
 
 Rows are the leading dimensions of ``logits [..., C]`` (``B`` rows). Targets are integer class
 labels ``[...]`` or one-hot / soft probabilities ``[..., C]``.

@@ -1,4 +1,4 @@
-"""The NaN/Inf guard of one training step, decided on the device (SPEC §5, GPU path).
+"""The NaN/Inf guard of one training step, decided on the device (``train()``'s GPU path).
 
 Loom's loop checks every batch on the host: a NaN/Inf loss abandons the rest of the epoch, a NaN/Inf
 gradient skips the batch's update. A graph-captured step cannot branch on the host, so this op turns

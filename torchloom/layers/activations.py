@@ -1,4 +1,4 @@
-"""Loom's activation functions with explicit derivatives (SPEC §2).
+"""Loom's activation functions with explicit derivatives.
 
 Every activation is written twice, side by side: ``f(x)`` and ``f'(x)`` as a function of the
 **pre-activation** ``x`` (Loom applies the derivative to the saved pre-activation, and so does
@@ -6,7 +6,7 @@ torchloom). ``grad(grad_out, pre)`` returns ``grad_out ⊙ f'(pre)``, the step e
 hand-written backward takes first.
 
 Names are case-insensitive and accept Loom's aliases; an unknown name is a ``ValueError`` that lists
-the valid ones (Loom silently maps it to linear, SPEC §13).
+the valid ones (Loom silently maps it to linear).
 """
 
 from __future__ import annotations
@@ -205,7 +205,8 @@ _ALIASES = {
 
 
 def activation_names() -> list[str]:
-    """The canonical activation names, in SPEC order."""
+    """The canonical activation names, in ``ACTIVATIONS`` order (``relu``, ``leaky_relu``, ``relu2``,
+    ``sigmoid``, ``tanh``, ``silu``, ``gelu``, ``gelu_tanh``, ``linear``)."""
     return list(ACTIVATIONS)
 
 

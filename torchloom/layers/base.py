@@ -7,7 +7,7 @@ A layer's math lives in two plain functions written by hand, side by side:
 * ``backward_saved(grad_out, saved, needs_input_grad=True) -> (grad_in, param_grads)``: the
   hand-written backward. ``param_grads`` is a tuple aligned with ``tuple(layer.parameters())``.
 
-The same backward serves twice (SPEC §1): through a ``torch.autograd.Function`` when the layer is used
+The same backward serves twice: through a ``torch.autograd.Function`` when the layer is used
 as an ordinary module (``layer(x)`` then ``loss.backward()``), and directly from the trainers, which
 never ask autograd for the layer's gradients (like Loom's ``DispatchLayerBackward``).
 

@@ -1,4 +1,4 @@
-"""Container layers: ``Residual`` (``x + inner(x)``) and ``Parallel`` (branches on one input), SPEC §3.
+"""Container layers: ``Residual`` (``x + inner(x)``) and ``Parallel`` (branches on one input).
 
 Both hold torchloom layers and are torchloom layers themselves: their forward runs the children's
 ``forward_saved`` and keeps every child's ``saved``; their hand-written backward routes the gradient
@@ -14,7 +14,7 @@ to the children's ``backward_saved`` and returns the parameter gradients in the 
                avg:    y = (1/n) Σ_i f_i(x)    dx = Σ_i f_i.backward(gy / n)
 
 Loom's ``Parallel`` concatenates each sample's flattened branch outputs but its backward slices the
-gradient branch-major over the whole batch (SPEC §13); torchloom slices every sample's last
+gradient branch-major over the whole batch; torchloom slices every sample's last
 dimension, the exact inverse of the concatenation.
 """
 

@@ -1,5 +1,5 @@
 """Convolutions ``Conv1D`` / ``Conv2D`` / ``Conv3D`` (Loom ``CNN1/2/3``) and ``Flatten``, each with a
-hand-written backward (SPEC §3).
+hand-written backward.
 
 One N-d implementation serves the three layers. Read top to bottom: ``conv_forward`` /
 ``conv_backward`` (the math, side by side), ``ConvFunction`` (the autograd bridge), ``conv``
@@ -182,7 +182,7 @@ class _ConvND(Layer):
         filters: ``F``, output channels; ``weight`` is ``[F, C, *kernel_size]``.
         kernel_size, stride, padding: an int (same for every spatial dim) or a tuple of N ints;
             ``kernel_size, stride >= 1``, ``padding >= 0`` (zero padding on both sides).
-        activation: one of SPEC §2's names (default ``"linear"``).
+        activation: an activation name, see ``activation_names()`` (default ``"linear"``).
         bias: add a learnable ``bias [F]`` (Loom's CNN layers have none: ``bias=False``).
         init: ``"he_normal"`` (``N(0, 2/fan_in)``, ``fan_in = C·∏k``, Loom ``nn.InitDenseLayer``'s
             rule) or ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``); biases start at 0.

@@ -1,4 +1,4 @@
-"""Dense (fully connected) layer: ``y = f(x Wᵀ + b)`` with a hand-written backward (SPEC §3).
+"""Dense (fully connected) layer: ``y = f(x Wᵀ + b)`` with a hand-written backward.
 
 Read top to bottom: ``dense_forward`` / ``dense_backward`` (the math, side by side), ``DenseFunction``
 (the autograd bridge), ``dense`` (functional), ``Dense`` (module). Loom's ``poly`` Dense has no bias:
@@ -167,7 +167,7 @@ class Dense(Layer):
 
     Args:
         in_features, out_features: sizes; ``weight`` is ``[out_features, in_features]``.
-        activation: one of SPEC §2's names (default ``"linear"``).
+        activation: an activation name, see ``activation_names()`` (default ``"linear"``).
         bias: add a learnable ``bias [out_features]`` (Loom's poly Dense has none: ``bias=False``).
         init: ``"he_normal"`` (``N(0, 2/in)``, Loom ``nn.InitDenseLayer``) or ``"loom_uniform"``
             (``U(−0.1, 0.1)``, Loom ``poly``); biases start at 0.

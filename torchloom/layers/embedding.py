@@ -1,4 +1,4 @@
-"""``Embedding`` (Loom ``Embedding``): a row lookup with a hand-written backward (SPEC §3).
+"""``Embedding`` (Loom ``Embedding``): a row lookup with a hand-written backward.
 
 Read top to bottom: ``embedding_forward`` / ``embedding_backward`` (the math, side by side),
 ``EmbeddingFunction`` (the autograd bridge), ``embedding`` (functional), ``Embedding`` (module).

@@ -1,5 +1,5 @@
 """``Sequential`` (a chain of torchloom layers) and ``Network`` (Loom's network: a chain that can
-record per-layer history and offers Loom's manual-loop API, SPEC §5).
+record per-layer history and offers Loom's manual-loop API).
 
 Two ways to run a ``Network``:
 

@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm over the last dimension, with hand-written backwards (SPEC §3).
+"""RMSNorm and LayerNorm over the last dimension, with hand-written backwards.
 
     RMSNorm    r = 1/sqrt(mean(x²) + eps),            y = x·r·g
                dx = r·(gw − x̂·mean(gw ⊙ x̂)),  dg = Σ_rows gy ⊙ x̂     (x̂ = x·r, gw = gy ⊙ g)

@@ -1,10 +1,10 @@
-"""Softmax layer: row-wise ``softmax(x / T)`` with a hand-written backward (SPEC §3).
+"""Softmax layer: row-wise ``softmax(x / T)`` with a hand-written backward.
 
     forward   p  = softmax(x / T)                 along ``dim``, separately for every sample
     backward  dx = p ⊙ (g − ⟨g, p⟩) / T          from the saved output ``p``
 
 Loom's ``poly`` softmax normalises over the whole batch at once and evaluates its backward at the
-logits instead of the probabilities (SPEC §13): neither is replicated. ``dim`` may not be the batch
+logits instead of the probabilities: neither is replicated. ``dim`` may not be the batch
 dimension, so output row ``b`` depends only on input row ``b``.
 
 On CUDA the math runs in the fused Triton kernels of ``torchloom.kernels.softmax``; elsewhere in their

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward block with a hand-written backward (SPEC §3).
+"""SwiGLU feed-forward block with a hand-written backward.
 
     forward   g = x W_gateᵀ + b_gate,   u = x W_upᵀ + b_up          [*, m]
               a = silu(g) ⊙ u                                       [*, m]  (Loom's pre-activation)
@@ -9,7 +9,7 @@
               dx = dg W_gate + du W_up
 
 Sums run over every row (all leading dimensions). Loom's code accumulates the down projection's
-weight gradient transposed (into ``[m, h]`` positions of an ``[h, m]`` weight, SPEC §13); torchloom
+weight gradient transposed (into ``[m, h]`` positions of an ``[h, m]`` weight); torchloom
 computes ``gyᵀ a``, the ``[h, m]`` gradient. The gate (``silu(g) ⊙ u`` and its backward) runs in the
 fused Triton kernels of ``torchloom.kernels.swiglu`` on CUDA, their reference elsewhere; the
 projections are ordinary matrix products.

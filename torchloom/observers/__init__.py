@@ -1,4 +1,4 @@
-"""Observers of training (SPEC §10): the protocol, history, console output, files and callbacks."""
+"""Observers of training: the protocol, history, console output, files and callbacks."""
 
 from .base import HOOKS, Observer, ObserverList
 from .callbacks import Checkpoint, EarlyStopping

@@ -1,4 +1,4 @@
-"""The observer protocol (SPEC §10): a base class of no-op hooks, and the dispatcher the trainers use.
+"""The observer protocol: a base class of no-op hooks, and the dispatcher the trainers use.
 
 Any object with a matching method is an observer; it need not inherit from ``Observer``. Hooks:
 

@@ -1,4 +1,4 @@
-"""``ConsoleObserver``: Loom's per-layer console lines (SPEC §10, Loom poly ``observer.go``).
+"""``ConsoleObserver``: Loom's per-layer console lines (Loom poly ``observer.go``).
 
     [FWD] (0,0,0,0) Dense: avg=0.1234 max=0.9876 active=120/128
     [BWD] (0,0,0,0) Dense: grad_avg=0.0012 grad_max=0.0345

@@ -1,4 +1,4 @@
-"""Per-layer events (SPEC §10): ``LayerStats`` of what a layer produced, sent to the observers'
+"""Per-layer events: ``LayerStats`` of what a layer produced, sent to the observers'
 ``on_layer_forward(event)`` / ``on_layer_backward(event)``.
 
 * **forward event**: statistics of the layer's **output** (after its activation), whole batch;

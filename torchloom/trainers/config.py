@@ -52,11 +52,12 @@ def _as_number(v: Any) -> Any:
 
 @dataclass
 class TrainingConfig:
-    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case, SPEC §5)."""
+    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case); the fields are described in the
+    training guide (docs/training.md)."""
 
     epochs: int = 10  # passes over the batches; >= 1
     learning_rate: float = 0.01  # > 0; used when the optimizer is given by name
-    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (SPEC §4)
+    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (see ``torchloom.LOSS_TYPES``)
     gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
     clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
     verbose: bool | int = True  # 0 silent; 1 (= True) progress bar on a terminal + epoch lines; 2 epoch lines only
@@ -65,7 +66,7 @@ class TrainingConfig:
     device_id: int = 0  # which GPU when use_gpu=True
     optimizer: str | Optimizer = "sgd"  # "sgd" | "momentum" | ... or a torch.optim.Optimizer instance
     scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
-    observers: Sequence[Any] = ()  # SPEC §10
+    observers: Sequence[Any] = ()  # objects with hook methods (on_epoch_end, ...)
     track_perf: bool = False  # record per-epoch samples/s and step time in the result
     seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
     cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required

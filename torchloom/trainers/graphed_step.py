@@ -114,7 +114,8 @@ def make_graphed_step(
     Args:
         model: a torchloom ``Network`` or layer, on the device to train on (CUDA for graphs).
         example_input, example_target: a batch of the shapes every call will use (``[batch, ...]``;
-            targets as ``loss_type`` needs, SPEC §4); validated like ``train()``'s batches.
+            targets of the output's shape, or class labels
+            for ``"cross_entropy"``); validated like ``train()``'s batches.
         loss_type, optimizer, learning_rate, gradient_clip, clip_mode: as ``TrainingConfig``; the
             optimizer must be one of torchloom's (a name, or an instance: AdamW with ``capturable=True``
             on CUDA), whose update obeys the device-side guard.

@@ -1,4 +1,4 @@
-"""Losses of SPEC §4 — value and gradient w.r.t. the network output, functional API.
+"""Losses — value and gradient w.r.t. the network output, functional API.
 
 | ``loss_type``      | value                                    | gradient               |
 |--------------------|------------------------------------------|------------------------|

@@ -1,4 +1,4 @@
-"""Optimizers (SPEC §6) as ``torch.optim.Optimizer`` subclasses, and the names ``train()`` accepts.
+"""Optimizers (SGD, AdamW, RMSprop) as ``torch.optim.Optimizer`` subclasses, and the names ``train()`` accepts.
 
 Each optimizer's ``step`` gathers a group's parameters, gradients and state and makes one call to a
 functional update in ``torchloom.kernels`` (``sgd_update_``, ``adamw_update_``, ``rmsprop_update_``):
@@ -88,7 +88,7 @@ class FusedOptimizer(Optimizer):
 
 # ------------------------------------------------------------------------------------------ SGD
 class SGD(FusedOptimizer):
-    """Stochastic gradient descent, optionally with momentum (SPEC §6), as ``torch.optim.SGD``.
+    """Stochastic gradient descent, optionally with momentum, as ``torch.optim.SGD``.
 
     One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``; with momentum
     ``v = g`` on the first step, then ``v = μ·v + (1 − dampening)·g``, and ``g = g + μ·v`` (Nesterov)
@@ -171,7 +171,7 @@ def _split_decay(params: Iterable[Any]) -> list[Any]:
 
 
 class AdamW(FusedOptimizer):
-    """Adam with decoupled weight decay (SPEC §6), as ``torch.optim.AdamW``.
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     One step ``t``, per element: ``g = clamp(g·grad_scale, ±clip_value)``, ``w = w·(1 − lr·wd)``,
     ``m = β1·m + (1−β1)·g``, ``v = β2·v + (1−β2)·g²``,
@@ -269,7 +269,7 @@ class AdamW(FusedOptimizer):
 
 # -------------------------------------------------------------------------------------- RMSprop
 class RMSprop(FusedOptimizer):
-    """RMSprop (SPEC §6), as ``torch.optim.RMSprop``.
+    """RMSprop, as ``torch.optim.RMSprop``.
 
     One step, per element: ``g = clamp(g·grad_scale, ±clip_value) + weight_decay·w``,
     ``s = α·s + (1−α)·g²``, ``avg = √s + ε`` (centered: ``√(s − ḡ²) + ε`` with ``ḡ`` the running mean

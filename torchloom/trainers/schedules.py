@@ -1,4 +1,4 @@
-"""Learning-rate schedules (SPEC §7, Loom ``nn/scheduler.go``): ``get_lr(step)`` objects, and
+"""Learning-rate schedules (Loom ``nn/scheduler.go``): ``get_lr(step)`` objects, and
 ``ScheduleLR``, the ``LRScheduler`` that applies one to any torch optimizer (stepped once per batch by
 ``train()``; ``train(..., scheduler=cosine_annealing(0.1, 0.001, 1000))`` wraps it for you).
 
@@ -91,7 +91,7 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class constant(Schedule):  # noqa: N801 - SPEC §7's names
+class constant(Schedule):  # noqa: N801 - Loom's schedule names
     """``lr`` at every step."""
 
     lr: float

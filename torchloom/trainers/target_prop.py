@@ -1,4 +1,4 @@
-"""TargetProp: Loom's target propagation (``poly`` ``tween.go``, formerly ``target_prop.go``; SPEC §8).
+"""TargetProp: Loom's target propagation (``poly`` ``tween.go``, formerly ``target_prop.go``).
 
 Target propagation asks what every layer *should* have produced (its **backward target**) instead of
 only how the loss changes with each weight. Every layer then moves its output towards its target,
@@ -104,7 +104,7 @@ def _is_number(v: Any) -> bool:
 
 @dataclass
 class TargetPropConfig:
-    """Settings of TargetProp (SPEC §8; Loom's ``TweenConfig`` in snake_case).
+    """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).
 
     ``use_chain_rule`` (Loom's name) and ``mode`` are one switch under two names: give either (neither:
     chain rule, Loom's default); giving both with different meanings is a ``ValueError``. Afterwards
@@ -482,7 +482,7 @@ _ESTIMATORS: dict[type, Callable[[Any, Tensor], Tensor]] = {
 
 @torch.no_grad()
 def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor) -> Tensor:
-    """Pure-mode target for ``layer``'s input from the ``target`` of its output (SPEC §8), batch-aware.
+    """Pure-mode target for ``layer``'s input from the ``target`` of its output, batch-aware.
 
     Dense / RNN / LSTM / MultiHeadAttention: the weight-based estimate (module docstring); any other
     layer: ``layer_input`` itself (Loom's fallback)."""

@@ -29,7 +29,8 @@ def train(model: Network | Layer | Sequence[Layer], batches: Any, config: Traini
         model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
         batches: a list of ``TrainingBatch(input, target)`` or ``(input, target)`` pairs, or a
             ``DataLoader`` yielding pairs; inputs ``[batch, ...]``, targets as ``config.loss_type``
-            needs (SPEC §4). Lists are moved to the device once, not per epoch.
+            needs (the output's shape, or class labels for cross-entropy).
+            Lists are moved to the device once, not per epoch.
         config: a ``TrainingConfig``; keyword ``overrides`` replace its fields
             (``train(net, data, epochs=5, loss_type="cross_entropy")``).
 

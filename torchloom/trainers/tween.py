@@ -1,4 +1,4 @@
-"""Neural Tweening (SPEC §9): Loom's bidirectional trainer, from the ``nn`` package's ``tween.go`` and
+"""Neural Tweening: Loom's bidirectional trainer, from the ``nn`` package's ``tween.go`` and
 its Tweening document.
 
 Forward activations and backward targets meet at every layer; the trainer measures per layer how far
@@ -51,7 +51,8 @@ def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, 
 
 @dataclass
 class TweenConfig:
-    """Settings of Neural Tweening (the Tweening document's names, snake_case, plus SPEC §9's extras).
+    """Settings of Neural Tweening (the Tweening document's names, snake_case, plus ``recovery_growth``,
+    ``depth_scaling``, ``explosion_detection``, ``gradient_scale`` and ``loss_type``).
 
     ``base_rate`` is the learning rate; momentum is applied as ``v = μv − rate·g``, so the long-run
     step of a steady gradient is ``rate/(1−μ)``, ten times ``base_rate`` at the default ``μ = 0.9``.
@@ -67,7 +68,7 @@ class TweenConfig:
     depth_scaling: bool = True  # scale weighted layer k of L by 1/sqrt(L − k) (document's formula)
     explosion_detection: bool = True  # watch the gap growth; False = constant rate, momentum never reset
     gradient_scale: float = 1.0  # > 0; backward target t_i = a_i − gradient_scale·chain_gradients[i]
-    loss_type: str | None = None  # None: "cross_entropy" for class labels, "mse" for float targets; or a SPEC §4 name
+    loss_type: str | None = None  # None: "cross_entropy" for class labels, "mse" for float targets; or a loss name
 
     def __post_init__(self) -> None:
         self.validate()
@@ -248,7 +249,7 @@ EXPLOSION_RULE = ExplosionRule()
 
 
 class TweenState:
-    """Everything Neural Tweening keeps between steps (SPEC §9), for one network.
+    """Everything Neural Tweening keeps between steps, for one network.
 
     Args:
         model: a ``Network`` (a torchloom layer or list of layers is wrapped in one).
@@ -391,7 +392,7 @@ class TweenState:
         ``L`` the number of weighted layers (layers with parameters):
 
         1. **Forward**: ``a_{i+1}, saved_i = layer_i.forward_saved(a_i)`` for every layer.
-        2. **Backward**: ``t_n`` = the target (one-hot for labels). Loss and its gradient by SPEC §4:
+        2. **Backward**: ``t_n`` = the target (one-hot for labels). Loss and its gradient:
            ``"cross_entropy"`` (default for labels: softmax cross-entropy, ``∂ℓ_b/∂a_n = softmax(a_n) −
            t_n`` for ``[B, C]`` outputs) or ``"mse"`` (default for float targets: ``(1/N)Σ(a_n − t_n)²``,
            ``∂ℓ_b/∂a_n = 2(a_n − t_n)·B/N``); in general ``∂ℓ_b/∂a_n = B·∂loss/∂a_n``. **Gating**: a sample whose output error ``e_b = Σ_j (ŷ − t_n)²_bj`` is
@@ -424,7 +425,7 @@ class TweenState:
            returned.
 
         A NaN/Inf loss (status ``NAN_LOSS``) or parameter gradient (``NAN_GRAD``) changes nothing but
-        ``last_status``. This follows the Tweening document (SPEC §9); Loom's ``nn`` code differs
+        ``last_status``. This follows the Tweening document; Loom's ``nn`` code differs
         (docs/PARITY.md): its error is the residual ``one_hot − output`` with no softmax and its loss
         the summed squared error; its chain-rule backward clips every gradient to ±10, divides by
         ``sqrt(outputs)``, clips each weight delta to ±1 and uses ``f'`` of the output (+0.01 for
@@ -608,7 +609,7 @@ class TweenTrainer(Trainer):
     Args:
         model: a ``Network`` (or a torchloom layer / list of layers).
         cfg: a ``TweenConfig`` (defaults when ``None``).
-        observers: SPEC §10 observers (per-layer events included); each ``on_batch_end`` gets ``loss``, ``mean_gap``,
+        observers: objects with hook methods (per-layer events included); each ``on_batch_end`` gets ``loss``, ``mean_gap``,
             ``mean_link_budget``, ``explosion`` (1.0 when the step detected one), ``adaptive_rate``,
             ``gap_baseline`` and ``explosion_count`` (the total so far); epoch logs (and the result's
             history) hold their per-epoch means (``explosion``: the fraction of steps that detected one).
