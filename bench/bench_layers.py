@@ -11,7 +11,10 @@ Layer rows (one step = gradients set to None, forward, backward of a fixed upstr
 * SwiGLU 1024→2816 on 8×1024 tokens vs three ``nn.Linear`` + ``F.silu``;
 * RMSNorm / LayerNorm 1024 on 8×1024 tokens vs ``F.rms_norm`` / ``F.layer_norm``.
 
-Time: median of 5 runs (each about ``--target``/5 seconds of steps). Peak memory: the largest
+Time: median of 5 runs (each about ``--target``/5 seconds of steps), eager (what a plain PyTorch loop
+pays, host launch overhead included) and *graphed* (ten steps captured in one CUDA graph and
+replayed: the device's time alone, what torchloom's ``train()`` device path and users' CUDA-graphed
+steps pay; a layer that cannot be captured shows —). Peak memory: the largest
 ``torch.cuda.max_memory_allocated`` during one step above what was allocated before it (inputs and
 parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤ 1.0× PyTorch's time
 (LSTM/RNN ≤ 1.5× cuDNN) and ≤ 1.1× its peak memory.
@@ -81,6 +84,26 @@ def time_fn(fn: Callable[[], object], dev: torch.device, target_s: float) -> flo
         _sync(dev)
         runs.append((time.perf_counter() - t) / n)
     return statistics.median(runs)
+
+
+def graphed_time(fn: Callable[[], object], dev: torch.device, target_s: float, steps: int = 10) -> float:
+    """Median seconds per call when ``steps`` calls are captured in one CUDA graph and replayed: the
+    device's time alone, without the host's launch overhead (what a CUDA-graphed training step, such as
+    torchloom's ``train()`` device path, pays). Three warm-up calls on a side stream first."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    try:
+        return time_fn(graph.replay, dev, target_s) / steps
+    finally:
+        del graph
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -283,11 +306,11 @@ def _ratio(a: float, b: float) -> str:
     return "—" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}×"
 
 
-def _measure(label: str, fn: Callable | None, dev: torch.device, target: float) -> float:
-    if fn is None:
+def _measure(label: str, fn: Callable | None, dev: torch.device, target: float, graphed: bool = False) -> float:
+    if fn is None or (graphed and dev.type != "cuda"):
         return float("nan")
     try:
-        return time_fn(fn, dev, target)
+        return graphed_time(fn, dev, target) if graphed else time_fn(fn, dev, target)
     except Exception as e:  # report, don't hide: e.g. torch.compile failing on this platform
         print(f"{label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return float("nan")
@@ -337,11 +360,14 @@ def _row(case: Case, dt: str, r: dict) -> str:
     t, p = r["torchloom"], r["pytorch"]
     mt, mp = r["mem_torchloom"], r["mem_pytorch"]
     time_ok = not math.isnan(t) and not math.isnan(p) and t <= case.time_target * p
+    gt, gp = r["graphed_torchloom"], r["graphed_pytorch"]
+    graphed = "" if math.isnan(gt) or math.isnan(gp) else " (graphed ✓)" if gt <= case.time_target * gp else " (graphed ✗)"
     mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
-    met = ("time ✓" if time_ok else f"time ✗ (>{case.time_target}×)") + ", " + mem
+    met = ("time ✓" if time_ok else f"time ✗ (>{case.time_target}×)") + graphed + ", " + mem
     return (
         f"| {case.name} | {dt} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_ms(r['compile'])} | "
-        f"{_ratio(t, p)} | {_mb(mt)} | {_mb(mp)} | {_mb(r['mem_compile'])} | {_ratio(mt, mp)} | {met} |"
+        f"{_ratio(t, p)} | {_ms(r['graphed_torchloom'])} | {_ms(r['graphed_pytorch'])} | {_ratio(r['graphed_torchloom'], r['graphed_pytorch'])} | "
+        f"{_mb(mt)} | {_mb(mp)} | {_mb(r['mem_compile'])} | {_ratio(mt, mp)} | {met} |"
     )
 
 
@@ -370,10 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         "",
         "Forward + backward per step. ratio = torchloom / PyTorch (time and peak memory above the inputs and",
-        "parameters). Targets: time ≤ 1.0× PyTorch (LSTM/RNN ≤ 1.5× cuDNN), peak memory ≤ 1.1×.",
+        "parameters). graphed = ten steps captured in one CUDA graph and replayed: the device's time without",
+        "the host's launch overhead. Targets: time ≤ 1.0× PyTorch (LSTM/RNN ≤ 1.5× cuDNN), peak memory ≤ 1.1×.",
         "",
-        "| layer (PyTorch side) | dtype | shape | torchloom ms | PyTorch ms | compile ms | time ratio | torchloom MB | PyTorch MB | compile MB | memory ratio | targets met |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| layer (PyTorch side) | dtype | shape | torchloom ms | PyTorch ms | compile ms | time ratio | graphed torchloom ms | graphed PyTorch ms | graphed ratio | torchloom MB | PyTorch MB | compile MB | memory ratio | targets met |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     # Layer-major order (each layer in every dtype before the next layer); every row is printed as soon
     # as it is measured, so a run cut short still leaves complete rows.
@@ -402,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                 "pytorch": _measure(f"{label} PyTorch", theirs, dev, args.target),
                 "mem_torchloom": _memory(label, ours, dev),
                 "mem_pytorch": _memory(f"{label} PyTorch", theirs, dev),
+                "graphed_torchloom": _measure(f"{label} graphed", ours, dev, args.target, graphed=True),
+                "graphed_pytorch": _measure(f"{label} PyTorch graphed", theirs, dev, args.target, graphed=True),
                 "compile": _measure(f"{label} compile", compiled, dev, args.target),
                 "mem_compile": _memory(f"{label} compile", compiled, dev),
             }

@@ -40,14 +40,18 @@ __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_ba
 
 _CUDA_MAX_BLOCK = 8192  # a row up to this length sits in registers in one piece
 _INTERPRETER_MAX_BLOCK = 1 << 16
-# Launch settings: values per tile, programs per SM in the backward (capped so that the float32
-# partial sums of dw/db stay a small fraction of the input: at most one row of partials per 64
-# bytes of a column of the input), values per thread (warps capped at 16). A sweep on
-# an H100 at 8192 rows of 1024/4096 could not separate the settings: at those sizes the layer's time
-# is the host's launch overhead, not the kernels'.
+# Launch settings: values per tile, programs per SM in the backward (capped below so that the float32
+# partial sums of dw/db stay a small fraction of the input), values per thread (warps capped at 16).
+# In an eager loop at 8192 rows of 1024 the layer's time is the host's (launch and autograd overhead),
+# not the kernels': the settings only show in a CUDA-graphed step (bench/bench_layers.py, graphed).
 _TILE_ELEMS = 4096
 _PROGRAMS_PER_SM = 4
 _ELEMS_PER_THREAD = 16
+# The backward's dw/db partial rows: at most one per this many bytes of a column of x, at least one per
+# SM. Measured on an H100 (8192 rows of 1024, layer step in a CUDA graph): 256 instead of 64 cut the
+# float32 step by 8-15 % and the peak memory from 1.13x to 1.03x the input's; bfloat16 (fewer
+# programs then) lost 10-20 % but its peak fell from 1.13x to 1.07x.
+_COLUMN_BYTES_PER_PARTIAL = 256
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -187,6 +191,7 @@ def fits_tiled(n_cols: int, is_cuda: bool) -> bool:
     return n_cols <= (_CUDA_MAX_BLOCK if is_cuda else _INTERPRETER_MAX_BLOCK)
 
 
+@functools.lru_cache(maxsize=None)
 def _settings(n_cols: int, is_cuda: bool) -> tuple[int, int, int]:
     """``(ROWS, BLOCK, num_warps)``: the row rounded up to a power of two, as many rows per tile as
     make ``_TILE_ELEMS`` values, ``_ELEMS_PER_THREAD`` values per thread (1 to 16 warps)."""
@@ -201,29 +206,53 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
+@functools.lru_cache(maxsize=None)
+def _backward_grid(n_rows: int, n_cols: int, element_size: int, device_index: int | None) -> tuple[int, int]:
+    """``(programs, tiles_per_program)`` of the backward (``device_index=None``: the interpreter).
+    Each program writes one float32 row of dw (and db) partials: at most one per 64 bytes of a column
+    of x (``_COLUMN_BYTES_PER_PARTIAL``), so the partials stay a small fraction of x's size (peak
+    memory), but at least one per SM."""
+    rows, _, _ = _settings(n_cols, device_index is not None)
+    tiles = -(-n_rows // rows)
+    sms = _sm_count(device_index) if device_index is not None else 2
+    cap = max(sms, n_rows * element_size // _COLUMN_BYTES_PER_PARTIAL)
+    programs = max(1, min(tiles, _PROGRAMS_PER_SM * sms, cap))
+    tiles_per_program = -(-tiles // programs)
+    return -(-tiles // tiles_per_program), tiles_per_program  # no program without rows
 
 
+def _dense(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _device_index(t: Tensor) -> int | None:
+    if not t.is_cuda:
+        return None
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+# The launchers below run on every call of a layer, so they keep the host's work small (at a few
+# thousand rows the layer's time is the host's, not the GPU's): no reshapes (the kernels index
+# contiguous rows), the launch settings cached per shape.
 def tiled_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """``(y, mean or None, rstd)`` of LayerNorm (``rms=False``) or RMSNorm (``rms=True``, no bias)
     through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``."""
-    x2 = _rows(x)
-    n_rows, n = x2.shape
+    x2 = _dense(x)
+    n = x2.shape[-1]
+    n_rows = x2.numel() // n
     rows, block, num_warps = _settings(n, x2.is_cuda)
     y = torch.empty_like(x2)
-    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-    mean = rstd if rms else torch.empty(n_rows, device=x.device, dtype=torch.float32)
-    w = weight.contiguous()
-    b = bias.contiguous() if bias is not None else w
+    rstd = torch.empty(x2.shape[:-1], device=x2.device, dtype=torch.float32)
+    mean = rstd if rms else torch.empty_like(rstd)
+    w = _dense(weight)
+    b = _dense(bias) if bias is not None else w
     _norm_forward_kernel[(-(-n_rows // rows),)](
         y, mean, rstd, x2, w, b, n_rows, n, eps,
         RMS=rms, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block, num_warps=num_warps,
     )
-    lead = x.shape[:-1]
-    return y.view(x.shape), (None if rms else mean.view(lead)), rstd.view(lead)
+    return y, (None if rms else mean), rstd
 
 
 def tiled_backward(
@@ -231,29 +260,26 @@ def tiled_backward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dx, dw, db or None)`` of LayerNorm (``mean`` given) or RMSNorm (``mean=None``) through the
     tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s."""
-    x2, g2 = _rows(x), _rows(grad_out)
-    n_rows, n = x2.shape
+    x2, g2 = _dense(x), _dense(grad_out)
+    n = x2.shape[-1]
+    n_rows = x2.numel() // n
     rows, block, num_warps = _settings(n, x2.is_cuda)
-    tiles = -(-n_rows // rows)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 2
-    # Each program writes one float32 row of dw (and db) partials: at most one per 64 bytes of a
-    # column of x, so the partials stay within 1/16 of x's size (peak memory), but at least one per SM.
-    cap = max(sms, n_rows * x2.element_size() // 64)
-    programs = max(1, min(tiles, _PROGRAMS_PER_SM * sms, cap))
-    tiles_per_program = -(-tiles // programs)
-    programs = -(-tiles // tiles_per_program)  # no program without rows
+    programs, tiles_per_program = _backward_grid(n_rows, n, x2.element_size(), _device_index(x2))
     dx = torch.empty_like(x2)
     dw_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32)
     db_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32) if has_bias else dw_partial
-    rstd2 = rstd.reshape(-1).to(torch.float32).contiguous()
-    mean2 = rstd2 if mean is None else mean.reshape(-1).to(torch.float32).contiguous()
+    rstd2 = _dense(rstd if rstd.dtype == torch.float32 else rstd.to(torch.float32))
+    mean2 = rstd2 if mean is None else _dense(mean if mean.dtype == torch.float32 else mean.to(torch.float32))
     _norm_backward_kernel[(programs,)](
-        dx, dw_partial, db_partial, g2, x2, weight.contiguous(), mean2, rstd2, n_rows, n, tiles_per_program,
+        dx, dw_partial, db_partial, g2, x2, _dense(weight), mean2, rstd2, n_rows, n, tiles_per_program,
         RMS=mean is None, HAS_BIAS=has_bias, ROWS=rows, BLOCK=block, num_warps=num_warps,
     )
-    dw = dw_partial.sum(0).to(weight.dtype)
-    db = db_partial.sum(0).to(weight.dtype) if has_bias else None
-    return dx.view(x.shape), dw, db
+    dw = dw_partial.sum(0)
+    db = db_partial.sum(0) if has_bias else None
+    if dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+        db = db.to(weight.dtype) if db is not None else None
+    return dx, dw, db
 
 
 def layernorm(

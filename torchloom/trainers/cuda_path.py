@@ -33,6 +33,7 @@ rate groups of ``trainer.rate_groups()`` point at their row).
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -56,6 +57,23 @@ STEPS_PER_GRAPH = 64
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
 NAN_WEIGHTS = 4  # status written after the update when it made a weight or state non-finite (undone)
 _SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
+
+
+@contextlib.contextmanager
+def capturing(graph: "torch.cuda.CUDAGraph", pool: object | None = None) -> Iterator[None]:
+    """``torch.cuda.graph`` for the engine's captures, made robust against what other code does
+    meanwhile: Python's garbage collector is paused (a collection in the middle of a capture can free
+    CUDA objects left by earlier code, which the capture forbids), and only this thread's CUDA calls
+    are checked (``capture_error_mode="thread_local"``: a thread of other code that calls CUDA, say a
+    data loader's, cannot break the capture). ``torch.cuda.graph`` itself collects garbage first."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _needs_eager_checks(model: torch.nn.Module) -> bool:
@@ -284,7 +302,7 @@ class CudaRunner:
                     self.step_loss, self.step_status, self.step_logs = c["loss"], c["status"], c["logs"]
                     try:
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool):
+                        with capturing(graph, pool):
                             for k in range(k_steps):
                                 self._use_lr_row(k, table=c["lr"] if t.scheduler is not None else None)
                                 t.device_step(c["x"][k], c["y"][k], k, self)
@@ -294,7 +312,7 @@ class CudaRunner:
                     self.capture_count += 1
                 if tail_start < n:
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with capturing(graph, pool):
                         for k in range(tail_start, n):
                             self._use_lr_row(k)
                             t.device_step(*items[k], k, self)

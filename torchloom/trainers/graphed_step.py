@@ -27,6 +27,7 @@ from ..layers.base import Layer, host_checks
 from ..layers.network import Network
 from .backprop import BackpropTrainer
 from .config import TrainingConfig, as_network
+from .cuda_path import capturing
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -92,7 +93,7 @@ class GraphedStep:
                 torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capturing(graph):
                 self._step()
         self.graph = graph
 
