@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = [
     "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved", "FlashAttentionSaved",
@@ -231,7 +231,7 @@ def attention_backward(
 
     grads: tuple[Tensor, ...] = (torch.mm(d_q.t(), x2), torch.mm(d_k.t(), x2), torch.mm(d_v.t(), x2), d_o_weight)
     if has_bias:
-        grads += (d_q.sum(0), d_k.sum(0), d_v.sum(0), gy.sum(0))
+        grads += (column_sum(d_q), column_sum(d_k), column_sum(d_v), column_sum(gy))
     dx = None
     if needs_input_grad:
         dx = torch.mm(d_q, q_weight).addmm_(d_k, k_weight).addmm_(d_v, v_weight).view(b, s, d)
@@ -301,8 +301,8 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     kd = kv * hd
     grads: tuple[Tensor, ...] = (d_w[:d], d_w[d : d + kd], d_w[d + kd :], d_o_weight)
     if has_bias:
-        d_b = d_qkv.sum(0)
-        grads += (d_b[:d], d_b[d : d + kd], d_b[d + kd :], gy.sum(0))
+        d_b = column_sum(d_qkv)
+        grads += (d_b[:d], d_b[d : d + kd], d_b[d + kd :], column_sum(gy))
     dx = torch.mm(d_qkv, w_qkv).view(b, s, d) if needs_input_grad else None
     return dx, _to_param_dtype(grads, param_dtype)
 

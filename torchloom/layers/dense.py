@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .activations import Activation, get_activation
-from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["Dense", "DenseFunction", "DenseSaved", "dense", "dense_forward", "dense_backward"]
 
@@ -102,12 +102,12 @@ def dense_backward(
             g_pre = g_pre.reshape(-1, weight.shape[0])
         if dtypes is not None:  # computed in the autocast dtype, returned in each tensor's own
             grad_w = _into(torch.mm(g_pre.t(), x2), w_out).to(dtypes[1])
-            grad_b = _into(g_pre.sum(0), b_out).to(dtypes[1]) if has_bias else None
+            grad_b = _into(column_sum(g_pre), b_out).to(dtypes[1]) if has_bias else None
         else:
             grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
             grad_b = None
             if has_bias:
-                grad_b = torch.sum(g_pre, 0, out=b_out) if b_out is not None else g_pre.sum(0)
+                grad_b = column_sum(g_pre, out=b_out)
         grad_x = None
         if needs_input_grad:
             grad_x = torch.mm(g_pre, weight) if flat else torch.mm(g_pre, weight).view(x.shape)

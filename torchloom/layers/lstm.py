@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import autocast_off, forbid_double_backward
+from .base import column_sum, autocast_off, forbid_double_backward
 from .rnn import RecurrentLayer, autocast_recurrent_forward
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
@@ -174,7 +174,7 @@ def lstm_backward(
     g2 = g_pre.reshape(B * T, 4 * H)
     grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
     grad_w_hh = torch.mm(g_pre[:, 1:].reshape(-1, 4 * H).t(), hidden[:, :-1].reshape(-1, H))
-    grad_b = g2.sum(0) if has_bias else None
+    grad_b = column_sum(g2) if has_bias else None
     grad_x = torch.mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)

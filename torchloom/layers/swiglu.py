@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
 
@@ -117,7 +117,7 @@ def swiglu_backward(
         d_up = torch.mm(du.t(), x2)
         grads: tuple[Tensor, ...] = (d_gate, d_up, d_down)
         if has_bias:
-            grads += (dg.sum(0), du.sum(0), gy.sum(0))
+            grads += (column_sum(dg), column_sum(du), column_sum(gy))
         dx = None
         if needs_input_grad:
             dx = torch.mm(dg, gate_weight).addmm_(du, up_weight).view(x.shape)
