@@ -173,6 +173,8 @@ class TargetPropState:
     * ``pre_acts[0..L]``: ``pre_acts[i+1]`` = layer i's pre-activation (``None`` without one; index 0
       unused);
     * ``backward_targets[0..L]``: what each activation should have been; ``[L]`` = the target;
+      ``[0]`` (the input's) only from ``target_prop_backward``: a training step skips it (``None``),
+      as no update uses it;
     * ``gradients[0..L]``: chain rule only: ``gradients[i]`` = ``g_i`` at layer i's input, ``[L] = t − y``
       (``None`` in pure mode, which takes no derivatives);
     * ``weight_gradients[0..L-1]``: per layer, a tuple aligned with ``layer.parameters()``: the update
@@ -402,9 +404,10 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
     _fill_backward(model, state, _as_float_target(acts[n], target))
 
 
-def _fill_backward(model: Network, state: TargetPropState, target: Tensor) -> None:
+def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input_target: bool = True) -> None:
     """``target_prop_backward``'s body for a checked float ``target``: no host read (the device step
-    calls it too)."""
+    calls it too). ``input_target=False`` (the trainers' steps) skips ``backward_targets[0]``, the
+    input's target, which no update uses: at a wide input it is the step's largest matrix product."""
     n = state.num_layers
     acts = state.forward_acts
     targets: list[Tensor | None] = [None] * (n + 1)
@@ -416,7 +419,7 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor) -> No
         grads[n] = g
         scale = state.config.gradient_scale
         for i in range(n - 1, -1, -1):
-            g, weight_grads[i] = model.layers[i].backward_saved(g, state.saved[i], needs_input_grad=True)
+            g, weight_grads[i] = model.layers[i].backward_saved(g, state.saved[i], needs_input_grad=input_target or i > 0)
             if g is None:  # e.g. an embedding's integer input: no signal goes further down
                 break
             grads[i] = g
@@ -425,7 +428,8 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor) -> No
         for i in range(n - 1, -1, -1):
             layer, t_out = model.layers[i], targets[i + 1]
             weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
-            targets[i] = estimate_input_target(layer, t_out, acts[i])
+            if input_target or i > 0:
+                targets[i] = estimate_input_target(layer, t_out, acts[i])
     state.backward_targets, state.gradients, state.weight_gradients = targets, grads, weight_grads
 
 
@@ -695,7 +699,8 @@ class TargetPropTrainer(Trainer):
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
         self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
-        _fill_backward(self.model, state, target)
+        # the input's gradient only for per-layer observers (``on_layer_backward`` of layer 0)
+        _fill_backward(self.model, state, target, input_target=events is not None)
         if events is not None and state.config.use_chain_rule:  # pure mode takes no gradients
             for i in range(len(self.model.layers) - 1, -1, -1):
                 g = state.gradients[i]  # t − y carried back: the loss gradient is its negative
@@ -769,7 +774,7 @@ class TargetPropTrainer(Trainer):
         labels = y if y.dtype == torch.long else None
         target = _as_float_target(out, y)
         loss = ((out - target) ** 2).mean(dtype=torch.float64)
-        _fill_backward(model, st, target)
+        _fill_backward(model, st, target, input_target=False)
         directions = [d for ds in st.weight_gradients if ds for d in ds]
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
         if self.dist is not None:  # data-parallel: directions summed, loss averaged over the ranks, in the step

@@ -603,6 +603,18 @@ _TWEEN_SCALARS = (
 )
 
 
+
+def _sum_squares(a: Tensor) -> Tensor:
+    """``Σ a²`` as a 0-d float64 tensor. A float CUDA input (the network's input, ``[batch, in]``: at a
+    wide input the largest tensor of a Tween step) goes through one fused pass with float32 partial
+    sums; elsewhere, and for integer token ids, ``a`` is cast to float64 first."""
+    if a.is_cuda and a.dtype in (torch.float32, torch.float16, torch.bfloat16) and a.numel():
+        from ..kernels.grad_norm import grad_sq_partials
+
+        return grad_sq_partials([a]).double().sum()
+    return a.double().square().sum()
+
+
 class TweenTrainer(Trainer):
     """Neural Tweening in the shared epoch loop: ``fit(data, epochs)`` runs ``TweenState.step`` per batch.
 
@@ -898,7 +910,7 @@ class TweenTrainer(Trainer):
         f_list = [acts[i + 1] if i + 1 < n else y_hat for i in range(n)]
         stats = torch.stack([pair_stats(f_list[i], targets[i + 1], acts[i + 1]) for i in range(n)]).double()
         dot, ff, tt, dd, out_sq = stats.unbind(1)
-        in_sq = torch.cat([acts[0].double().square().sum().reshape(1), out_sq[:-1]])  # a_0 may be integer token ids
+        in_sq = torch.cat([_sum_squares(acts[0]).reshape(1), out_sq[:-1]])
         numel_f = [max(f.numel(), 1) for f in f_list]
         numel_in = [max(acts[i].numel(), 1) for i in range(n)]
         gap = torch.stack([dd[i] / numel_f[i] for i in range(n)])
