@@ -767,14 +767,18 @@ class TweenTrainer(Trainer):
         ``TweenState`` fields once per epoch (``device_epoch_end``)."""
         st, dev = self.state, self.device
         f64 = dict(dtype=torch.float64, device=dev)
+        from ..kernels.explosion_rule import STATE_FIELDS, rule_constants
+
         values = {
             "adaptive_rate": float(st.adaptive_rate),
             "explosion_count": float(st.explosion_count),
             "steps": float(st.steps),
             **{k: float(v) for k, v in self._rule_state().items()},
         }
-        self._dev_flat = torch.tensor(list(values.values()), **f64)  # one buffer, 0-d views by name
-        self.dev = {k: self._dev_flat[i] for i, k in enumerate(values)}
+        # one buffer in the explosion rule kernel's field order, 0-d views by name
+        self._dev_flat = torch.tensor([values[k] for k in STATE_FIELDS], **f64)
+        self.dev = {k: self._dev_flat[i] for i, k in enumerate(STATE_FIELDS)}
+        self._rule_constants = rule_constants(EXPLOSION_RULE, self.config, dev)
         scales = [0.0 if s is None else s for s in st.depth_scales]
         self._scales = torch.tensor(scales, **f64)
         # parameters and velocities each in one buffer of one layout (parameter order): the weight
@@ -868,10 +872,8 @@ class TweenTrainer(Trainer):
         # torch.full, not torch.tensor: a fill kernel, where a host→device copy would synchronise
         base = lr.double() if isinstance(lr, Tensor) else torch.full((), float(lr), dtype=torch.float64, device=self.device)
         avg_gap = gaps.mean()
-        exploded = self._device_rule(avg_gap, base, ok)
+        exploded = self._device_rule(avg_gap, base, runner.found_inf)
         d = self.dev
-        d["explosion_count"].add_(exploded.double())
-        d["steps"].add_(ok.double())
 
         # update: per-layer rate, momentum per parameter, masked by ``ok``
         s = cfg.link_budget_scale
@@ -967,21 +969,13 @@ class TweenTrainer(Trainer):
         for key in ("gap_baseline", "gap_growth_rate", "gap_log_mean", "gap_log_dev", "gap_log_peak", "explosion_pressure"):
             setattr(st, key, values[key])
 
-    def _device_rule(self, avg_gap: Tensor, base: Tensor, ok: Tensor) -> Tensor:
-        """Step 4 in device tensors (``ExplosionRule`` over ``torch`` ops); returns the 0-d bool
-        ``exploded`` and updates ``self.dev``, every write masked by ``ok``."""
-        d = self.dev
-        watch = (d["gap_log_mean"], d["gap_log_dev"], d["gap_log_peak"], d["explosion_pressure"])
-        exploded, rate, (m, s, lam, p), baseline, growth = EXPLOSION_RULE(
-            _TensorOps, avg_gap, watch, d["adaptive_rate"], d["steps"], base, self.config
-        )
-        exploded = ok & exploded
-        new = {"adaptive_rate": rate, "gap_baseline": baseline, "gap_growth_rate": growth, "prev_avg_gap": avg_gap,
-               "gap_log_mean": m, "gap_log_dev": s, "gap_log_peak": lam, "explosion_pressure": p}
-        for key, value in new.items():
-            d[key].copy_(torch.where(ok, value, d[key]))
-        return exploded
+    def _device_rule(self, avg_gap: Tensor, base: Tensor, found_inf: Tensor) -> Tensor:
+        """Step 4 on the device: ``ExplosionRule`` over the state in ``self.dev`` (explosion count and
+        steps included), every write masked by ``found_inf == 0``; returns the 0-d bool ``exploded``.
+        One launch on CUDA (``kernels.explosion_rule``), the rule over ``torch`` ops elsewhere."""
+        from ..kernels.explosion_rule import explosion_rule_
 
+        return explosion_rule_(EXPLOSION_RULE, _TensorOps, self.config, self._dev_flat, self._rule_constants, avg_gap, base, found_inf)
 
 def _global_step_numbers(dist: Any, loss_t: Tensor, batch: int, grads: list[Tensor], acts: list[Tensor], y_hat: Tensor, targets: list[Any]) -> tuple[Tensor, list[Tensor], int]:
     """Data-parallel ``_step``: the parameter gradients ``G_i`` (sums over samples) summed over the
