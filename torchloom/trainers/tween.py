@@ -185,7 +185,9 @@ class ExplosionRule:
 
     The rule is written once over an ``ops`` namespace (``log``, ``exp``, ``clamp``, ``maximum``,
     ``minimum``, ``where``, ``logical_not``), so the same code runs on Python floats in the host step
-    and on 0-d tensors with ``torch.where`` in the device step (no host read).
+    and on 0-d tensors with ``torch.where`` in the device step off CUDA (no host read). On CUDA the
+    device step runs it as one float64 kernel (``torchloom.kernels.explosion_rule``: the same lines in
+    Triton, tested step by step against this rule on floats), not ~80 scalar kernels.
     """
 
     warmup: int = 10
