@@ -169,6 +169,8 @@ def _run(rank: int, world: int, args: Any, port: int | None = None) -> int:
         if rank == 0:
             name = torch.cuda.get_device_name(dev) if use_cuda else "CPU (gloo, dry run: no timings worth reading)"
             print(table(rows, world, f"{world} × {name}" if world > 1 else name), flush=True)
+        if world > 1:
+            dist.barrier()  # both ranks done before either tears down (gloo aborts a peer mid-receive)
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -70,6 +70,7 @@ def main(epochs: int = 20, cpu: bool = False, verbose: bool = True) -> dict[str,
         if verbose and rank == 0:
             print(f"{name}: test accuracy {results[name]:.2%} ({world} process{'es' if world > 1 else ''})", flush=True)
     if launched:
+        dist.barrier()  # every rank done before any tears down
         dist.destroy_process_group()
     return results
 

@@ -85,3 +85,34 @@ def test_skipped_step_writes_nothing(backend):
     exploded = explosion_rule_(EXPLOSION_RULE, _TensorOps, cfg, state, rule_constants(EXPLOSION_RULE, cfg, DEVICE),
                                one, one, torch.tensor([1.0], device=DEVICE), backend=backend)
     assert not bool(exploded) and torch.equal(state, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_gap_leaves_the_same_state_as_the_float_rule(backend):
+    """A NaN mean gap on an applied step (unreachable in training: it comes with a NaN loss or
+    gradient, whose step is skipped) still leaves the device and host forms in the same state."""
+    cfg = TweenConfig()
+    seq = [(g, True, 0.05) for g, _, _ in _gaps(3, 20)]
+    seq[15] = (math.nan, True, 0.05)
+    expected = _float_run(cfg, seq)
+    state = torch.tensor([0.05, 0.0, 0.0, math.nan, 0.0, 1.0, 0.0, 0.0, -math.inf, 0.0], dtype=torch.float64, device=DEVICE)
+    constants = rule_constants(EXPLOSION_RULE, cfg, DEVICE)
+    for k, (g, _, base) in enumerate(seq):
+        t = lambda v: torch.tensor(v, dtype=torch.float64, device=DEVICE)  # noqa: E731
+        exploded = explosion_rule_(EXPLOSION_RULE, _TensorOps, cfg, state, constants, t(g), t(base),
+                                   torch.tensor([0.0], device=DEVICE), backend=backend)
+        want_exploded, want = expected[k]
+        assert bool(exploded) == want_exploded
+        for key, a in zip(STATE_FIELDS, state.tolist()):
+            b = want[key]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-300), f"step {k} {key}: {a} vs {b}"
+
+
+def test_constants_follow_their_names():
+    cfg = TweenConfig(explosion_limit=7.0, recovery_rate=0.25, recovery_growth=1.5, explosion_detection=False)
+    from torchloom.kernels.explosion_rule import _CONSTANTS
+
+    values = dict(zip(_CONSTANTS, rule_constants(EXPLOSION_RULE, cfg, "cpu").tolist()))
+    assert values["log_limit"] == pytest.approx(math.log(7.0)) and values["recovery_rate"] == 0.25
+    assert values["recovery_growth"] == 1.5 and values["detect"] == 0.0 and values["warmup"] == EXPLOSION_RULE.warmup
+    assert values["forget"] == pytest.approx(math.log(10.0) / EXPLOSION_RULE.forget_steps)

@@ -42,3 +42,16 @@ def test_cuda_under_autocast_keeps_the_input_dtype():
         got = column_sum(t)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, t.sum(0))
+
+
+@pytest.mark.cuda
+def test_cuda_out_of_another_dtype_and_strided_input_fall_back_to_sum():
+    t = torch.randn(512, 64, device="cuda")
+    out = torch.empty(64, device="cuda", dtype=torch.float64)
+    assert column_sum(t, out=out) is out
+    torch.testing.assert_close(out, t.double().sum(0), rtol=1e-5, atol=1e-4)
+    wide = torch.randn(512, 128, device="cuda")
+    strided = wide[:, ::2]  # neither dimension contiguous: a GEMV would copy it first
+    torch.testing.assert_close(column_sum(strided), strided.sum(0), rtol=0, atol=0)
+    transposed = torch.randn(64, 512, device="cuda").t()  # columns contiguous: the GEMV reads it in place
+    torch.testing.assert_close(column_sum(transposed), transposed.double().sum(0).float(), rtol=1e-5, atol=1e-4)

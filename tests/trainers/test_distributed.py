@@ -204,6 +204,7 @@ def _worker(rank, port, tmp):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         result = _scenarios(rank, tmp)
+        dist.barrier()  # both ranks done before either tears down (gloo aborts a peer mid-receive)
     except Exception:
         result = {"error": traceback.format_exc()}
     finally:

@@ -513,3 +513,43 @@ def test_cuda_overflowing_updates_are_undone_on_the_device(name, cuda_graph):
         result = train(net, data, cfg)
     assert all(torch.isfinite(p).all() for p in net.parameters())
     assert result.skipped_batches == 10 and _same(net.cpu(), before)
+
+
+# ------------------------------------------------------------------ the device runner, per fit
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("cuda_graph", [None, False])
+def test_cuda_resume_is_exact(name, cuda_graph, tmp_path):
+    """2 epochs + resume for 2 more = 4 epochs in one run, on the device path too: the restored method
+    state (Tween's rule and velocities, TargetProp's budgets and velocities) reaches the device."""
+    from torchloom import Checkpoint
+
+    data = _data()
+    kw = dict(use_gpu=True, cuda_graph=cuda_graph)
+    full = _net()
+    r_full = train(full, data, _cfg(name, epochs=4, **kw))
+    path = tmp_path / "state.pt"
+    train(_net(), data, _cfg(name, epochs=2, observers=[Checkpoint(path, save_best_only=False)], **kw))
+    resumed = _net(seed=5)
+    r_res = train(resumed, data, _cfg(name, epochs=4, resume_from=path, **kw))
+    assert r_res.loss_history == r_full.loss_history
+    assert _same(resumed, full)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(METHODS))
+def test_cuda_second_fit_trains_on_its_own_batches(name):
+    """A trainer's second ``fit`` captures its own graphs: the first fit's graphs (captured over the
+    first batches) never replay over the second fit's data."""
+    from torchloom.trainers.train import make_trainer
+
+    first, second = _data(seed=1), _data(seed=2)
+    runs = {}
+    for graph in (None, False):
+        trainer = make_trainer(_net(), _cfg(name, use_gpu=True, cuda_graph=graph))
+        trainer.fit(first, 1)
+        result = trainer.fit(second, 1)
+        runs[graph] = (result.loss_history, [p.detach().cpu() for p in trainer.model.parameters()])
+    assert runs[None][0] == pytest.approx(runs[False][0], rel=1e-12, abs=0)
+    for a, b in zip(runs[None][1], runs[False][1]):
+        assert_close(a, b, name="weights after the second fit", rtol=1e-12, atol=1e-14)

@@ -38,15 +38,21 @@ _CONSTANTS = (
 )
 
 
+# The kernel reads both buffers by these offsets: a change of either order must change the kernel.
+assert STATE_FIELDS.index("adaptive_rate") == 0 and STATE_FIELDS.index("steps") == 2 and STATE_FIELDS.index("explosion_pressure") == 9
+assert _CONSTANTS.index("warmup") == 0 and _CONSTANTS.index("log_limit") == 10 and _CONSTANTS.index("detect") == 13
+
+
 def rule_constants(rule: Any, config: Any, device: torch.device | str) -> Tensor:
     """The rule's and the config's constants as a float64 tensor on ``device`` (``_CONSTANTS`` order);
     ``forget`` is the peak's fall per quiet step, ``ln 10 / forget_steps``."""
-    values = [
-        rule.warmup, rule.horizon, rule.spread, math.log(10.0) / rule.forget_steps, rule.absorb, rule.sustain,
-        rule.leak, rule.floor, rule.gap_min, rule.gap_max, math.log(config.explosion_limit),
-        config.recovery_rate, config.recovery_growth, 1.0 if config.explosion_detection else 0.0,
-    ]
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    values = {
+        "warmup": rule.warmup, "horizon": rule.horizon, "spread": rule.spread, "forget": math.log(10.0) / rule.forget_steps,
+        "absorb": rule.absorb, "sustain": rule.sustain, "leak": rule.leak, "floor": rule.floor, "gap_min": rule.gap_min,
+        "gap_max": rule.gap_max, "log_limit": math.log(config.explosion_limit), "recovery_rate": config.recovery_rate,
+        "recovery_growth": config.recovery_growth, "detect": 1.0 if config.explosion_detection else 0.0,
+    }
+    return torch.tensor([float(values[k]) for k in _CONSTANTS], dtype=torch.float64, device=device)
 
 
 def explosion_rule_ref_(rule: Any, ops: Any, config: Any, state: Tensor, avg_gap: Tensor, base: Tensor, found_inf: Tensor) -> Tensor:
@@ -139,5 +145,6 @@ def explosion_rule_(
     if not use_triton(state, backend) or state.dtype != torch.float64 or state.numel() != len(STATE_FIELDS):
         return explosion_rule_ref_(rule, ops, config, state, avg_gap, base, found_inf)
     exploded = torch.empty((), dtype=torch.int8, device=state.device)
-    _rule_kernel[(1,)](state, exploded, avg_gap, base, found_inf, constants, num_warps=1)
+    # no FMA contraction: the same roundings as the reference's separate torch ops (bit for bit)
+    _rule_kernel[(1,)](state, exploded, avg_gap, base, found_inf, constants, num_warps=1, enable_fp_fusion=False)
     return exploded != 0

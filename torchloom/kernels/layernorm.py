@@ -206,12 +206,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)
 def _backward_grid(n_rows: int, n_cols: int, element_size: int, device_index: int | None) -> tuple[int, int]:
     """``(programs, tiles_per_program)`` of the backward (``device_index=None``: the interpreter).
-    Each program writes one float32 row of dw (and db) partials: at most one per 64 bytes of a column
-    of x (``_COLUMN_BYTES_PER_PARTIAL``), so the partials stay a small fraction of x's size (peak
-    memory), but at least one per SM."""
+    Each program writes one float32 row of dw (and db) partials: at most one per
+    ``_COLUMN_BYTES_PER_PARTIAL`` (256) bytes of a column of x, so the partials stay a small fraction
+    of x's size (peak memory), but at least one per SM. Cached per shape (at most 1,024 of them)."""
     rows, _, _ = _settings(n_cols, device_index is not None)
     tiles = -(-n_rows // rows)
     sms = _sm_count(device_index) if device_index is not None else 2

@@ -196,11 +196,15 @@ def check_dtype(x: Tensor, name: str, expected: torch.dtype, layer: str) -> None
 def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     """``Σ_rows t`` of a 2-D ``t [rows, n]`` → ``[n]`` in ``t``'s dtype (a bias gradient), written into
     ``out`` when given. On CUDA (outside autocast) a vector-matrix product with a ones vector (cuBLAS
-    GEMV, float32 accumulation): PyTorch's ``t.sum(0)`` stages its reduction in scratch memory as
-    large as the input (measured on an H100, torch 2.11: 64 MB for ``[8192, 1024]``, 132 MB for
-    ``[8192, 3072]``), which set the peak memory of attention's and SwiGLU's backward. Elsewhere
-    ``t.sum(0)``."""
-    if t.is_cuda and t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type):
+    GEMV, accumulating in float32 for half inputs): PyTorch's ``t.sum(0)`` stages its reduction in
+    scratch memory as large as the input (measured on an H100, torch 2.11: 64 MB for ``[8192, 1024]``,
+    132 MB for ``[8192, 3072]``), which set the peak memory of attention's and SwiGLU's backward. The
+    result is close to ``sum(0)``'s, not bit-equal (another summation order). Elsewhere — and for an
+    ``out`` of another dtype, or a ``t`` with neither dimension contiguous, which the GEMV would
+    first copy — ``t.sum(0)``."""
+    gemv = t.is_cuda and t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type)
+    gemv = gemv and (out is None or out.dtype == t.dtype) and (t.stride(1) == 1 or t.stride(0) == 1)
+    if gemv:
         ones = torch.ones(t.shape[0], dtype=t.dtype, device=t.device)
         return torch.mv(t.t(), ones) if out is None else torch.mv(t.t(), ones, out=out)
     return t.sum(0) if out is None else torch.sum(t, 0, out=out)

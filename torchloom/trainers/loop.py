@@ -490,9 +490,17 @@ class Trainer:
         self.model.to(self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
-        if self.device.type == "cuda" and self._runner is None and self.device_ready():
+        self._build_runner()
+
+    def _build_runner(self) -> None:
+        """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
+        call (graphs captured over an earlier fit's batches must never replay over this fit's, and the
+        device state is laid out from the trainer's state as it is now), and again after a resume
+        (the restored state must reach the device buffers)."""
+        if self.device.type == "cuda" and self.device_ready():
             from .cuda_path import CudaRunner
 
+            self._runner = None  # the old runner's graphs and buffers go before the new ones are made
             self._runner = CudaRunner(self)
 
     def guarded_tensors(self) -> list[Tensor]:
@@ -555,6 +563,8 @@ class Trainer:
         first_epoch = 0
         if resume is not None:
             first_epoch = self._restore_checkpoint(resume, history)
+            if self._runner is not None and self.device.type == "cuda":
+                self._build_runner()  # the device state from the restored state, not the fresh one
 
         perf: list[dict[str, float]] | None = [] if track_perf else None
         total_samples = 0

@@ -700,7 +700,7 @@ class TargetPropTrainer(Trainer):
             return StepOutput(loss, StepStatus.NAN_LOSS)
         self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
         # the input's gradient only for per-layer observers (``on_layer_backward`` of layer 0)
-        _fill_backward(self.model, state, target, input_target=events is not None)
+        _fill_backward(self.model, state, target, input_target=events is not None and events.wants_backward)
         if events is not None and state.config.use_chain_rule:  # pure mode takes no gradients
             for i in range(len(self.model.layers) - 1, -1, -1):
                 g = state.gradients[i]  # t − y carried back: the loss gradient is its negative

@@ -106,20 +106,29 @@ def _rate(owner: str, rate: Any) -> float:
 
 
 class _FloatOps:
-    """The few operations ``ExplosionRule`` needs, on Python floats and bools (the host step)."""
+    """The few operations ``ExplosionRule`` needs, on Python floats and bools (the host step). NaN
+    propagates as in the device forms (``torch.log``/``maximum``/``minimum`` and the kernel), so a
+    NaN gap leaves the same state on both paths (a skipped step never reaches the rule anyway)."""
 
     @staticmethod
     def log(v: float) -> float:
+        if v != v:
+            return v
         return math.log(v) if v > 0 else -math.inf
 
     exp = staticmethod(math.exp)
-    maximum = staticmethod(max)
+
+    @staticmethod
+    def maximum(a: float, b: float) -> float:
+        return a if a != a else b if b != b else max(a, b)
+
+    @staticmethod
+    def minimum(a: float, b: float) -> float:
+        return a if a != a else b if b != b else min(a, b)
 
     @staticmethod
     def clamp(v: float, lo: float, hi: float) -> float:
-        return min(max(v, lo), hi)
-
-    minimum = staticmethod(min)
+        return min(max(v, lo), hi)  # NaN stays NaN: comparisons with it are False
 
     @staticmethod
     def where(cond: bool, a: Any, b: Any) -> Any:
