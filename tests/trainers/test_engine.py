@@ -524,13 +524,14 @@ def test_cuda_resume_is_exact(name, cuda_graph, tmp_path):
     state (Tween's rule and velocities, TargetProp's budgets and velocities) reaches the device."""
     from torchloom import Checkpoint
 
-    data = _data()
+    f32 = torch.float32  # (float64 optimizer updates run their host-reading reference: never captured)
+    data = _data(dtype=f32)
     kw = dict(use_gpu=True, cuda_graph=cuda_graph)
-    full = _net()
+    full = _net(f32)
     r_full = train(full, data, _cfg(name, epochs=4, **kw))
     path = tmp_path / "state.pt"
-    train(_net(), data, _cfg(name, epochs=2, observers=[Checkpoint(path, save_best_only=False)], **kw))
-    resumed = _net(seed=5)
+    train(_net(f32), data, _cfg(name, epochs=2, observers=[Checkpoint(path, save_best_only=False)], **kw))
+    resumed = _net(f32, seed=5)
     r_res = train(resumed, data, _cfg(name, epochs=4, resume_from=path, **kw))
     assert r_res.loss_history == r_full.loss_history
     assert _same(resumed, full)
@@ -543,13 +544,14 @@ def test_cuda_second_fit_trains_on_its_own_batches(name):
     first batches) never replay over the second fit's data."""
     from torchloom.trainers.train import make_trainer
 
-    first, second = _data(seed=1), _data(seed=2)
+    f32 = torch.float32
+    first, second = _data(seed=1, dtype=f32), _data(seed=2, dtype=f32)
     runs = {}
     for graph in (None, False):
-        trainer = make_trainer(_net(), _cfg(name, use_gpu=True, cuda_graph=graph))
+        trainer = make_trainer(_net(f32), _cfg(name, use_gpu=True, cuda_graph=graph))
         trainer.fit(first, 1)
         result = trainer.fit(second, 1)
         runs[graph] = (result.loss_history, [p.detach().cpu() for p in trainer.model.parameters()])
-    assert runs[None][0] == pytest.approx(runs[False][0], rel=1e-12, abs=0)
+    assert runs[None][0] == pytest.approx(runs[False][0], rel=1e-6, abs=0)
     for a, b in zip(runs[None][1], runs[False][1]):
-        assert_close(a, b, name="weights after the second fit", rtol=1e-12, atol=1e-14)
+        assert_close(a, b, name="weights after the second fit", rtol=1e-5, atol=1e-6)
