@@ -614,7 +614,6 @@ _TWEEN_SCALARS = (
 )
 
 
-
 def _sum_squares(a: Tensor) -> Tensor:
     """``Σ a²`` as a 0-d float64 tensor. A float CUDA input (the network's input, ``[batch, in]``: at a
     wide input the largest tensor of a Tween step) goes through one fused pass with float32 partial
