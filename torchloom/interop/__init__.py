@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -197,19 +196,7 @@ def save_loom(net: Layer, path: str | os.PathLike, *, example_input: Tensor | Se
         raise FileNotFoundError(f"save_loom: directory {directory!r} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"save_loom: path {path!r} is a directory")
-    text = json.dumps(to_loom_json(net, example_input=example_input), indent=2)
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    from ..observers._files import atomic_write
+
+    data = json.dumps(to_loom_json(net, example_input=example_input), indent=2).encode("utf-8")
+    atomic_write("save_loom", path, lambda f: f.write(data), keep_mode=True)

@@ -16,44 +16,63 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["check_output_path", "atomic_write"]
+__all__ = ["text_path", "nearest_existing", "probe_new_file", "check_output_path", "atomic_write"]
+
+
+def text_path(owner: str, path: Any, name: str, kind: str) -> str:
+    """``path`` as a non-empty ``str`` without NUL characters (``kind``: "file" or "directory", for the
+    messages); ``TypeError``/``ValueError`` naming ``owner``'s argument ``name`` otherwise."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{owner}: {name} must be a str or os.PathLike {kind} path, got {type(path).__name__}")
+    p = os.fspath(path)
+    if not isinstance(p, str):
+        raise TypeError(f"{owner}: {name} must be a text path, got {type(p).__name__} {p!r}")
+    if not p or "\x00" in p:
+        raise ValueError(f"{owner}: {name} must be a non-empty {kind} path without NUL characters, got {p!r}")
+    return p
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` (absolute) or its closest ancestor that exists."""
+    existing = path
+    while not os.path.exists(existing):
+        up = os.path.dirname(existing)
+        if up == existing:
+            break
+        existing = up
+    return existing
+
+
+def probe_new_file(owner: str, name: str, p: str, directory: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``directory`` accepts a new file (an unnamed temporary file, gone at
+    once); ``where`` names that directory in the message."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{owner}: {name} {p!r} cannot be written: no file can be created in {where} "
+            f"({type(e).__name__}: {e.strerror or e})"
+        ) from None
 
 
 def check_output_path(owner: str, path: Any, name: str = "path") -> str:
     """``path`` as a ``str`` once it is known to be writable; ``TypeError``/``ValueError`` naming
     ``owner``'s argument ``name`` otherwise. Creates nothing (missing directories are made when the
     file is first written)."""
-    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{owner}: {name} must be a str or os.PathLike file path, got {type(path).__name__}")
-    p = os.fspath(path)
-    if not isinstance(p, str):
-        raise TypeError(f"{owner}: {name} must be a text path, got {type(p).__name__} {p!r}")
-    if not p or "\x00" in p:
-        raise ValueError(f"{owner}: {name} must be a non-empty file path without NUL characters, got {p!r}")
+    p = text_path(owner, path, name, "file")
     if os.path.isdir(p):
         raise ValueError(f"{owner}: {name} {p!r} is a directory; give the path of a file in it")
     if os.path.lexists(p) and not os.path.isfile(p):
         raise ValueError(f"{owner}: {name} {p!r} exists and is not a regular file (a device, socket or broken link)")
     parent = os.path.dirname(os.path.abspath(p))
-    existing = parent
-    while not os.path.exists(existing):
-        up = os.path.dirname(existing)
-        if up == existing:
-            break
-        existing = up
+    existing = nearest_existing(parent)
     if not os.path.isdir(existing):
         raise ValueError(
             f"{owner}: {name} {p!r} cannot be written: {existing!r} is a file, so the directory {parent!r} cannot exist"
         )
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        where = "its directory" if existing == parent else f"{existing!r}, where its directory {parent!r} would be made"
-        raise ValueError(
-            f"{owner}: {name} {p!r} cannot be written: no file can be created in {where} "
-            f"({type(e).__name__}: {e.strerror or e})"
-        ) from None
+    where = "its directory" if existing == parent else f"{existing!r}, where its directory {parent!r} would be made"
+    probe_new_file(owner, name, p, existing, where)
     return p
 
 
@@ -63,19 +82,21 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(owner: str, path: str, write: Callable[[IO[Any]], None], mode: str = "wb") -> None:
+def atomic_write(owner: str, path: str, write: Callable[[IO[Any]], None], mode: str = "wb", *, keep_mode: bool = False) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, flush it to disk, and rename it over
     ``path``. Any failure removes the temporary file, leaves ``path`` untouched and raises ``OSError``
     naming ``owner`` and ``path`` (the original error is chained); ``KeyboardInterrupt`` and other
-    ``BaseException``s propagate unchanged after the same clean-up."""
+    ``BaseException``s propagate unchanged after the same clean-up. The new file gets the permissions
+    ``open()`` would give it, or with ``keep_mode`` those of the file it replaces."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp: str | None = None
     try:
         os.makedirs(directory, exist_ok=True)
+        bits = os.stat(path).st_mode & 0o777 if keep_mode and os.path.exists(path) else 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
         with os.fdopen(fd, mode) as f:
-            if hasattr(os, "fchmod"):  # mkstemp makes 0600; give the file the permissions open() would
-                os.fchmod(f.fileno(), 0o666 & ~_umask())
+            if hasattr(os, "fchmod"):  # mkstemp makes 0600
+                os.fchmod(f.fileno(), bits)
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -75,3 +75,11 @@ class ObserverList:
 
     def __len__(self) -> int:
         return len(self.observers)
+
+
+def is_main_process() -> bool:
+    """``True`` unless ``torch.distributed`` is initialised and this process's rank is not 0: the
+    process that prints and writes files in data-parallel training."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

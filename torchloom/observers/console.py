@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from .base import Observer
+from .base import Observer, is_main_process
 from .layer_stats import LayerEvent
 
 __all__ = ["ConsoleObserver", "format_forward_line", "format_backward_line"]
@@ -33,14 +33,6 @@ def format_backward_line(event: LayerEvent) -> str:
     return f"[BWD] ({z},{y},{x},{l}) {event.layer_type}: grad_avg={s.avg:.4f} grad_max={s.max:.4f}"
 
 
-def _rank0() -> bool:
-    """Whether this process prints: always, except on ranks other than 0 of an initialised
-    ``torch.distributed`` group (data-parallel training prints once)."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 class ConsoleObserver(Observer):
     """Prints one line per layer per pass, on every ``every``-th training step (steps 0, every,
     2·every, …; a line per layer and step adds up fast, so large runs want ``every`` in the
@@ -58,9 +50,9 @@ class ConsoleObserver(Observer):
         self.stream = stream
 
     def on_layer_forward(self, event: LayerEvent) -> None:
-        if event.step % self.every == 0 and _rank0():
+        if event.step % self.every == 0 and is_main_process():
             print(format_forward_line(event), file=self.stream or sys.stdout)
 
     def on_layer_backward(self, event: LayerEvent) -> None:
-        if event.step % self.every == 0 and _rank0():
+        if event.step % self.every == 0 and is_main_process():
             print(format_backward_line(event), file=self.stream or sys.stdout)

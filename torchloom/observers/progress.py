@@ -84,7 +84,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
-from .base import Observer
+from .base import Observer, is_main_process
 
 __all__ = [
     "EpochLinePrinter",
@@ -256,12 +256,6 @@ def print_line(text: str, stream: TextIO | None = None) -> None:
         print(text, file=out, flush=True)
 
 
-def _is_main_process() -> bool:
-    from .tensorboard import is_main_process
-
-    return is_main_process()
-
-
 def _check_line_options(owner: str, durations: Any, method_logs: Any) -> None:
     if durations not in _DURATION_STYLES:
         raise ValueError(
@@ -305,7 +299,7 @@ class EpochLinePrinter(Observer):
         print_line(line, self.stream)
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
-        if _is_main_process():
+        if is_main_process():
             self.write_line(self.format_line(trainer, epoch, logs))
 
 
@@ -416,7 +410,7 @@ class ProgressObserver(EpochLinePrinter):
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
         self._loss_sum = 0.0
         self._batches = 0
-        if not self.bar or not _is_main_process():
+        if not self.bar or not is_main_process():
             return
         if self.per_batch:
             self._close_bar()
@@ -447,7 +441,7 @@ class ProgressObserver(EpochLinePrinter):
         bar.update(1)
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
-        if not _is_main_process():
+        if not is_main_process():
             return
         line = self.format_line(trainer, epoch, logs)
         if self._bar is None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
-from .base import Observer
+from ._files import nearest_existing, probe_new_file, text_path
+from .base import Observer, is_main_process
 
 __all__ = ["TensorBoardLogger"]
 
@@ -33,47 +33,21 @@ def _summary_writer_class() -> Any:
     return SummaryWriter
 
 
-def is_main_process() -> bool:
-    """``True`` unless ``torch.distributed`` is initialised and this process's rank is not 0."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def check_log_dir(owner: str, log_dir: Any, name: str = "log_dir", *, filesystem: bool = True) -> str:
     """``log_dir`` as a ``str`` once it is known to be usable as a directory of log files;
     ``TypeError``/``ValueError`` naming ``owner``'s argument ``name`` otherwise. With ``filesystem``
     the path must be a directory, or nothing yet under a directory that accepts a new file (probed with
     an unnamed temporary file). Creates nothing."""
-    if isinstance(log_dir, bytes) or not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(f"{owner}: {name} must be a str or os.PathLike directory path, got {type(log_dir).__name__}")
-    p = os.fspath(log_dir)
-    if not isinstance(p, str):
-        raise TypeError(f"{owner}: {name} must be a text path, got {type(p).__name__} {p!r}")
-    if not p or "\x00" in p:
-        raise ValueError(f"{owner}: {name} must be a non-empty directory path without NUL characters, got {p!r}")
+    p = text_path(owner, log_dir, name, "directory")
     if not filesystem:
         return p
     if os.path.lexists(p) and not os.path.isdir(p):
         raise ValueError(f"{owner}: {name} {p!r} exists and is not a directory; give a directory for the event files")
-    existing = os.path.abspath(p)
-    while not os.path.exists(existing):
-        up = os.path.dirname(existing)
-        if up == existing:
-            break
-        existing = up
+    existing = nearest_existing(os.path.abspath(p))
     if not os.path.isdir(existing):
         raise ValueError(f"{owner}: {name} {p!r} cannot be made: {existing!r} is a file")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        where = "it" if existing == os.path.abspath(p) else f"{existing!r}, where it would be made"
-        raise ValueError(
-            f"{owner}: {name} {p!r} cannot be written: no file can be created in {where} ({type(e).__name__}: {e.strerror or e})"
-        ) from None
+    probe_new_file(owner, name, p, existing, "it" if existing == os.path.abspath(p) else f"{existing!r}, where it would be made")
     return p
-
 
 class TensorBoardLogger(Observer):
     """Writes every numeric key of the epoch logs (``loss``, ``val_loss``, the metrics, the method's
