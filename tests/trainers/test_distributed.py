@@ -210,6 +210,7 @@ def _worker(rank, port, tmp):
     finally:
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's C++ destructors sometimes aborted a finished rank's exit
 
 
 def _free_port():
