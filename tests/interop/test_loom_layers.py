@@ -241,17 +241,7 @@ SGD_NETS = {
 
 @pytest.mark.parametrize("name", list(SGD_NETS))
 def test_one_sgd_step_equals_loom(name):
-    layers, xs, ys = SGD_NETS[name]
-    rng = np.random.RandomState(0)
-    x = rng.randn(1, *xs).astype(np.float32)
-    y = rng.rand(1, *ys).astype(np.float32)
-    handle = welvet.build_network(_net_cfg(layers))
-    try:
-        before = welvet.serialize_network(handle)
-        loom_hist = _loom_train(handle, x, y, lr=0.1)
-        after = welvet.serialize_network(handle)
-    finally:
-        welvet.free_network(handle)
+    x, y, before, loom_hist, after = _loom_one_step(*SGD_NETS[name])
     net = from_loom_json(before)
     result = train(net, [(torch.from_numpy(x[0]), torch.from_numpy(y[0]))],
                    TrainingConfig(epochs=1, learning_rate=0.1, loss_type="mse", verbose=False))
@@ -298,17 +288,24 @@ def test_gelu_import_option_maps_loom_gelu():
     assert from_loom_json(saved, gelu="gelu_loom")[0].activation.name == "gelu_loom"
 
 
-def _one_step_deltas(layers, xs, ys):
+def _loom_one_step(layers, xs, ys):
+    """Loom builds ``layers`` and trains one SGD step (lr 0.1) on one seeded sample: ``(x, y, the JSON
+    before, Loom's loss history, the JSON after)``."""
     rng = np.random.RandomState(0)
     x = rng.randn(1, *xs).astype(np.float32)
     y = rng.rand(1, *ys).astype(np.float32)
     handle = welvet.build_network(_net_cfg(layers))
     try:
         before = welvet.serialize_network(handle)
-        _loom_train(handle, x, y, lr=0.1)
+        loom_hist = _loom_train(handle, x, y, lr=0.1)
         after = welvet.serialize_network(handle)
     finally:
         welvet.free_network(handle)
+    return x, y, before, loom_hist, after
+
+
+def _one_step_deltas(layers, xs, ys):
+    x, y, before, _, after = _loom_one_step(layers, xs, ys)
     net = from_loom_json(before)
     train(net, [(torch.from_numpy(x[0]), torch.from_numpy(y[0]))], TrainingConfig(epochs=1, learning_rate=0.1, verbose=False))
     start = list(from_loom_json(before).parameters())

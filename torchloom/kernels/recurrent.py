@@ -44,6 +44,16 @@ def _tanh(x):
 
 
 @jit
+def _gates(p, H, m):
+    """The four gates of one step from the pre-activations ``[i | f | g | o]`` at ``p`` (float32)."""
+    i = _sigmoid(tl.load(p, mask=m, other=0.0).to(tl.float32))
+    f = _sigmoid(tl.load(p + H, mask=m, other=0.0).to(tl.float32))
+    g = _tanh(tl.load(p + 2 * H, mask=m, other=0.0).to(tl.float32))
+    o = _sigmoid(tl.load(p + 3 * H, mask=m, other=0.0).to(tl.float32))
+    return i, f, g, o
+
+
+@jit
 def _lstm_fwd_kernel(
     PRE, C_PREV, C, Hh, s_pre, s_cp, s_c, s_h, H,
     HAS_PREV: tl.constexpr, BLOCK: tl.constexpr,
@@ -51,11 +61,7 @@ def _lstm_fwd_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
-    p = PRE + row * s_pre + cols
-    i = _sigmoid(tl.load(p, mask=m, other=0.0).to(tl.float32))
-    f = _sigmoid(tl.load(p + H, mask=m, other=0.0).to(tl.float32))
-    g = _tanh(tl.load(p + 2 * H, mask=m, other=0.0).to(tl.float32))
-    o = _sigmoid(tl.load(p + 3 * H, mask=m, other=0.0).to(tl.float32))
+    i, f, g, o = _gates(PRE + row * s_pre + cols, H, m)
     c = i * g
     if HAS_PREV:
         c += f * tl.load(C_PREV + row * s_cp + cols, mask=m, other=0.0).to(tl.float32)
@@ -71,11 +77,7 @@ def _lstm_bwd_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
-    p = PRE + row * s_pre + cols
-    i = _sigmoid(tl.load(p, mask=m, other=0.0).to(tl.float32))
-    f = _sigmoid(tl.load(p + H, mask=m, other=0.0).to(tl.float32))
-    g = _tanh(tl.load(p + 2 * H, mask=m, other=0.0).to(tl.float32))
-    o = _sigmoid(tl.load(p + 3 * H, mask=m, other=0.0).to(tl.float32))
+    i, f, g, o = _gates(PRE + row * s_pre + cols, H, m)
     tc = _tanh(tl.load(C + row * s_c + cols, mask=m, other=0.0).to(tl.float32))
     dh = tl.load(DH + row * s_dh + cols, mask=m, other=0.0).to(tl.float32)
     dc = dh * o * (1.0 - tc * tc)

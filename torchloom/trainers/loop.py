@@ -169,11 +169,7 @@ class BatchSource:
             if data.is_list:
                 batches = data.materialise()
             else:
-                self._loader = data
-                first = next(iter(data), None)
-                if first is None:
-                    raise ValueError(f"{name} is empty: it yields no batch")
-                convert(*_to_pair(first, 0), 0)
+                self._stream(data, f"{name} is empty: it yields no batch")
                 return
         elif batch_size is not None and name == "batches":
             raise ValueError(
@@ -183,11 +179,7 @@ class BatchSource:
         if isinstance(batches, torch.utils.data.DataLoader):
             if dist is not None:  # data-parallel: a DistributedSampler unless the loader has the user's own
                 batches = dist.distribute_loader(batches, seed)
-            self._loader = batches
-            first = next(iter(batches), None)
-            if first is None:
-                raise ValueError(f"{name} is empty: the DataLoader yielded no batch")
-            convert(*_to_pair(first, 0), 0)
+            self._stream(batches, f"{name} is empty: the DataLoader yielded no batch")
             return
         if isinstance(batches, (str, bytes, Tensor, TrainingBatch)) or not isinstance(batches, Iterable):
             raise TypeError(
@@ -198,6 +190,14 @@ class BatchSource:
         if not items:
             raise ValueError(f"{name} is empty: give at least one (input, target) batch")
         self._items = [convert(*_to_pair(b, i), i) for i, b in enumerate(items)]
+
+    def _stream(self, loader: Any, empty_message: str) -> None:
+        """Batches converted as they stream from ``loader``; its first batch is checked now."""
+        self._loader = loader
+        first = next(iter(loader), None)
+        if first is None:
+            raise ValueError(empty_message)
+        self._convert(*_to_pair(first, 0), 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell a shuffling source (or a ``DataLoader``'s ``DistributedSampler``) which epoch starts."""
@@ -486,17 +486,16 @@ class Trainer:
 
     def setup(self) -> None:
         """Called by ``fit`` once the data has been checked, before the first step: the model moves
-        to the training device and, on CUDA with a method that has a device step, the runner is built."""
+        to the training device (the device runner is built after it, and after a resume's restore)."""
         self.model.to(self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
-        self._build_runner()
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
-        call (graphs captured over an earlier fit's batches must never replay over this fit's, and the
-        device state is laid out from the trainer's state as it is now), and again after a resume
-        (the restored state must reach the device buffers)."""
+        call, after ``setup`` and a resume's restore (graphs captured over an earlier fit's batches
+        must never replay over this fit's, and the device state is laid out from the trainer's state
+        as it is now, restored state included)."""
         if self.device.type == "cuda" and self.device_ready():
             from .cuda_path import CudaRunner
 
@@ -563,8 +562,7 @@ class Trainer:
         first_epoch = 0
         if resume is not None:
             first_epoch = self._restore_checkpoint(resume, history)
-            if self._runner is not None and self.device.type == "cuda":
-                self._build_runner()  # the device state from the restored state, not the fresh one
+        self._build_runner()
 
         perf: list[dict[str, float]] | None = [] if track_perf else None
         total_samples = 0

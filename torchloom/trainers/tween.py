@@ -682,7 +682,7 @@ class TweenTrainer(Trainer):
 
     def setup(self) -> None:
         """The engine moves the model to the training device; the velocities go first (the device
-        runner, built by the engine's setup, lays them out in flat buffers there)."""
+        runner, built by ``fit`` after the setup, lays them out in flat buffers there)."""
         st = self.state
         st.weight_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.weight_velocity]
         st.bias_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.bias_velocity]
