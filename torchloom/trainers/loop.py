@@ -267,6 +267,9 @@ class Trainer:
     scheduler: Any = None
     metric_set: Any = None  # the training metrics of a fit() run (TrainingConfig.metrics), else None
     device_log_names: tuple[str, ...] = ()  # per-step logs the device step writes (averaged per epoch)
+    # kernels of the fused device steps: None = Triton on CUDA; "triton" runs them on CPU tensors
+    # through Triton's interpreter (the tests), "reference" never (the torch-op device step)
+    kernel_backend: str | None = None
 
     def __init__(self, model: Network, config: Any) -> None:
         from .config import resolve_device

@@ -567,6 +567,138 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
     return skipped
 
 
+class _FusedStep:
+    """The fused device step of TargetProp's chain rule and of Tweening (``kernels/method_steps.py``):
+    the same rule as the torch-op device step in about twenty launches instead of 110–130, for a
+    network of ``Dense`` layers on CUDA (or on the CPU through Triton's interpreter, when the trainer's
+    ``kernel_backend`` is ``"triton"``: the tests). Update directions are written by each layer's
+    backward straight into the flat direction buffer of the one-launch momentum update, the link
+    budgets / gaps / alignments are per-program partial sums finished, with every decision of the
+    step, by one single-program kernel, and the step's log row is written by that kernel.
+
+    Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
+    ``MAX_LAYERS`` layers, data-parallel runs, pure TargetProp, outputs wider than 8,192, inputs that
+    are not ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
+
+    def __init__(self, trainer: Any, method: str, flat: _FlatLayout) -> None:
+        dev = trainer.device
+        layers = list(trainer.model.layers)
+        self.t, self.method, self.flat = trainer, method, flat
+        self.n = len(layers)
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.widths = torch.tensor([float(layer.out_features) for layer in layers], **f64)
+        self.seg_layer = flat.layer_of.to(torch.int32)
+        self.trainable = flat.trainable.to(torch.int8)
+        self.weighted = torch.ones(self.n, dtype=torch.int8, device=dev)
+        self.lr = torch.zeros(1, **f64)
+        # each layer's parameters, as views of the flat direction buffer, in parameter order
+        self.views: list[tuple[Tensor, ...]] = []
+        k = 0
+        for layer in layers:
+            count = len(tuple(layer.parameters()))
+            self.views.append(tuple(flat.g_views[k : k + count]))
+            k += count
+        self.out_width = layers[-1].out_features
+        self.in_width = layers[0].in_features
+
+    @classmethod
+    def build(cls, trainer: Any, method: str) -> "_FusedStep | None":
+        from ..kernels._triton import use_triton
+        from ..kernels.method_steps import _MAX_ROW, MAX_LAYERS, MAX_SEGMENTS
+
+        flat = getattr(trainer, "_flat", None)
+        layers = list(trainer.model.layers)
+        if flat is None or trainer.dist is not None or not layers or len(layers) > MAX_LAYERS:
+            return None
+        if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
+            return None
+        if method == "target_prop" and not trainer.config.use_chain_rule:
+            return None
+        params = list(trainer.model.parameters())
+        if any(p.dtype != torch.float32 for p in params) or layers[-1].out_features > _MAX_ROW:
+            return None
+        if not use_triton(params[0], getattr(trainer, "kernel_backend", None)):
+            return None
+        return cls(trainer, method, flat)
+
+    def takes(self, x: Tensor, y: Tensor) -> bool:
+        """Whether this batch fits the fused step (host checks on shapes and dtypes only)."""
+        if x.dim() != 2 or x.shape[1] != self.in_width or x.dtype != torch.float32 or not x.is_contiguous():
+            return False
+        if y.is_floating_point():
+            return y.dtype == torch.float32 and tuple(y.shape) == (x.shape[0], self.out_width)
+        return y.dim() == 1 and y.shape[0] == x.shape[0]
+
+    def _backward_into_flat(self, g: Tensor, saved: list[Any], first_input: bool = False) -> list[Tensor | None]:
+        """Each layer's backward from the output gradient ``g``, its parameter gradients written into the
+        flat direction buffer; returns the gradients at each layer's output ([0]: the input's, None
+        unless ``first_input``)."""
+        layers = self.t.model.layers
+        grads: list[Tensor | None] = [None] * (self.n + 1)
+        grads[self.n] = g
+        for i in range(self.n - 1, -1, -1):
+            views = self.views[i]
+            g, ds = layers[i].backward_saved(g, saved[i], needs_input_grad=first_input or i > 0, out=views)
+            for d, v in zip(ds, views):
+                if d.data_ptr() != v.data_ptr():  # a layer that could not write in place
+                    v.copy_(d)
+            grads[i] = g
+        return grads
+
+    def _stats(self, pairs: list[tuple[Tensor, Tensor, Tensor | None, float | None]]) -> Tensor:
+        """``[len(pairs), P, 5]`` partial sums, one ``layer_stats_into`` launch per pair."""
+        from ..kernels.method_steps import layer_stats_into, stats_programs
+
+        cuda = pairs[0][0].is_cuda
+        p = max(stats_programs(max(f.numel(), e.numel() if e is not None else 0), cuda) for f, _, e, _ in pairs)
+        part = torch.zeros(len(pairs), p, 5, dtype=torch.float32, device=pairs[0][0].device)
+        for i, (f, t, e, scale) in enumerate(pairs):
+            layer_stats_into(part[i], f, t, e, scale)
+        return part
+
+    def _lr(self) -> Tensor:
+        lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
+        if isinstance(lr, Tensor):
+            return self.lr.copy_(lr.reshape(1))
+        return self.lr.fill_(float(lr))
+
+    def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:
+        from ..kernels.layer_update import momentum_update_flat_
+
+        flat = self.flat
+        with runner.guard_update(slot):
+            momentum_update_flat_(flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t,
+                                  backend=getattr(self.t, "kernel_backend", None))
+
+    # ------------------------------------------------------------------------- TargetProp
+    def target_prop_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        from ..kernels.grad_norm import grad_sq_partials
+        from ..kernels.method_steps import TP, target_rows, tp_rule_
+
+        t, st, cfg = self.t, self.t.state, self.t.config
+        backend = getattr(t, "kernel_backend", None)
+        out = target_prop_forward(t.model, st, x)
+        t.observe_outputs(out, y)
+        loss_rows, g, target, _, correct = target_rows(out, y, TP)
+        grads = self._backward_into_flat(g, st.saved)
+        st.gradients = grads
+        st.weight_gradients = list(self.views)
+        st.backward_targets = [None] * (self.n + 1)  # never materialised by the fused step
+        acts = st.forward_acts
+        scale = cfg.gradient_scale
+        part = self._stats([(acts[i + 1], grads[i + 1], None, scale) for i in range(self.n - 1)] + [(out, target, None, None)])
+        clip_norm = t.clip if t.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        if t.clip > 0 and clip_norm == 0:
+            self.flat.g.clamp_(-t.clip, t.clip)
+        a, c, apply = tp_rule_(
+            part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
+            self._lr(), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
+            x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
+        )
+        self._update(runner, slot, a, c, apply)
+
+
 # ================================================================================================
 # Trainer
 
@@ -755,6 +887,8 @@ class TargetPropTrainer(Trainer):
         self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
         self._weighted = torch.tensor([bool(tuple(layer.parameters())) for layer in self.model.layers], device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        self._consts = torch.tensor([self.config.gate_threshold, self.config.momentum], dtype=torch.float64, device=self.device)
+        self._fused = _FusedStep.build(self, "target_prop")
 
     def guarded_device_tensors(self) -> list[Tensor]:
         velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
@@ -769,6 +903,9 @@ class TargetPropTrainer(Trainer):
 
         st, cfg, model = self.state, self.config, self.model
         n = st.num_layers
+        fused = self._fused if self._fused is not None and self._fused.takes(x, y) else None
+        if fused is not None:  # every layer's bookkeeping in a few launches (kernels/method_steps.py)
+            return fused.target_prop_step(x, y, slot, runner)
         out = target_prop_forward(model, st, x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None

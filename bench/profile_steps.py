@@ -1,0 +1,74 @@
+"""Kernel census of one device step per method: which kernels a step launches, how many, how long.
+
+Runs ``torchloom.train`` with ``cuda_graph=False`` (the same kernels a captured step replays) and
+profiles the second epoch with ``torch.profiler``; prints per method and batch size the kernels per
+step, the GPU time per step, and the kernels grouped by name. A diagnostic for the launch-count work
+behind ``bench_trainers.py``'s step ratios.
+
+Run: ``PYTHONPATH=. python bench/profile_steps.py [--batches 1 1024] [--top 40]`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+
+import torchloom
+from bench_trainers import METHODS, _config, _data, _net
+
+
+class _Profile:
+    """Profiles epoch 1 (the second) of a run."""
+
+    def __init__(self):
+        self.prof = None
+
+    def on_epoch_begin(self, trainer, epoch):
+        if epoch == 1:
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU])
+            self.prof.start()
+
+    def on_epoch_end(self, trainer, epoch, logs):
+        if epoch == 1:
+            torch.cuda.synchronize()
+            self.prof.stop()
+
+
+def census(method, batch, steps, dev):
+    data = _data(steps * batch, batch, dev)
+    obs = _Profile()
+    torchloom.train(_net(dev), data, _config(method, dev, epochs=2, cuda_graph=False, observers=[obs]))
+    kernels = collections.Counter()
+    times = collections.Counter()
+    for e in obs.prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += 1
+            times[e.name] += e.device_time
+    return kernels, times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 1024])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=60)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for batch in args.batches:
+        for method in args.methods:
+            k, t = census(method, batch, args.steps, dev)
+            n = args.steps
+            print(f"\n== {method} batch {batch}: {sum(k.values()) / n:.1f} kernels/step, {sum(t.values()) / n:.1f} us GPU/step")
+            for name, c in k.most_common(args.top):
+                print(f"  {c / n:6.2f}  {t[name] / n:8.2f} us  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""Fused pieces of TargetProp's and Tweening's captured device steps: a step in about twenty launches.
+
+A captured step's time at small batches is its launch count (about 2.5 µs a kernel on an H100), and
+a TargetProp or Tween step written in torch ops launched 110–130 kernels against backprop's 16: one
+per small op of the per-layer link budgets, gates, rates, logs and targets. These kernels do that
+bookkeeping for every layer at once, so a step is its forward, its backward and a handful of
+launches:
+
+* ``target_rows(out, y, mode, ...)``: one program per output row: the loss partial, the gradient
+  the method propagates, the target and prediction the last layer's statistics need, and the
+  accuracy partial (class labels). TargetProp: ``g = t − out``, loss ``mean((out − t)²)``; Tween:
+  ``loss_and_grad``'s gradient times the batch, masked to rows whose error ``Σ(ŷ − t)²`` reaches
+  ``gap_threshold`` (``ŷ``: the softmax for cross-entropy, the output for MSE).
+* ``layer_stats_into(part, f, t, extra, scale)``: ``pair_stats``'s five sums (``Σ f·t, Σ f², Σ t²,
+  Σ (f − t)², Σ extra²``) for one layer, left as per-program partials in that layer's rows of one
+  shared buffer (no ``sum`` launch). With ``scale`` the target is never materialised: ``t = f +
+  scale·t_arg`` is formed in registers (TargetProp's ``a + s·g``, Tween's ``a − s·g``).
+* ``tp_rule_`` / ``tween_rule_``: one program that adds up every layer's partials and does the rest
+  of the step's decisions in float64: cosines, link budgets and gaps; TargetProp's gate and rates;
+  Tween's gaps, RMS link budgets, alignments, the explosion rule (``kernels.explosion_rule``, the
+  same lines) and its rates; then the per-parameter coefficients ``a``, ``c`` and ``apply`` of
+  ``momentum_update_flat_`` and the step's log row.
+
+Each has a reference in torch ops (the same math, float64 decisions) that the tests compare the
+kernels to; the trainers' CPU device steps keep their torch-op form. Limits of the fused step: at
+most ``MAX_LAYERS`` layers and ``MAX_SEGMENTS`` parameters, rows of at most 8,192 outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._tl import jit, tl
+from ._triton import elementwise_settings, row_settings
+
+__all__ = [
+    "MAX_LAYERS", "MAX_SEGMENTS", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
+    "layer_stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref",
+]
+
+MAX_LAYERS = 16
+MAX_SEGMENTS = 64
+_MAX_ROW = 8192
+TP, TWEEN_MSE, TWEEN_CE = 0, 1, 2
+
+
+# ------------------------------------------------------------------------------ 1. target rows
+def target_rows_ref(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reference: ``out [B, C]``, ``y`` labels ``[B]`` or a float target ``[B, C]`` →
+    ``(loss_partials [B] float32, g [B, C], t [B, C], y_hat [B, C], correct [B] float32)``; see the
+    module docstring for ``g`` per ``mode``."""
+    rows, c = out.shape
+    o = out.float()
+    t = torch.zeros_like(o).scatter_(-1, y.long().unsqueeze(-1), 1.0) if not y.is_floating_point() else y.float()
+    correct = (o.argmax(-1) == y).float() if not y.is_floating_point() else torch.zeros(rows, device=out.device)
+    if mode == TP:
+        g = t - o
+        loss = (g * g).sum(1) / max(rows * c, 1)
+        y_hat = o
+    else:
+        if mode == TWEEN_CE:
+            y_hat = torch.softmax(o, dim=-1)
+            loss = (t * (torch.logsumexp(o, -1, keepdim=True) - o)).sum(1) / rows
+            grad = (y_hat - t) / rows
+        else:
+            y_hat = o
+            d = o - t
+            loss = (d * d).sum(1) / max(rows * c, 1)
+            grad = d * (2.0 / max(rows * c, 1))
+        err = (y_hat - t).square().sum(1)
+        keep = (err >= gap_threshold).float() if gap_threshold > 0 else torch.ones_like(err)
+        g = grad * rows * keep[:, None]
+    return loss, g.to(out.dtype), t.to(out.dtype), y_hat.to(out.dtype), correct
+
+
+@jit
+def _target_rows_kernel(
+    loss_ptr, g_ptr, t_ptr, yhat_ptr, correct_ptr,  # written
+    out_ptr, y_ptr, n_cols, inv_n, rows_f, gap_threshold,  # read
+    BLOCK: tl.constexpr, LABELS: tl.constexpr, MODE: tl.constexpr, MASK_GAP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    o = tl.load(out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if LABELS:
+        label = tl.load(y_ptr + row).to(tl.int32)
+        t = tl.where(cols == label, 1.0, 0.0)
+        best = tl.argmax(tl.where(mask, o, -float("inf")), axis=0)
+        tl.store(correct_ptr + row, tl.where(best == label, 1.0, 0.0))
+    else:
+        t = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 0:  # TargetProp: g = t − out, loss mean((out − t)²)
+        g = t - o
+        tl.store(loss_ptr + row, tl.sum(tl.where(mask, g * g, 0.0), axis=0) * inv_n)
+        y_hat = o
+    else:
+        if MODE == 2:  # cross-entropy: softmax, loss Σ t (lse − o) / B, grad (p − t) / B
+            m = tl.max(tl.where(mask, o, -float("inf")), axis=0)
+            e = tl.where(mask, tl.exp(o - m), 0.0)
+            s = tl.sum(e, axis=0)
+            y_hat = e / s
+            lse = m + tl.log(s)
+            tl.store(loss_ptr + row, tl.sum(tl.where(mask, t * (lse - o), 0.0), axis=0) * inv_n)
+            grad = (y_hat - t) * inv_n
+        else:  # MSE: loss Σ (o − t)² / N, grad 2 (o − t) / N
+            y_hat = o
+            d = o - t
+            tl.store(loss_ptr + row, tl.sum(tl.where(mask, d * d, 0.0), axis=0) * inv_n)
+            grad = d * (2.0 * inv_n)
+        g = grad * rows_f
+        if MASK_GAP:
+            diff = tl.where(mask, y_hat - t, 0.0)
+            err = tl.sum(diff * diff, axis=0)
+            g = g * tl.where(err >= gap_threshold, 1.0, 0.0)
+    tl.store(g_ptr + row * n_cols + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(t_ptr + row * n_cols + cols, t.to(t_ptr.dtype.element_ty), mask=mask)
+    if MODE == 2:
+        tl.store(yhat_ptr + row * n_cols + cols, y_hat.to(yhat_ptr.dtype.element_ty), mask=mask)
+
+
+def target_rows(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One launch (``out`` 2-D, contiguous, at most 8,192 columns; the caller checks): the outputs of
+    ``target_rows_ref``. ``y_hat`` is ``out`` itself unless the mode is ``TWEEN_CE``."""
+    rows, c = out.shape
+    labels = not y.is_floating_point()
+    loss = torch.empty(rows, dtype=torch.float32, device=out.device)
+    correct = torch.empty(rows if labels else 1, dtype=torch.float32, device=out.device)
+    g, t = torch.empty_like(out), torch.empty_like(out)
+    y_hat = torch.empty_like(out) if mode == TWEEN_CE else out
+    inv_n = 1.0 / max(rows * c, 1) if mode != TWEEN_CE else 1.0 / max(rows, 1)
+    block, num_warps = row_settings(c, out.is_cuda)
+    _target_rows_kernel[(rows,)](
+        loss, g, t, y_hat if mode == TWEEN_CE else g, correct, out, y.contiguous(), c, inv_n, float(rows), float(gap_threshold),
+        BLOCK=block, LABELS=labels, MODE=mode, MASK_GAP=mode != TP and gap_threshold > 0, num_warps=num_warps,
+    )
+    if not labels:
+        correct.zero_()
+    return loss, g, t, y_hat, correct
+
+
+# ------------------------------------------------------------------------- 2. layer statistics
+def stats_ref(f: Tensor, t: Tensor, extra: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Reference: ``[Σ f·t, Σ f², Σ t², Σ (f − t)², Σ extra²]`` in float32, with ``t`` replaced by
+    ``f + scale·t`` when ``scale`` is given."""
+    f2 = f.reshape(-1).float()
+    t2 = t.reshape(-1).float()
+    if scale is not None:
+        t2 = f2 + scale * t2
+    d = f2 - t2
+    e2 = extra.reshape(-1).float().square().sum() if extra is not None else f2.new_zeros(())
+    return torch.stack([(f2 * t2).sum(), (f2 * f2).sum(), (t2 * t2).sum(), (d * d).sum(), e2])
+
+
+@jit
+def _stats_kernel(part_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FROM_GRAD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if FROM_GRAD:
+        t = f + scale * t
+    d = f - t
+    base = part_ptr + pid * 5
+    tl.store(base + 0, tl.sum(f * t, axis=0))
+    tl.store(base + 1, tl.sum(f * f, axis=0))
+    tl.store(base + 2, tl.sum(t * t, axis=0))
+    tl.store(base + 3, tl.sum(d * d, axis=0))
+    if HAS_EXTRA:
+        e = tl.load(e_ptr + offs, mask=offs < n_extra, other=0.0).to(tl.float32)
+        tl.store(base + 4, tl.sum(e * e, axis=0))
+
+
+def stats_programs(n: int, is_cuda: bool) -> int:
+    """How many partial rows ``layer_stats_into`` writes for ``n`` elements."""
+    return elementwise_settings(n, is_cuda)[2]
+
+
+def layer_stats_into(part: Tensor, f: Tensor, t: Tensor, extra: Tensor | None = None, scale: float | None = None) -> None:
+    """Write one layer's partial sums into ``part`` (``[≥ stats_programs(n), 5]`` float32 rows, zeroed
+    beforehand by the caller: a program that has nothing to add leaves its row alone). ``f``, ``t``
+    contiguous with ``n`` elements each; ``extra`` contiguous with at most ``n`` elements."""
+    n = f.numel()
+    block, num_warps, programs = elementwise_settings(n, f.is_cuda)
+    _stats_kernel[(programs,)](
+        part, f, t, extra if extra is not None else f, n, extra.numel() if extra is not None else 0,
+        float(scale or 0.0), BLOCK=block, HAS_EXTRA=extra is not None, FROM_GRAD=scale is not None, num_warps=num_warps,
+    )
+
+
+# ------------------------------------------------------------------------------ 3. the rules
+def _layer_sums(part: Tensor, layers: int) -> Tensor:
+    """``[layers, 5]`` float64 sums of a ``[layers, P, 5]`` partial buffer."""
+    return part[:layers].double().sum(1)
+
+
+def _segments(per_layer: Tensor, seg_layer: Tensor) -> Tensor:
+    return per_layer.index_select(0, seg_layer)
+
+
+def tp_rule_ref(
+    part: Tensor, widths: Tensor, consts: Tensor, budgets: Tensor, depth: Tensor, weighted: Tensor, status: Tensor,
+    found_inf: Tensor, lr: Tensor, grad_scale: Tensor | None, correct: Tensor | None, rows: int, seg_layer: Tensor,
+    trainable: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reference of ``tp_rule_`` (TargetProp's device-step rule, as ``TargetPropTrainer.device_step``
+    writes it in torch ops): updates ``budgets`` in place; returns ``(a, c, apply)`` per parameter
+    segment and the log row ``[mean budget, mean gap, gated layers, accuracy]`` (float64).
+    ``consts = [gate_threshold, momentum]`` (float64); a layer's output has ``rows × widths[l]``
+    elements."""
+    n = budgets.numel()
+    gate, mu = consts[0], consts[1]
+    s = _layer_sums(part, n)
+    dot, f_mag, b_mag, sq = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
+    both = (f_mag > 0) & (b_mag > 0)
+    cosine = dot / torch.where(both, f_mag.sqrt() * b_mag.sqrt(), 1.0)
+    measured = (status == 0) | (status == 2)
+    new = torch.where(both & measured, ((cosine + 1.0) / 2.0).clamp(0.0, 1.0), budgets)
+    budgets.copy_(new)
+    gaps = (sq / (widths * rows).clamp_min(1.0)).sqrt()
+    open_gate = new >= gate
+    rates = lr.double().reshape(()) * (0.5 + 0.5 * new) * depth
+    if grad_scale is not None:
+        rates = rates * grad_scale.double()
+    ok = found_inf.reshape(()) == 0
+    a = torch.zeros_like(rates) + mu
+    c = (1.0 - mu) * rates
+    apply = (ok & open_gate).index_select(0, seg_layer) & (trainable != 0)
+    acc = correct.double().sum() / rows if correct is not None else torch.full((), math.nan, dtype=torch.float64, device=part.device)
+    log = torch.stack([new.mean(), gaps.mean(), (weighted & ~open_gate).double().sum(), acc])
+    return _segments(a, seg_layer), _segments(c, seg_layer), apply.to(torch.int8), log
+
+
+@jit
+def _layer_vectors(part_ptr, P, LP: tl.constexpr, L, BLOCK_P: tl.constexpr):
+    """The five ``[LP]`` float64 sums of a ``[L, P, 5]`` float32 partial buffer (rows beyond ``L``: 0)."""
+    lidx = tl.arange(0, LP)
+    pidx = tl.arange(0, BLOCK_P)
+    s0 = tl.zeros([LP], dtype=tl.float64)
+    s1 = tl.zeros([LP], dtype=tl.float64)
+    s2 = tl.zeros([LP], dtype=tl.float64)
+    s3 = tl.zeros([LP], dtype=tl.float64)
+    s4 = tl.zeros([LP], dtype=tl.float64)
+    for start in range(0, P, BLOCK_P):
+        p = start + pidx
+        m = (lidx[:, None] < L) & (p[None, :] < P)
+        base = part_ptr + (lidx[:, None].to(tl.int64) * P + p[None, :]) * 5
+        s0 += tl.sum(tl.load(base + 0, mask=m, other=0.0).to(tl.float64), axis=1)
+        s1 += tl.sum(tl.load(base + 1, mask=m, other=0.0).to(tl.float64), axis=1)
+        s2 += tl.sum(tl.load(base + 2, mask=m, other=0.0).to(tl.float64), axis=1)
+        s3 += tl.sum(tl.load(base + 3, mask=m, other=0.0).to(tl.float64), axis=1)
+        s4 += tl.sum(tl.load(base + 4, mask=m, other=0.0).to(tl.float64), axis=1)
+    return s0, s1, s2, s3, s4
+
+
+@jit
+def _to_segments(v, seg_layer, LP: tl.constexpr):
+    """``v[seg_layer]`` for an ``[LP]`` register vector: a one-hot select (no gather from registers)."""
+    lidx = tl.arange(0, LP)
+    hit = seg_layer[:, None] == lidx[None, :]
+    return tl.sum(tl.where(hit, v[None, :], 0.0), axis=1)
+
+
+@jit
+def _sum_partials(ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        acc += tl.load(ptr + start + cols, mask=start + cols < n, other=0.0).to(tl.float64)
+    return tl.sum(acc, axis=0)
+
+
+@jit
+def _tp_rule_kernel(
+    a_ptr, c_ptr, apply_ptr, log_ptr, budgets_ptr,  # written (budgets: read and written)
+    part_ptr, P, widths_ptr, consts_ptr, depth_ptr, weighted_ptr, status_ptr, found_inf_ptr, lr_ptr, scale_ptr,
+    correct_ptr, rows, seg_layer_ptr, trainable_ptr, L, S,
+    LP: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, CLIP: tl.constexpr, LABELS: tl.constexpr,
+):
+    dot, f_mag, b_mag, sq, _unused = _layer_vectors(part_ptr, P, LP, L, BLOCK_P)
+    gate = tl.load(consts_ptr + 0)
+    mu = tl.load(consts_ptr + 1)
+    lidx = tl.arange(0, LP)
+    lm = lidx < L
+    old = tl.load(budgets_ptr + lidx, mask=lm, other=0.0)
+    both = (f_mag > 0) & (b_mag > 0)
+    cosine = dot / tl.where(both, tl.sqrt(f_mag) * tl.sqrt(b_mag), 1.0)
+    status = tl.load(status_ptr)
+    measured = (status == 0) | (status == 2)
+    cos01 = (cosine + 1.0) / 2.0
+    cos01 = tl.where(cos01 < 0.0, 0.0, tl.where(cos01 > 1.0, 1.0, cos01))
+    new = tl.where(both & measured, cos01, old)
+    tl.store(budgets_ptr + lidx, new, mask=lm)
+    numel = tl.load(widths_ptr + lidx, mask=lm, other=1.0) * rows
+    gaps = tl.sqrt(sq / tl.maximum(numel, 1.0))
+    open_gate = new >= gate
+    lr = tl.load(lr_ptr).to(tl.float64)
+    depth = tl.load(depth_ptr + lidx, mask=lm, other=0.0)
+    rates = lr * (0.5 + 0.5 * new) * depth
+    if CLIP:
+        rates = rates * tl.load(scale_ptr).to(tl.float64)
+    ok = tl.load(found_inf_ptr) == 0
+    weighted = tl.load(weighted_ptr + lidx, mask=lm, other=0) != 0
+    sidx = tl.arange(0, SP)
+    sm = sidx < S
+    seg = tl.load(seg_layer_ptr + sidx, mask=sm, other=0)
+    tl.store(a_ptr + sidx, tl.zeros([SP], dtype=tl.float64) + mu, mask=sm)
+    tl.store(c_ptr + sidx, _to_segments((1.0 - mu) * rates, seg, LP), mask=sm)
+    on_layer = tl.where(open_gate, 1.0, 0.0).to(tl.float64) * tl.where(ok, 1.0, 0.0)
+    on = _to_segments(on_layer, seg, LP) > 0.5
+    trainable = tl.load(trainable_ptr + sidx, mask=sm, other=0) != 0
+    tl.store(apply_ptr + sidx, tl.where(on & trainable, 1, 0).to(tl.int8), mask=sm)
+    tl.store(log_ptr + 0, tl.sum(tl.where(lm, new, 0.0), axis=0) / L)
+    tl.store(log_ptr + 1, tl.sum(tl.where(lm, gaps, 0.0), axis=0) / L)
+    tl.store(log_ptr + 2, tl.sum(tl.where(lm & weighted & (~open_gate), 1.0, 0.0).to(tl.float64), axis=0))
+    if LABELS:
+        tl.store(log_ptr + 3, _sum_partials(correct_ptr, rows, 1024) / rows)
+    else:
+        tl.store(log_ptr + 3, float("nan"))
+
+
+def _pow2(n: int) -> int:
+    return max(1 << max(n - 1, 0).bit_length(), 2)
+
+
+def tp_rule_(
+    part: Tensor, widths: Tensor, consts: Tensor, budgets: Tensor, depth: Tensor, weighted: Tensor, status: Tensor,
+    found_inf: Tensor, lr: Tensor, grad_scale: Tensor | None, correct: Tensor | None, rows: int, seg_layer: Tensor,
+    trainable: Tensor, log_row: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch: ``tp_rule_ref``'s outputs, ``(a, c, apply)`` returned and the log row written into
+    ``log_row`` (4 float64). ``part``: ``[L, P, 5]`` float32; ``widths``, ``consts``, ``depth``,
+    ``budgets``: float64; ``lr``: a one-element tensor; ``weighted``, ``trainable``: bool/int8."""
+    n, p = budgets.numel(), part.shape[1]
+    s = seg_layer.numel()
+    a = torch.empty(s, dtype=torch.float64, device=part.device)
+    c = torch.empty_like(a)
+    apply = torch.empty(s, dtype=torch.int8, device=part.device)
+    _tp_rule_kernel[(1,)](
+        a, c, apply, log_row, budgets, part, p, widths, consts, depth, weighted, status, found_inf, lr,
+        grad_scale if grad_scale is not None else lr, correct if correct is not None else lr, rows,
+        seg_layer, trainable, n, s,
+        LP=_pow2(n), SP=_pow2(s), BLOCK_P=min(_pow2(p), 64), CLIP=grad_scale is not None, LABELS=correct is not None,
+        num_warps=4,
+    )
+    return a, c, apply
