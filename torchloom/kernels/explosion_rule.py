@@ -74,8 +74,11 @@ def explosion_rule_ref_(rule: Any, ops: Any, config: Any, state: Tensor, avg_gap
 
 
 @jit
-def _rule_kernel(state_ptr, exploded_ptr, gap_ptr, base_ptr, found_inf_ptr, c_ptr):
-    ok = tl.load(found_inf_ptr) == 0
+def rule_body(state_ptr, g, base, ok, c_ptr):
+    """The rule for one step inside a kernel (``_rule_kernel`` here, Tween's fused step rule in
+    ``kernels/method_steps.py``): updates the state at ``state_ptr`` in place (writes masked by
+    ``ok``) from the mean gap ``g`` and the rate ceiling ``base`` (float64 scalars); returns
+    ``(exploded & ok, adaptive_rate, gap_baseline, explosion_count)``, the last three as stored."""
     rate0 = tl.load(state_ptr + 0)
     count0 = tl.load(state_ptr + 1)
     steps = tl.load(state_ptr + 2)
@@ -83,13 +86,11 @@ def _rule_kernel(state_ptr, exploded_ptr, gap_ptr, base_ptr, found_inf_ptr, c_pt
     s = tl.load(state_ptr + 7)
     lam = tl.load(state_ptr + 8)
     p = tl.load(state_ptr + 9)
-    g = tl.load(gap_ptr).to(tl.float64)
-    base = tl.load(base_ptr).to(tl.float64)
+    baseline0 = tl.load(state_ptr + 4)
     warmup, horizon, spread = tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2)
     forget, absorb, sustain, leak = tl.load(c_ptr + 3), tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6)
     floor, gap_min, gap_max, log_limit = tl.load(c_ptr + 7), tl.load(c_ptr + 8), tl.load(c_ptr + 9), tl.load(c_ptr + 10)
     recovery_rate, recovery_growth, detect = tl.load(c_ptr + 11), tl.load(c_ptr + 12), tl.load(c_ptr + 13) != 0
-
     # ExplosionRule.__call__, line by line (NaN gaps: clamp and log keep NaN, as torch.clamp does)
     x = tl.log(tl.where(g < gap_min, gap_min, tl.where(g > gap_max, gap_max, g)))
     level = tl.minimum(m + spread * s, lam, propagate_nan=tl.PropagateNan.ALL)
@@ -121,17 +122,26 @@ def _rule_kernel(state_ptr, exploded_ptr, gap_ptr, base_ptr, found_inf_ptr, c_pt
     baseline = tl.exp(tl.minimum(m_new + spread * s_new, lam_new, propagate_nan=tl.PropagateNan.ALL))
 
     exploded = exploded & ok
-    tl.store(exploded_ptr, tl.where(exploded, 1, 0).to(tl.int8))
     tl.store(state_ptr + 0, tl.where(ok, rate, rate0))
     tl.store(state_ptr + 1, tl.where(exploded, count0 + 1.0, count0))
     tl.store(state_ptr + 2, tl.where(ok, steps + 1.0, steps))
     tl.store(state_ptr + 3, tl.where(ok, g, tl.load(state_ptr + 3)))
-    tl.store(state_ptr + 4, tl.where(ok, baseline, tl.load(state_ptr + 4)))
+    tl.store(state_ptr + 4, tl.where(ok, baseline, baseline0))
     tl.store(state_ptr + 5, tl.where(ok, growth, tl.load(state_ptr + 5)))
     tl.store(state_ptr + 6, tl.where(ok, m_new, m))
     tl.store(state_ptr + 7, tl.where(ok, s_new, s))
     tl.store(state_ptr + 8, tl.where(ok, lam_new, lam))
     tl.store(state_ptr + 9, tl.where(ok, p_new, p))
+    return exploded, tl.where(ok, rate, rate0), tl.where(ok, baseline, baseline0), tl.where(exploded, count0 + 1.0, count0)
+
+
+@jit
+def _rule_kernel(state_ptr, exploded_ptr, gap_ptr, base_ptr, found_inf_ptr, c_ptr):
+    ok = tl.load(found_inf_ptr) == 0
+    g = tl.load(gap_ptr).to(tl.float64)
+    base = tl.load(base_ptr).to(tl.float64)
+    exploded, _rate, _baseline, _count = rule_body(state_ptr, g, base, ok, c_ptr)
+    tl.store(exploded_ptr, tl.where(exploded, 1, 0).to(tl.int8))
 
 
 def explosion_rule_(

@@ -35,10 +35,11 @@ from torch import Tensor
 
 from ._tl import jit, tl
 from ._triton import elementwise_settings, row_settings
+from .explosion_rule import rule_body
 
 __all__ = [
     "MAX_LAYERS", "MAX_SEGMENTS", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
-    "layer_stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref",
+    "layer_stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
 
 MAX_LAYERS = 16
@@ -348,3 +349,103 @@ def tp_rule_(
         num_warps=4,
     )
     return a, c, apply
+
+
+# --------------------------------------------------------------------------------- Tweening
+def tween_metrics_ref(part: Tensor, widths: Tensor, rows: int) -> Tensor:
+    """``[L, 3]`` float64 per layer ``[gap, link budget, alignment]`` (``TweenTrainer._fused_metrics``'s
+    math) from the ``[L + 1, P, 5]`` partials: row 0 the input's (``layer_stats_into(part[0], x, x,
+    x)``: its ``Σ extra²`` is ``Σ x²``), row ``i + 1`` layer ``i``'s ``(ŷ or output, target, output)``
+    statistics. ``widths``: ``[L + 1]`` float64, the input's width then each layer's output width."""
+    n = widths.numel() - 1
+    s = part.double().sum(1)
+    dot, ff, tt, dd, out_sq = s[1:].unbind(1)
+    in_sq = s[:n, 4]
+    numel = (widths * rows).clamp_min(1.0)
+    numel_in, numel_f = numel[:n], numel[1:]
+    gap = dd / numel_f
+    rms_in = (in_sq / numel_in).sqrt()
+    rms_out = (out_sq / numel_f).sqrt()
+    budget = torch.where(rms_in > 0, rms_out / torch.where(rms_in > 0, rms_in, 1.0), 0.0)
+    nf, nt = ff.sqrt(), tt.sqrt()
+    both = (nf > 0) & (nt > 0)
+    align = torch.where(both, (dot / torch.where(both, nf * nt, 1.0) + 1) / 2, 0.5)
+    return torch.stack([gap, budget, align], dim=1)
+
+
+@jit
+def _tween_rule_kernel(
+    a_ptr, c_ptr, apply_ptr, log_ptr, metrics_ptr, state_ptr,  # written (state: read and written)
+    part_ptr, P, widths_ptr, consts_ptr, scales_ptr, rule_c_ptr, lr_ptr, scale_ptr, found_inf_ptr, rows,
+    seg_layer_ptr, trainable_ptr, L, S,
+    LP: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, CLIP: tl.constexpr,
+):
+    dot, ff, tt, dd, out_sq = _layer_vectors(part_ptr + P * 5, P, LP, L, BLOCK_P)  # rows 1..L: the layers
+    _a, _b, _c, _d, in_sq = _layer_vectors(part_ptr, P, LP, L, BLOCK_P)  # rows 0..L−1: each layer's input
+    lidx = tl.arange(0, LP)
+    lm = lidx < L
+    numel_in = tl.maximum(tl.load(widths_ptr + lidx, mask=lm, other=1.0) * rows, 1.0)
+    numel_f = tl.maximum(tl.load(widths_ptr + 1 + lidx, mask=lm, other=1.0) * rows, 1.0)
+    gap = dd / numel_f
+    rms_in = tl.sqrt(in_sq / numel_in)
+    rms_out = tl.sqrt(out_sq / numel_f)
+    budget = tl.where(rms_in > 0, rms_out / tl.where(rms_in > 0, rms_in, 1.0), 0.0)
+    nf = tl.sqrt(ff)
+    nt = tl.sqrt(tt)
+    both = (nf > 0) & (nt > 0)
+    align = tl.where(both, (dot / tl.where(both, nf * nt, 1.0) + 1) / 2, 0.5)
+    tl.store(metrics_ptr + lidx * 3 + 0, gap, mask=lm)
+    tl.store(metrics_ptr + lidx * 3 + 1, budget, mask=lm)
+    tl.store(metrics_ptr + lidx * 3 + 2, align, mask=lm)
+    avg_gap = tl.sum(tl.where(lm, gap, 0.0), axis=0) / L
+    ok = tl.load(found_inf_ptr) == 0
+    base = tl.load(lr_ptr).to(tl.float64)
+    exploded, rate, baseline, count = rule_body(state_ptr, avg_gap, base, ok, rule_c_ptr)
+    s_link = tl.load(consts_ptr + 0)
+    decay = tl.load(consts_ptr + 1)
+    scales = tl.load(scales_ptr + lidx, mask=lm, other=0.0)
+    rates = rate * (1.0 - s_link / 2 + s_link / 2 * align) * scales
+    if CLIP:
+        rates = rates * tl.load(scale_ptr).to(tl.float64)
+    keep = tl.where(exploded, 0.0, 1.0) * decay
+    sidx = tl.arange(0, SP)
+    sm = sidx < S
+    seg = tl.load(seg_layer_ptr + sidx, mask=sm, other=0)
+    tl.store(a_ptr + sidx, tl.zeros([SP], dtype=tl.float64) + keep, mask=sm)
+    tl.store(c_ptr + sidx, -_to_segments(rates, seg, LP) / rows, mask=sm)
+    trainable = tl.load(trainable_ptr + sidx, mask=sm, other=0) != 0
+    tl.store(apply_ptr + sidx, tl.where(trainable, 1, 0).to(tl.int8) * tl.where(ok, 1, 0).to(tl.int8), mask=sm)
+    tl.store(log_ptr + 0, avg_gap)
+    tl.store(log_ptr + 1, tl.sum(tl.where(lm, budget, 0.0), axis=0) / L)
+    tl.store(log_ptr + 2, tl.where(exploded, 1.0, 0.0).to(tl.float64))
+    tl.store(log_ptr + 3, rate)
+    tl.store(log_ptr + 4, baseline)
+    tl.store(log_ptr + 5, count)
+
+
+def tween_rule_(
+    part: Tensor, widths: Tensor, consts: Tensor, scales: Tensor, state: Tensor, rule_constants: Tensor,
+    lr: Tensor, grad_scale: Tensor | None, found_inf: Tensor, rows: int, seg_layer: Tensor, trainable: Tensor,
+    log_row: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One launch: Tween's metrics (``tween_metrics_ref``, same ``part`` and ``widths``), its mean gap through the explosion rule
+    (``state``, ``rule_constants``: ``kernels.explosion_rule``'s, updated in place, masked by
+    ``found_inf``), the rates ``adaptive_rate·(1 − s/2 + s/2·alignment)·depth_scale`` (``consts =
+    [link_budget_scale, momentum_decay]``), and ``momentum_update_flat_``'s ``(a, c, apply)`` per
+    parameter segment: ``a = momentum_decay`` (0 after an explosion), ``c = −rate/rows``, ``apply`` =
+    step ok and trainable. Writes ``log_row`` (6 float64, ``TweenTrainer.device_log_names``) and
+    returns ``(a, c, apply, metrics [L, 3])``."""
+    n, p = widths.numel() - 1, part.shape[1]
+    s = seg_layer.numel()
+    a = torch.empty(s, dtype=torch.float64, device=part.device)
+    c = torch.empty_like(a)
+    apply = torch.empty(s, dtype=torch.int8, device=part.device)
+    metrics = torch.empty(n, 3, dtype=torch.float64, device=part.device)
+    # no FMA contraction: the explosion rule's roundings as its reference's (see kernels/explosion_rule.py)
+    _tween_rule_kernel[(1,)](
+        a, c, apply, log_row, metrics, state, part, p, widths, consts, scales, rule_constants, lr,
+        grad_scale if grad_scale is not None else lr, found_inf, rows, seg_layer, trainable, n, s,
+        LP=_pow2(n), SP=_pow2(s), BLOCK_P=min(_pow2(p), 64), CLIP=grad_scale is not None, num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return a, c, apply, metrics

@@ -600,6 +600,10 @@ class _FusedStep:
             k += count
         self.out_width = layers[-1].out_features
         self.in_width = layers[0].in_features
+        if method == "tween":  # the input's width first: the rule reads each layer's input and output sizes
+            self.widths = torch.tensor([float(self.in_width)] + [float(layer.out_features) for layer in layers], **f64)
+            cfg = trainer.config
+            self.consts = torch.tensor([cfg.link_budget_scale, cfg.momentum_decay], **f64)
 
     @classmethod
     def build(cls, trainer: Any, method: str) -> "_FusedStep | None":
@@ -613,6 +617,8 @@ class _FusedStep:
         if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
             return None
         if method == "target_prop" and not trainer.config.use_chain_rule:
+            return None
+        if method == "tween" and trainer.config.loss_type not in (None, "mse", "cross_entropy"):
             return None
         params = list(trainer.model.parameters())
         if any(p.dtype != torch.float32 for p in params) or layers[-1].out_features > _MAX_ROW:
@@ -697,6 +703,42 @@ class _FusedStep:
             x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
         )
         self._update(runner, slot, a, c, apply)
+
+    # --------------------------------------------------------------------------- Tweening
+    def tween_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        from ..kernels.grad_norm import grad_sq_partials
+        from ..kernels.method_steps import TWEEN_CE, TWEEN_MSE, target_rows, tween_rule_
+        from .losses import is_label_target
+
+        t, cfg = self.t, self.t.config
+        backend = getattr(t, "kernel_backend", None)
+        acts, saved = [x], []
+        for layer in t.model.layers:
+            out_i, s_i = layer.forward_saved(acts[-1])
+            acts.append(out_i)
+            saved.append(s_i)
+        out = acts[-1]
+        t.observe_outputs(out, y)
+        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
+        mode = TWEEN_CE if loss_type == "cross_entropy" else TWEEN_MSE
+        loss_rows, g, t_out, y_hat, _ = target_rows(out, y, mode, cfg.gap_threshold)
+        grads = self._backward_into_flat(g, saved)
+        s = cfg.gradient_scale
+        part = self._stats(
+            [(x, x, x, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
+        )
+        batch = out.shape[0]
+        clip_norm = t.clip * batch if t.clip > 0 and t.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        if t.clip > 0 and clip_norm == 0:
+            self.flat.g.clamp_(-t.clip * batch, t.clip * batch)
+        a, c, apply, metrics = tween_rule_(
+            part, self.widths, self.consts, t._scales, t._dev_flat, t._rule_constants, self._lr(),
+            runner.grad_scale if clip_norm > 0 else None, runner.found_inf, batch, self.seg_layer, self.trainable,
+            runner.step_logs[slot, :6],
+        )
+        self._update(runner, slot, a, c, apply)
+        t._last_metrics = metrics
 
 
 # ================================================================================================

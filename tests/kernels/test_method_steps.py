@@ -1,0 +1,240 @@
+"""The fused pieces of TargetProp's and Tweening's device steps (``kernels/method_steps.py``), each
+against its torch-ops reference, and the fused steps themselves against the torch-op device steps
+(the engine's runner on CPU tensors; the kernels through Triton's interpreter in CI, on CUDA on a
+GPU machine)."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
+from torchloom.kernels._triton import triton_available
+from torchloom.trainers.cuda_path import CudaRunner
+from torchloom.trainers.train import make_trainer
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="the fused steps are Triton kernels")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ms():
+    from torchloom.kernels import method_steps
+
+    return method_steps
+
+
+# --------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("mode", ["TP", "TWEEN_MSE", "TWEEN_CE"])
+@pytest.mark.parametrize("labels", [True, False])
+@pytest.mark.parametrize("shape", [(1, 3), (7, 10), (5, 33)])
+def test_target_rows_match_reference(mode, labels, shape):
+    ms = _ms()
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(*shape, generator=g).to(DEVICE)
+    y = torch.randint(0, shape[1], (shape[0],), generator=g) if labels else torch.rand(*shape, generator=g)
+    y = y.to(DEVICE)
+    got = ms.target_rows(out, y, getattr(ms, mode), gap_threshold=0.3)
+    want = ms.target_rows_ref(out, y, getattr(ms, mode), gap_threshold=0.3)
+    for name, a, b in zip(("loss", "g", "t", "y_hat", "correct"), got, want):
+        if name == "correct" and not labels:
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_target_rows_gap_threshold_masks_rows_below_it():
+    ms = _ms()
+    out = torch.tensor([[0.0, 1.0], [1.0, 0.0]], device=DEVICE)
+    y = torch.tensor([1, 1], device=DEVICE)  # row 0 right (error 0), row 1 wrong (error 2)
+    _, g, *_ = ms.target_rows(out, y, ms.TWEEN_MSE, gap_threshold=1.0)
+    assert torch.all(g[0] == 0) and torch.all(g[1] != 0)
+
+
+@pytest.mark.parametrize("scale", [None, 0.7, -1.3])
+@pytest.mark.parametrize("extra", [False, True])
+@pytest.mark.parametrize("n", [1, 37, 5000])
+def test_layer_stats_partials_sum_to_the_reference(scale, extra, n):
+    ms = _ms()
+    g = torch.Generator().manual_seed(n)
+    f, t = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    e = torch.randn(max(n // 2, 1), generator=g).to(DEVICE) if extra else None
+    p = ms.stats_programs(n, f.is_cuda)
+    part = torch.zeros(p + 2, 5, device=DEVICE)  # spare rows stay zero
+    ms.layer_stats_into(part, f, t, e, scale)
+    want = ms.stats_ref(f, t, e, scale)
+    torch.testing.assert_close(part.double().sum(0), want.double(), rtol=1e-5, atol=1e-5)
+    assert torch.all(part[p:] == 0)
+
+
+def _partials(layers, p, seed):
+    g = torch.Generator().manual_seed(seed)
+    part = torch.rand(layers, p, 5, generator=g)
+    part[..., 0] -= 0.4  # dot products of either sign
+    return part.to(DEVICE)
+
+
+@pytest.mark.parametrize("status", [0, 1, 2])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("labels", [False, True])
+def test_tp_rule_matches_reference(status, clip, labels):
+    ms = _ms()
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    n, rows = 3, 6
+    part = _partials(n, 4, status)
+    part[1, :, 2] = 0.0  # a layer with a zero target: its budget stays
+    widths = torch.tensor([12.0, 9.0, 4.0], **f64)
+    consts = torch.tensor([0.45, 0.8], **f64)
+    depth = torch.tensor([1.0, 1.2, 1.44], **f64)
+    weighted = torch.ones(n, dtype=torch.int8, device=DEVICE)
+    seg = torch.tensor([0, 0, 1, 1, 2], dtype=torch.int32, device=DEVICE)
+    trainable = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int8, device=DEVICE)
+    lr = torch.tensor([0.05], **f64)
+    scale = torch.tensor(0.3, device=DEVICE) if clip else None
+    correct = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], device=DEVICE) if labels else None
+    found_inf = torch.tensor(0.0 if status == 0 else 1.0, device=DEVICE)
+    st = torch.tensor(status, dtype=torch.int32, device=DEVICE)
+    b_ref = torch.tensor([0.2, 0.7, 0.5], **f64)
+    b_ker = b_ref.clone()
+    want = ms.tp_rule_ref(part, widths, consts, b_ref, depth, weighted, st, found_inf, lr, scale, correct, rows, seg.long(), trainable)
+    log = torch.empty(4, **f64)
+    got = ms.tp_rule_(part, widths, consts, b_ker, depth, weighted, st, found_inf, lr, scale, correct, rows, seg, trainable, log)
+    torch.testing.assert_close(b_ker, b_ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("a", "c", "apply"), got, want[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(log, want[3], rtol=1e-12, atol=1e-15, equal_nan=True)
+    assert torch.equal(b_ref[1], torch.tensor(0.7, **f64))  # zero target: no measurement
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [False, True])
+def test_tween_rule_matches_its_references(found_inf, clip):
+    from torchloom.kernels.explosion_rule import STATE_FIELDS, explosion_rule_ref_, rule_constants
+    from torchloom.trainers.tween import EXPLOSION_RULE, _TensorOps
+
+    ms = _ms()
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    cfg = TweenConfig(base_rate=0.05, link_budget_scale=0.6, momentum_decay=0.8)
+    n, rows = 3, 5
+    part = _partials(n + 1, 3, 7)
+    widths = torch.tensor([6.0, 12.0, 9.0, 4.0], **f64)
+    consts = torch.tensor([cfg.link_budget_scale, cfg.momentum_decay], **f64)
+    scales = torch.tensor([1.0, 0.8, 0.6], **f64)
+    seg = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32, device=DEVICE)
+    trainable = torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.int8, device=DEVICE)
+    lr = torch.tensor([0.05], **f64)
+    grad_scale = torch.tensor(0.5, device=DEVICE) if clip else None
+    fi = torch.tensor(found_inf, device=DEVICE)
+    # a state past the warm-up whose baseline sits far below this step's gap: an explosion
+    values = dict(adaptive_rate=0.04, explosion_count=1.0, steps=20.0, prev_avg_gap=1e-3, gap_baseline=1e-3,
+                  gap_growth_rate=1.0, gap_log_mean=math.log(1e-4), gap_log_dev=0.1, gap_log_peak=math.log(1e-4), explosion_pressure=0.0)
+    state_ref = torch.tensor([values[k] for k in STATE_FIELDS], **f64)
+    state_ker = state_ref.clone()
+    constants = rule_constants(EXPLOSION_RULE, cfg, DEVICE)
+    log = torch.empty(6, **f64)
+    a, c, apply, metrics = ms.tween_rule_(part, widths, consts, scales, state_ker, constants, lr, grad_scale, fi, rows, seg, trainable, log)
+    want = ms.tween_metrics_ref(part, widths, rows)
+    torch.testing.assert_close(metrics, want, rtol=1e-12, atol=1e-15)
+    avg_gap = want[:, 0].mean()
+    exploded = explosion_rule_ref_(EXPLOSION_RULE, _TensorOps, cfg, state_ref, avg_gap, lr.reshape(()), fi)
+    torch.testing.assert_close(state_ker, state_ref, rtol=1e-12, atol=0, equal_nan=True)
+    assert bool(exploded) == (found_inf == 0)  # the spike explodes on an applied step only
+    s = cfg.link_budget_scale
+    rates = state_ref[0] * (1 - s / 2 + s / 2 * want[:, 2]) * scales
+    if clip:
+        rates = rates * 0.5
+    torch.testing.assert_close(c, (-rates / rows)[seg.long()], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(a, torch.full_like(a, 0.0 if bool(exploded) else cfg.momentum_decay))
+    assert torch.equal(apply, (trainable * (1 if found_inf == 0 else 0)).to(torch.int8))
+    want_log = torch.stack([avg_gap, want[:, 1].mean(), exploded.double(), state_ref[0], state_ref[4], state_ref[1]])
+    torch.testing.assert_close(log, want_log, rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- whole steps
+def _net(dtype=torch.float32, sizes=(6, 12, 9, 4), acts=("tanh", "relu", "sigmoid")):
+    torch.manual_seed(0)
+    return Network(*[Dense(a, b, f, dtype=dtype) for a, b, f in zip(sizes[:-1], sizes[1:], acts)]).to(DEVICE)
+
+
+def _data(n=6, bs=6, labels=True):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randn(bs, 6, generator=g)
+        y = torch.randint(0, 4, (bs,), generator=g) if labels else torch.rand(bs, 4, generator=g)
+        out.append((x.to(DEVICE), y.to(DEVICE)))
+    return out
+
+
+def _run(net, data, cfg, backend):
+    trainer = make_trainer(net, cfg)
+    trainer.kernel_backend = backend
+    trainer._runner = CudaRunner(trainer)  # the device runner, eager (no graph), on any device
+    return trainer.fit(data, cfg.epochs), trainer
+
+
+def _same_run(method, data, loss_type="mse", rtol=1e-5, **extra):
+    cfg = lambda: TrainingConfig(method=copy.deepcopy(method), epochs=2, verbose=0, loss_type=loss_type, **extra)  # noqa: E731
+    ra, ta = _run(_net(), data, cfg(), "reference")
+    rb, tb = _run(_net(), data, cfg(), "triton" if DEVICE == "cpu" else None)
+    assert ta._fused is None and tb._fused is not None
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=rtol)
+    for p, q in zip(tb.model.parameters(), ta.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=1e-6)
+    for key in ra.history.keys():
+        if key not in ("epoch_time", "samples_per_second", "eta"):
+            np.testing.assert_allclose(rb.history[key], ra.history[key], rtol=rtol, atol=1e-7, err_msg=key)
+    return ta, tb
+
+
+EXTRAS = [dict(), dict(gradient_clip=0.05), dict(gradient_clip=0.01, clip_mode="value"), dict(scheduler=lambda s: 0.05 / (1 + s))]
+EXTRA_IDS = ["plain", "norm-clip", "value-clip", "schedule"]
+
+
+@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
+@pytest.mark.parametrize("labels", [True, False], ids=["labels", "targets"])
+def test_fused_target_prop_step_equals_the_torch_op_step(extra, labels):
+    _same_run(TargetPropConfig(learning_rate=0.05, gate_threshold=0.3), _data(labels=labels), **extra)
+
+
+@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
+@pytest.mark.parametrize("loss_type,labels", [("mse", True), ("mse", False), ("cross_entropy", True)])
+def test_fused_tween_step_equals_the_torch_op_step(extra, loss_type, labels):
+    _same_run(TweenConfig(base_rate=0.05), _data(labels=labels), loss_type=loss_type, **extra)
+
+
+@pytest.mark.parametrize("method", [TweenConfig(base_rate=0.1, momentum_decay=0.5, depth_scaling=False), TweenConfig(gap_threshold=0.0, link_budget_scale=0.0)])
+def test_fused_tween_step_other_settings(method):
+    _same_run(method, _data(labels=False))
+
+
+def test_fused_tween_step_explodes_and_recovers_like_the_torch_op_step():
+    data = _data(n=14, labels=False)
+    data[12] = (data[12][0] * 30, data[12][1] + 5)  # a spike after the rule's warm-up
+    ta, tb = _same_run(TweenConfig(base_rate=0.05), data)
+    assert ta.state.explosion_count == tb.state.explosion_count >= 1
+    assert ta.state.rate_history == pytest.approx(tb.state.rate_history, rel=1e-9)
+
+
+def test_fused_step_skips_nan_batches_like_the_torch_op_step():
+    data = _data(n=5)
+    data[2] = (data[2][0].clone(), data[2][1])
+    data[2][0][1, 2] = float("inf")
+    for method in (TargetPropConfig(learning_rate=0.05), TweenConfig(base_rate=0.05)):
+        _same_run(method, data)
+
+
+def test_fused_step_is_not_taken_where_it_does_not_apply():
+    from torchloom import LayerNorm
+
+    backend = "triton" if DEVICE == "cpu" else None
+    cases = [
+        (_net(torch.float64), TargetPropConfig()),  # float64: the exact torch-op step
+        (_net(), TargetPropConfig(mode="pure")),  # pure TargetProp
+        (Network(Dense(6, 8, "tanh"), LayerNorm(8), Dense(8, 4, "linear")).to(DEVICE), TweenConfig()),  # not all Dense
+    ]
+    for net, method in cases:
+        trainer = make_trainer(net, TrainingConfig(method=method, verbose=0, loss_type="mse"))
+        trainer.kernel_backend = backend
+        CudaRunner(trainer)
+        assert trainer._fused is None
