@@ -139,15 +139,43 @@ def _loom_run(method, data, dev, epochs):
     return time.perf_counter() - t
 
 
+def _warm_process(dev):
+    """What every PyTorch training process pays once, before its first step, whoever trains: the first
+    ``torch.optim`` optimizer imports ``torch._dynamo`` (seconds: ``Optimizer.add_param_group`` is
+    wrapped by ``torch._disable_dynamo``, which imports it on first call), and the first matrix product
+    creates the cuBLAS handle. Done before any timer starts, in every contender's process alike."""
+    torch.optim.SGD([torch.zeros(1, device=dev, requires_grad=True)], lr=0.1)
+    a = torch.ones(8, 8, device=dev)
+    (a @ a).sum().item()
+
+
+def one_run(contender, batch, dev, n_samples, epochs):
+    """One whole run in this process: ``contender`` is ``eager``, ``compile`` or a torchloom method."""
+    data = _data(n_samples, batch, dev)
+    _warm_process(dev)
+    if contender in ("eager", "compile"):
+        return _eager_run(data, dev, epochs, compiled=contender == "compile")
+    return _loom_run(contender, data, dev, epochs)
+
+
 def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True):
+    """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
+    imports, kernel loads or caches; Triton's and Inductor's on-disk caches are shared, as on any
+    machine after its first run (``--cold`` points Triton at an empty cache instead)."""
+    import subprocess
+
     rows = []
     for batch in batch_sizes:
-        data = _data(n_samples, batch, dev)
-        eager = _eager_run(data, dev, epochs)
-        compiled = _eager_run(data, dev, epochs, compiled=True) if with_compile else float("nan")
-        for method in ("backprop", "tween"):
-            t = _loom_run(method, data, dev, epochs)
-            rows.append((batch, method, t, eager, compiled, t / eager))
+        times = {}
+        contenders = ["eager"] + (["compile"] if with_compile else []) + ["backprop", "tp chain", "tween"]
+        for c in contenders:
+            cmd = [sys.executable, __file__, "--one-run", c, str(batch), str(n_samples), str(epochs), "--device", dev.type]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
+            times[c] = float(res.stdout.strip().splitlines()[-1])
+        for method in ("backprop", "tp chain", "tween"):
+            rows.append((batch, method, times[method], times["eager"], times.get("compile", float("nan")), times[method] / times["eager"]))
     return rows
 
 
@@ -157,7 +185,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the pipeline only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--whole-run-only", action="store_true", help="only the whole-run table")
+    ap.add_argument("--steps-only", action="store_true", help="only the per-step table")
+    ap.add_argument("--one-run", nargs=4, metavar=("CONTENDER", "BATCH", "SAMPLES", "EPOCHS"), help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one_run:  # a child process of whole_runs: print the seconds of one whole run
+        c, batch, n, epochs = args.one_run
+        print(one_run(c, int(batch), torch.device(args.device), int(n), int(epochs)))
+        return 0
     if args.dry_run:
         dev = torch.device("cpu")
         step_sizes, run_sizes, n_samples, max_steps = (4,), (32,), 256, 4
@@ -177,7 +212,10 @@ def main(argv=None) -> int:
         print("|---:|---|---:|---:|---:|---:|")
         for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps):
             print(f"| {batch} | {method} | {g:.1f} | {e:.1f} | {h:.1f} | {r:.2f}× |", flush=True)
+    if args.steps_only:
+        return 0
     print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
+    print("Each contender in a fresh process (imports, kernel loads and graph captures its own; Triton's disk cache warm).\n")
     print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
     print("|---:|---|---:|---:|---:|---:|")
     for batch, method, t, e, c, r in whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run)):

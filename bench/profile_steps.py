@@ -1,7 +1,7 @@
 """Kernel census of one device step per method: which kernels a step launches, how many, how long.
 
-Runs ``torchloom.train`` with ``cuda_graph=False`` (the same kernels a captured step replays) and
-profiles the second epoch with ``torch.profiler``; prints per method and batch size the kernels per
+Runs ``torchloom.train`` with ``cuda_graph=False`` (the same kernels a captured step replays; with
+``--graphed``, the captured graphs' replay) and profiles the second epoch with ``torch.profiler``; prints per method and batch size the kernels per
 step, the GPU time per step, and the kernels grouped by name. A diagnostic for the launch-count work
 behind ``bench_trainers.py``'s step ratios.
 
@@ -38,10 +38,10 @@ class _Profile:
             self.prof.stop()
 
 
-def census(method, batch, steps, dev):
+def census(method, batch, steps, dev, graphed=False):
     data = _data(steps * batch, batch, dev)
     obs = _Profile()
-    torchloom.train(_net(dev), data, _config(method, dev, epochs=2, cuda_graph=False, observers=[obs]))
+    torchloom.train(_net(dev), data, _config(method, dev, epochs=2, cuda_graph=None if graphed else False, observers=[obs]))
     kernels = collections.Counter()
     times = collections.Counter()
     for e in obs.prof.events():
@@ -57,12 +57,13 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--graphed", action="store_true", help="profile the captured steps' replay instead")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__)
     for batch in args.batches:
         for method in args.methods:
-            k, t = census(method, batch, args.steps, dev)
+            k, t = census(method, batch, args.steps, dev, args.graphed)
             n = args.steps
             print(f"\n== {method} batch {batch}: {sum(k.values()) / n:.1f} kernels/step, {sum(t.values()) / n:.1f} us GPU/step")
             for name, c in k.most_common(args.top):

@@ -144,12 +144,12 @@ def target_rows(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -
 
 
 # ------------------------------------------------------------------------- 2. layer statistics
-def stats_ref(f: Tensor, t: Tensor, extra: Tensor | None = None, scale: float | None = None) -> Tensor:
+def stats_ref(f: Tensor, t: Tensor | None, extra: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Reference: ``[Σ f·t, Σ f², Σ t², Σ (f − t)², Σ extra²]`` in float32, with ``t`` replaced by
     ``f + scale·t`` when ``scale`` is given."""
     f2 = f.reshape(-1).float()
-    t2 = t.reshape(-1).float()
-    if scale is not None:
+    t2 = f2 if t is None else t.reshape(-1).float()
+    if scale is not None and t is not None:
         t2 = f2 + scale * t2
     d = f2 - t2
     e2 = extra.reshape(-1).float().square().sum() if extra is not None else f2.new_zeros(())
@@ -157,39 +157,65 @@ def stats_ref(f: Tensor, t: Tensor, extra: Tensor | None = None, scale: float | 
 
 
 @jit
-def _stats_kernel(part_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FROM_GRAD: tl.constexpr):
+def _stats_kernel(
+    part_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, programs,
+    BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FROM_GRAD: tl.constexpr, T_IS_F: tl.constexpr,
+):
+    # grid-stride: at most _MAX_STATS_PROGRAMS partial rows, so the rule kernel's single program adds
+    # up few of them whatever the batch
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    t = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if FROM_GRAD:
-        t = f + scale * t
-    d = f - t
+    a0 = tl.zeros([BLOCK], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, tl.maximum(n, n_extra), programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if T_IS_F:
+            t = f
+        else:
+            t = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if FROM_GRAD:
+                t = f + scale * t
+        d = f - t
+        a0 += f * t
+        a1 += f * f
+        a2 += t * t
+        a3 += d * d
+        if HAS_EXTRA:
+            e = tl.load(e_ptr + offs, mask=offs < n_extra, other=0.0).to(tl.float32)
+            a4 += e * e
     base = part_ptr + pid * 5
-    tl.store(base + 0, tl.sum(f * t, axis=0))
-    tl.store(base + 1, tl.sum(f * f, axis=0))
-    tl.store(base + 2, tl.sum(t * t, axis=0))
-    tl.store(base + 3, tl.sum(d * d, axis=0))
+    tl.store(base + 0, tl.sum(a0, axis=0))
+    tl.store(base + 1, tl.sum(a1, axis=0))
+    tl.store(base + 2, tl.sum(a2, axis=0))
+    tl.store(base + 3, tl.sum(a3, axis=0))
     if HAS_EXTRA:
-        e = tl.load(e_ptr + offs, mask=offs < n_extra, other=0.0).to(tl.float32)
-        tl.store(base + 4, tl.sum(e * e, axis=0))
+        tl.store(base + 4, tl.sum(a4, axis=0))
+
+
+_MAX_STATS_PROGRAMS = 1024
 
 
 def stats_programs(n: int, is_cuda: bool) -> int:
     """How many partial rows ``layer_stats_into`` writes for ``n`` elements."""
-    return elementwise_settings(n, is_cuda)[2]
+    return min(elementwise_settings(n, is_cuda)[2], _MAX_STATS_PROGRAMS)
 
 
-def layer_stats_into(part: Tensor, f: Tensor, t: Tensor, extra: Tensor | None = None, scale: float | None = None) -> None:
+def layer_stats_into(part: Tensor, f: Tensor, t: Tensor | None, extra: Tensor | None = None, scale: float | None = None) -> None:
     """Write one layer's partial sums into ``part`` (``[≥ stats_programs(n), 5]`` float32 rows, zeroed
     beforehand by the caller: a program that has nothing to add leaves its row alone). ``f``, ``t``
-    contiguous with ``n`` elements each; ``extra`` contiguous with at most ``n`` elements."""
+    contiguous with ``n`` elements each (``t=None``: ``t = f``, read once); ``extra`` contiguous with
+    at most ``n`` elements."""
     n = f.numel()
-    block, num_warps, programs = elementwise_settings(n, f.is_cuda)
+    block, num_warps, _ = elementwise_settings(n, f.is_cuda)
+    programs = stats_programs(n, f.is_cuda)
     _stats_kernel[(programs,)](
-        part, f, t, extra if extra is not None else f, n, extra.numel() if extra is not None else 0,
-        float(scale or 0.0), BLOCK=block, HAS_EXTRA=extra is not None, FROM_GRAD=scale is not None, num_warps=num_warps,
+        part, f, f if t is None else t, extra if extra is not None else f, n, extra.numel() if extra is not None else 0,
+        float(scale or 0.0), programs, BLOCK=block, HAS_EXTRA=extra is not None, FROM_GRAD=scale is not None,
+        T_IS_F=t is None, num_warps=num_warps,
     )
 
 
@@ -294,7 +320,7 @@ def _tp_rule_kernel(
     measured = (status == 0) | (status == 2)
     cos01 = (cosine + 1.0) / 2.0
     cos01 = tl.where(cos01 < 0.0, 0.0, tl.where(cos01 > 1.0, 1.0, cos01))
-    new = tl.where(both & measured, cos01, old)
+    new = tl.where(both & measured & (cos01 == cos01), cos01, old)  # a NaN cosine measures nothing
     tl.store(budgets_ptr + lidx, new, mask=lm)
     numel = tl.load(widths_ptr + lidx, mask=lm, other=1.0) * rows
     gaps = tl.sqrt(sq / tl.maximum(numel, 1.0))
@@ -354,13 +380,13 @@ def tp_rule_(
 # --------------------------------------------------------------------------------- Tweening
 def tween_metrics_ref(part: Tensor, widths: Tensor, rows: int) -> Tensor:
     """``[L, 3]`` float64 per layer ``[gap, link budget, alignment]`` (``TweenTrainer._fused_metrics``'s
-    math) from the ``[L + 1, P, 5]`` partials: row 0 the input's (``layer_stats_into(part[0], x, x,
-    x)``: its ``Σ extra²`` is ``Σ x²``), row ``i + 1`` layer ``i``'s ``(ŷ or output, target, output)``
+    math) from the ``[L + 1, P, 5]`` partials: row 0 the input's (``layer_stats_into(part[0], x,
+    None)``: its ``Σ f²`` is ``Σ x²``), row ``i + 1`` layer ``i``'s ``(ŷ or output, target, output)``
     statistics. ``widths``: ``[L + 1]`` float64, the input's width then each layer's output width."""
     n = widths.numel() - 1
     s = part.double().sum(1)
     dot, ff, tt, dd, out_sq = s[1:].unbind(1)
-    in_sq = s[:n, 4]
+    in_sq = torch.cat([s[:1, 1], s[1:n, 4]])
     numel = (widths * rows).clamp_min(1.0)
     numel_in, numel_f = numel[:n], numel[1:]
     gap = dd / numel_f
@@ -381,9 +407,10 @@ def _tween_rule_kernel(
     LP: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, CLIP: tl.constexpr,
 ):
     dot, ff, tt, dd, out_sq = _layer_vectors(part_ptr + P * 5, P, LP, L, BLOCK_P)  # rows 1..L: the layers
-    _a, _b, _c, _d, in_sq = _layer_vectors(part_ptr, P, LP, L, BLOCK_P)  # rows 0..L−1: each layer's input
+    _a, x_sq, _c, _d, below_sq = _layer_vectors(part_ptr, P, LP, L, BLOCK_P)  # rows 0..L−1: each layer's input
     lidx = tl.arange(0, LP)
     lm = lidx < L
+    in_sq = tl.where(lidx == 0, x_sq, below_sq)  # the input's Σ x² is its row's Σ f²
     numel_in = tl.maximum(tl.load(widths_ptr + lidx, mask=lm, other=1.0) * rows, 1.0)
     numel_f = tl.maximum(tl.load(widths_ptr + 1 + lidx, mask=lm, other=1.0) * rows, 1.0)
     gap = dd / numel_f

@@ -50,9 +50,12 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
 
-# Steps recorded into the chunk graph: enough to amortise a replay's launch and slot copies over many
-# steps, few enough that capture (the Python of that many steps) stays short.
-STEPS_PER_GRAPH = 64
+# Steps recorded into the chunk graph: enough to amortise a replay's six launches (two slot stacks, the
+# graph, three result copies) over many steps, few enough that capture stays short: capturing costs the
+# Python of every recorded step (a Tween step ~5 ms while capturing), and a graph's instantiation grows
+# with its nodes. At 64, a 59-batch epoch captured 59 steps (~0.5 s of a 4-epoch Tween run at batch
+# 1,024, H100); at 16 it captures at most 31 (16 + a tail of at most 15).
+STEPS_PER_GRAPH = 16
 
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
 NAN_WEIGHTS = 4  # status written after the update when it made a weight or state non-finite (undone)

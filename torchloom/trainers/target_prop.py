@@ -651,7 +651,7 @@ class _FusedStep:
             grads[i] = g
         return grads
 
-    def _stats(self, pairs: list[tuple[Tensor, Tensor, Tensor | None, float | None]]) -> Tensor:
+    def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
         """``[len(pairs), P, 5]`` partial sums, one ``layer_stats_into`` launch per pair."""
         from ..kernels.method_steps import layer_stats_into, stats_programs
 
@@ -725,7 +725,7 @@ class _FusedStep:
         grads = self._backward_into_flat(g, saved)
         s = cfg.gradient_scale
         part = self._stats(
-            [(x, x, x, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
+            [(x, None, None, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
         )
         batch = out.shape[0]
         clip_norm = t.clip * batch if t.clip > 0 and t.clip_mode == "norm" else 0.0
@@ -935,6 +935,8 @@ class TargetPropTrainer(Trainer):
     def guarded_device_tensors(self) -> list[Tensor]:
         velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if getattr(self, "_fused", None) is not None:  # its rule never writes a non-finite budget
+            return [*as_flat(params), *as_flat(velocities)]
         return [*as_flat(params), *as_flat(velocities), self._budgets]
 
     @torch.no_grad()
