@@ -240,3 +240,19 @@ def test_fused_step_is_not_taken_where_it_does_not_apply():
         trainer.kernel_backend = backend
         CudaRunner(trainer)
         assert trainer._fused is None
+
+
+@pytest.mark.parametrize("count", [1, 4, 8, 9])
+def test_stats_into_one_launch_matches_each_pair(count):
+    ms = _ms()
+    g = torch.Generator().manual_seed(count)
+    pairs = []
+    for j in range(count):
+        n = [1, 37, 300, 2049][j % 4]
+        f, t = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+        e = torch.randn(n, generator=g).to(DEVICE) if j % 2 else None
+        kind = j % 3
+        pairs.append((f, None, e, None) if kind == 0 else (f, t, e, 0.5 * j - 1) if kind == 1 else (f, t, e, None))
+    part = ms.stats_into(pairs)
+    for j, (f, t, e, scale) in enumerate(pairs):
+        torch.testing.assert_close(part[j].double().sum(0), ms.stats_ref(f, t, e, scale).double(), rtol=1e-5, atol=1e-4, msg=f"pair {j}")

@@ -39,7 +39,7 @@ from .explosion_rule import rule_body
 
 __all__ = [
     "MAX_LAYERS", "MAX_SEGMENTS", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
-    "layer_stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
+    "layer_stats_into", "stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
 
 MAX_LAYERS = 16
@@ -157,13 +157,11 @@ def stats_ref(f: Tensor, t: Tensor | None, extra: Tensor | None = None, scale: f
 
 
 @jit
-def _stats_kernel(
-    part_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, programs,
+def _stats_program(
+    out_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, pid, programs,
     BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FROM_GRAD: tl.constexpr, T_IS_F: tl.constexpr,
 ):
-    # grid-stride: at most _MAX_STATS_PROGRAMS partial rows, so the rule kernel's single program adds
-    # up few of them whatever the batch
-    pid = tl.program_id(0).to(tl.int64)
+    """One program's five partial sums (grid-stride over ``programs`` programs) into ``out_ptr[0:5]``."""
     a0 = tl.zeros([BLOCK], dtype=tl.float32)
     a1 = tl.zeros([BLOCK], dtype=tl.float32)
     a2 = tl.zeros([BLOCK], dtype=tl.float32)
@@ -187,15 +185,59 @@ def _stats_kernel(
         if HAS_EXTRA:
             e = tl.load(e_ptr + offs, mask=offs < n_extra, other=0.0).to(tl.float32)
             a4 += e * e
-    base = part_ptr + pid * 5
-    tl.store(base + 0, tl.sum(a0, axis=0))
-    tl.store(base + 1, tl.sum(a1, axis=0))
-    tl.store(base + 2, tl.sum(a2, axis=0))
-    tl.store(base + 3, tl.sum(a3, axis=0))
-    if HAS_EXTRA:
-        tl.store(base + 4, tl.sum(a4, axis=0))
+    tl.store(out_ptr + 0, tl.sum(a0, axis=0))
+    tl.store(out_ptr + 1, tl.sum(a1, axis=0))
+    tl.store(out_ptr + 2, tl.sum(a2, axis=0))
+    tl.store(out_ptr + 3, tl.sum(a3, axis=0))
+    tl.store(out_ptr + 4, tl.sum(a4, axis=0))
 
 
+@jit
+def _stats_kernel(
+    part_ptr, f_ptr, t_ptr, e_ptr, n, n_extra, scale, programs,
+    BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FROM_GRAD: tl.constexpr, T_IS_F: tl.constexpr,
+):
+    # grid-stride: at most _MAX_STATS_PROGRAMS partial rows, so the rule kernel's single program adds
+    # up few of them whatever the batch
+    pid = tl.program_id(0).to(tl.int64)
+    _stats_program(part_ptr + pid * 5, f_ptr, t_ptr, e_ptr, n, n_extra, scale, pid, programs, BLOCK, HAS_EXTRA, FROM_GRAD, T_IS_F)
+
+
+@jit
+def _stats_pairs_kernel(
+    part_ptr, programs,
+    f0, t0, e0, n0, ne0, s0, f1, t1, e1, n1, ne1, s1, f2, t2, e2, n2, ne2, s2, f3, t3, e3, n3, ne3, s3,
+    f4, t4, e4, n4, ne4, s4, f5, t5, e5, n5, ne5, s5, f6, t6, e6, n6, ne6, s6, f7, t7, e7, n7, ne7, s7,
+    NP: tl.constexpr, BLOCK: tl.constexpr, EXTRA: tl.constexpr, GRAD: tl.constexpr, SAME: tl.constexpr,
+):
+    # every pair's statistics in one launch: grid (programs, pairs); pair j's flags are bit j of the masks
+    pid = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(1)
+    for j in tl.static_range(NP):
+        if j == 0:
+            f, t, e, n, ne, sc = f0, t0, e0, n0, ne0, s0
+        if j == 1:
+            f, t, e, n, ne, sc = f1, t1, e1, n1, ne1, s1
+        if j == 2:
+            f, t, e, n, ne, sc = f2, t2, e2, n2, ne2, s2
+        if j == 3:
+            f, t, e, n, ne, sc = f3, t3, e3, n3, ne3, s3
+        if j == 4:
+            f, t, e, n, ne, sc = f4, t4, e4, n4, ne4, s4
+        if j == 5:
+            f, t, e, n, ne, sc = f5, t5, e5, n5, ne5, s5
+        if j == 6:
+            f, t, e, n, ne, sc = f6, t6, e6, n6, ne6, s6
+        if j == 7:
+            f, t, e, n, ne, sc = f7, t7, e7, n7, ne7, s7
+        if pair == j:
+            _stats_program(
+                part_ptr + (j * programs + pid) * 5, f, t, e, n, ne, sc, pid, programs, BLOCK,
+                ((EXTRA >> j) & 1) == 1, ((GRAD >> j) & 1) == 1, ((SAME >> j) & 1) == 1,
+            )
+
+
+_MAX_PAIRS = 8
 _MAX_STATS_PROGRAMS = 1024
 
 
@@ -217,6 +259,35 @@ def layer_stats_into(part: Tensor, f: Tensor, t: Tensor | None, extra: Tensor | 
         float(scale or 0.0), programs, BLOCK=block, HAS_EXTRA=extra is not None, FROM_GRAD=scale is not None,
         T_IS_F=t is None, num_warps=num_warps,
     )
+
+
+def stats_into(pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
+    """Every pair's ``layer_stats_into`` at once: ``[len(pairs), P, 5]`` float32 partials (every row
+    written: no zeroing), one launch for up to eight pairs (else one per pair, on a zeroed buffer).
+    A pair is ``(f, t or None, extra or None, scale or None)`` as ``layer_stats_into`` takes them."""
+    f0 = pairs[0][0]
+    cuda = f0.is_cuda
+    p = max(stats_programs(max(f.numel(), e.numel() if e is not None else 0), cuda) for f, _, e, _ in pairs)
+    if len(pairs) > _MAX_PAIRS:
+        part = torch.zeros(len(pairs), p, 5, dtype=torch.float32, device=f0.device)
+        for i, (f, t, e, scale) in enumerate(pairs):
+            layer_stats_into(part[i], f, t, e, scale)
+        return part
+    part = torch.empty(len(pairs), p, 5, dtype=torch.float32, device=f0.device)
+    block = max(elementwise_settings(max(f.numel(), e.numel() if e is not None else 0), cuda)[0] for f, _, e, _ in pairs)
+    num_warps = elementwise_settings(1 << 20, cuda)[1]
+    args, extra_mask, grad_mask, same_mask = [], 0, 0, 0
+    for j in range(_MAX_PAIRS):
+        f, t, e, scale = pairs[j] if j < len(pairs) else (f0, None, None, None)
+        args += [f, f if t is None else t, f if e is None else e, f.numel(), e.numel() if e is not None else 0, float(scale or 0.0)]
+        if j < len(pairs):
+            extra_mask |= (e is not None) << j
+            grad_mask |= (scale is not None and t is not None) << j
+            same_mask |= (t is None) << j
+    _stats_pairs_kernel[(p, len(pairs))](
+        part, p, *args, NP=len(pairs), BLOCK=block, EXTRA=extra_mask, GRAD=grad_mask, SAME=same_mask, num_warps=num_warps,
+    )
+    return part
 
 
 # ------------------------------------------------------------------------------ 3. the rules

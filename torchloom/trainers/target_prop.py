@@ -591,6 +591,7 @@ class _FusedStep:
         self.trainable = flat.trainable.to(torch.int8)
         self.weighted = torch.ones(self.n, dtype=torch.int8, device=dev)
         self.lr = torch.zeros(1, **f64)
+        self._lr_value: float | None = None
         # each layer's parameters, as views of the flat direction buffer, in parameter order
         self.views: list[tuple[Tensor, ...]] = []
         k = 0
@@ -652,21 +653,20 @@ class _FusedStep:
         return grads
 
     def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
-        """``[len(pairs), P, 5]`` partial sums, one ``layer_stats_into`` launch per pair."""
-        from ..kernels.method_steps import layer_stats_into, stats_programs
+        """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch)."""
+        from ..kernels.method_steps import stats_into
 
-        cuda = pairs[0][0].is_cuda
-        p = max(stats_programs(max(f.numel(), e.numel() if e is not None else 0), cuda) for f, _, e, _ in pairs)
-        part = torch.zeros(len(pairs), p, 5, dtype=torch.float32, device=pairs[0][0].device)
-        for i, (f, t, e, scale) in enumerate(pairs):
-            layer_stats_into(part[i], f, t, e, scale)
-        return part
+        return stats_into(pairs)
 
     def _lr(self) -> Tensor:
         lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
         if isinstance(lr, Tensor):
+            self._lr_value = None
             return self.lr.copy_(lr.reshape(1))
-        return self.lr.fill_(float(lr))
+        if lr != self._lr_value:  # a fixed rate is written once, not by every (captured) step
+            self.lr.fill_(float(lr))
+            self._lr_value = lr
+        return self.lr
 
     def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:
         from ..kernels.layer_update import momentum_update_flat_
@@ -921,8 +921,8 @@ class TargetPropTrainer(Trainer):
                 st.velocities[i] = tuple(torch.zeros_like(p) for p in params)
         # parameters, velocities and update directions each in one buffer of one layout: the weight
         # guard checks two tensors and one kernel updates every layer (``momentum_update_flat_``)
-        flatten_tensors_([p for p in self.model.parameters()])
-        flatten_tensors_([v for vs in st.velocities if vs is not None for v in vs])
+        # parameters then velocities in one buffer: the guard saves, checks and restores one tensor
+        flatten_tensors_([*self.model.parameters(), *(v for vs in st.velocities if vs is not None for v in vs)])
         self._flat = _FlatLayout.build(self.model, [v for vs in st.velocities if vs is not None for v in vs])
         self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
         n = st.num_layers
@@ -936,8 +936,8 @@ class TargetPropTrainer(Trainer):
         velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
         params = [p for p in self.model.parameters() if p.requires_grad]
         if getattr(self, "_fused", None) is not None:  # its rule never writes a non-finite budget
-            return [*as_flat(params), *as_flat(velocities)]
-        return [*as_flat(params), *as_flat(velocities), self._budgets]
+            return as_flat([*params, *velocities])
+        return [*as_flat([*params, *velocities]), self._budgets]
 
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:

@@ -793,12 +793,12 @@ class TweenTrainer(Trainer):
         self._scales = torch.tensor(scales, **f64)
         # parameters and velocities each in one buffer of one layout (parameter order): the weight
         # guard checks two tensors and one kernel updates every layer (``momentum_update_flat_``)
-        flatten_tensors_(list(self.model.parameters()))
         ordered = []
         for i, layer in enumerate(self.model.layers):
             wv, bv = iter(st.weight_velocity[i]), iter(st.bias_velocity[i])
             ordered.extend(next(bv) if _is_bias(name) else next(wv) for name, _ in layer.named_parameters())
-        flatten_tensors_(ordered)
+        # parameters then velocities in one buffer: the guard saves, checks and restores one tensor
+        flatten_tensors_([*self.model.parameters(), *ordered])
         from .target_prop import _FlatLayout, _FusedStep
 
         self._flat = _FlatLayout.build(self.model, ordered)
@@ -810,7 +810,7 @@ class TweenTrainer(Trainer):
         params = [p for p in self.model.parameters() if p.requires_grad]
         # the explosion watch (self._dev_flat) is not guarded: an update cannot overflow it, and its
         # "no previous gap" marker is a NaN on purpose
-        return [*as_flat(params), *as_flat(velocities)]
+        return as_flat([*params, *velocities])
 
     @torch.no_grad()
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
