@@ -15,8 +15,8 @@ One process, one table, a 784-256-256-10 ReLU network on random MNIST-shaped dat
    method's graphed step over backprop's graphed step (target ≤ 1.5×).
 
 2. **Whole-run wall time**: 4 epochs over 60,000 samples, every warm-up, kernel compile and graph
-   capture included, from the first call to the last result, at batch 32, 128 and 1,024: torchloom
-   backprop and Tween (graphed) against an eager PyTorch loop (``nn.Sequential``, ``torch.optim.SGD``,
+   capture included, from the first call to the last result, at batch 32, 128 and 1,024: every
+   torchloom method (graphed) against an eager PyTorch loop (``nn.Sequential``, ``torch.optim.SGD``,
    ``F.cross_entropy``) and ``torch.compile`` of that loop's step (compile time included). Target:
    torchloom ≤ 0.5× the eager loop. The data sit on the GPU before any timer starts.
 
@@ -77,13 +77,13 @@ def _sync(dev):
 
 
 # --------------------------------------------------------------------------------- per step
-def step_times(batches_sizes, dev, epochs=3, max_steps=128):
+def step_times(batches_sizes, dev, epochs=3, max_steps=128, methods=tuple(METHODS)):
     rows = []
     for batch in batches_sizes:
         steps = max(2, min(max_steps, 65536 // batch))
         data = _data(steps * batch, batch, dev)
         times = {}
-        for method in METHODS:
+        for method in ("backprop", *(m for m in methods if m != "backprop")):
             for way in ("graphed", "eager", "host"):
                 kw = dict(cuda_graph=False) if way == "eager" else {}
                 if way == "host":
@@ -93,7 +93,7 @@ def step_times(batches_sizes, dev, epochs=3, max_steps=128):
                 result = torchloom.train(net, data, _config(method, dev, epochs=eps, **kw))
                 times[(method, way)] = min(result.epoch_times[1:]) / len(data) * 1e6
         base = times[("backprop", "graphed")]
-        for method in METHODS:
+        for method in ("backprop", *(m for m in methods if m != "backprop")):
             rows.append((batch, method, times[(method, "graphed")], times[(method, "eager")], times[(method, "host")], times[(method, "graphed")] / base))
     return rows
 
@@ -158,23 +158,50 @@ def one_run(contender, batch, dev, n_samples, epochs):
     return _loom_run(contender, data, dev, epochs)
 
 
-def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True):
-    """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
-    imports, kernel loads or caches; Triton's and Inductor's on-disk caches are shared, as on any
-    machine after its first run (``--cold`` points Triton at an empty cache instead)."""
-    import subprocess
+def _child_env(pycache: str, cold: bool) -> dict:
+    """The environment of a whole-run child process: Python's bytecode cache on (under ``pycache``), as
+    on any installation pip made (the GPU machine sets ``PYTHONDONTWRITEBYTECODE``, so every process
+    would compile each lazily imported module from source inside its timed run); with ``cold``, empty
+    Triton and Inductor caches of its own."""
+    import os
+    import tempfile
 
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("PYTHONPYCACHEPREFIX", pycache)
+    if cold:
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+    return env
+
+
+def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, methods=tuple(METHODS), cold=False):
+    """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
+    imports, kernel loads or caches. Each contender first runs once, untimed, in a process of its own
+    at a tiny size: after that its bytecode and (unless ``cold``) Triton's and Inductor's on-disk
+    kernel caches are warm, as on any machine after its first run, whatever the order of the
+    contenders. ``cold``: every timed process starts from empty Triton and Inductor caches (every
+    kernel compiled inside the timed run)."""
+    import subprocess
+    import tempfile
+
+    pycache = tempfile.mkdtemp(prefix="bench-pycache-")
+    contenders = ["eager"] + (["compile"] if with_compile else []) + list(methods)
+
+    def run(c, batch, n, eps, cold_env):
+        cmd = [sys.executable, __file__, "--one-run", c, str(batch), str(n), str(eps), "--device", dev.type]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_child_env(pycache, cold_env))
+        if res.returncode != 0:
+            raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
+        return float(res.stdout.strip().splitlines()[-1])
+
+    for batch in batch_sizes:  # untimed priming runs: bytecode and kernel caches
+        for c in contenders:
+            run(c, batch, 2 * batch, 1, False)
     rows = []
     for batch in batch_sizes:
-        times = {}
-        contenders = ["eager"] + (["compile"] if with_compile else []) + ["backprop", "tp chain", "tween"]
-        for c in contenders:
-            cmd = [sys.executable, __file__, "--one-run", c, str(batch), str(n_samples), str(epochs), "--device", dev.type]
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if res.returncode != 0:
-                raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
-            times[c] = float(res.stdout.strip().splitlines()[-1])
-        for method in ("backprop", "tp chain", "tween"):
+        times = {c: run(c, batch, n_samples, epochs, cold) for c in contenders}
+        for method in methods:
             rows.append((batch, method, times[method], times["eager"], times.get("compile", float("nan")), times[method] / times["eager"]))
     return rows
 
@@ -186,6 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--whole-run-only", action="store_true", help="only the whole-run table")
     ap.add_argument("--steps-only", action="store_true", help="only the per-step table")
+    ap.add_argument("--cold", action="store_true", help="whole runs from empty Triton/Inductor caches (compiles timed)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (backprop's step is always timed: the ratio's base)")
+    ap.add_argument("--sizes", default=None, help="comma-separated batch sizes for both tables")
     ap.add_argument("--one-run", nargs=4, metavar=("CONTENDER", "BATCH", "SAMPLES", "EPOCHS"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -204,21 +234,27 @@ def main(argv=None) -> int:
         step_sizes = (1, 32, 1024) if args.quick else (1, 32, 1024, 16384)
         run_sizes = (128,) if args.quick else (32, 128, 1024)
         n_samples, max_steps = 60000, (64 if args.quick else 128)
+    methods = tuple(m.strip() for m in args.methods.split(","))
+    if any(m not in METHODS for m in methods):
+        ap.error(f"--methods: each must be one of {', '.join(METHODS)}, got {args.methods!r}")
+    if args.sizes:
+        step_sizes = run_sizes = tuple(int(b) for b in args.sizes.split(","))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"# bench_trainers.py on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     if not args.whole_run_only:
         print("\n## Per step (µs), 784-256-256-10, steady state\n")
         print("| batch | method | graphed | eager device | host loop | graphed / backprop graphed |")
         print("|---:|---|---:|---:|---:|---:|")
-        for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps):
+        for batch, method, g, e, h, r in step_times(step_sizes, dev, max_steps=max_steps, methods=methods):
             print(f"| {batch} | {method} | {g:.1f} | {e:.1f} | {h:.1f} | {r:.2f}× |", flush=True)
     if args.steps_only:
         return 0
     print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
-    print("Each contender in a fresh process (imports, kernel loads and graph captures its own; Triton's disk cache warm).\n")
+    caches = "empty Triton and Inductor caches: every compile timed" if args.cold else "Triton's and Inductor's disk caches warm from an untimed tiny run"
+    print(f"Each contender in a fresh process (imports, kernel loads and graph captures its own; {caches}).\n")
     print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
     print("|---:|---|---:|---:|---:|---:|")
-    for batch, method, t, e, c, r in whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run)):
+    for batch, method, t, e, c, r in whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run), methods=methods, cold=args.cold):
         print(f"| {batch} | {method} | {t:.3f} | {e:.3f} | {c:.3f} | {r:.2f}× |", flush=True)
     return 0
 

@@ -200,6 +200,58 @@ def test_fused_target_prop_step_equals_the_torch_op_step(extra, labels):
 
 
 @pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
+@pytest.mark.parametrize("labels", [True, False], ids=["labels", "targets"])
+def test_fused_pure_target_prop_step_equals_the_torch_op_step(extra, labels):
+    _same_run(TargetPropConfig(mode="pure", learning_rate=0.02, gate_threshold=0.3), _data(labels=labels), **extra)
+
+
+def test_fused_pure_target_prop_without_biases_and_with_a_dead_input_unit():
+    torch.manual_seed(0)
+    data = _data()
+    for x, _ in data:
+        x[:, 2] = 0.0
+
+    def net():
+        torch.manual_seed(0)
+        n = Network(Dense(6, 12, "tanh", bias=False), Dense(12, 9, "relu"), Dense(9, 4, "sigmoid", bias=False)).to(DEVICE)
+        with torch.no_grad():
+            n.layers[1].weight[:, 3] = 0.0  # no connection: that unit's estimate is 0 (below MIN_CONNECTION)
+        return n
+
+    cfg = lambda: TrainingConfig(method=TargetPropConfig(mode="pure", learning_rate=0.02), epochs=2, verbose=0)  # noqa: E731
+    ra, ta = _run(net(), data, cfg(), "reference")
+    rb, tb = _run(net(), data, cfg(), "triton" if DEVICE == "cpu" else None)
+    assert ta._fused is None and tb._fused is not None
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=1e-5)
+    for p, q in zip(tb.model.parameters(), ta.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 17), (33, 130, 5), (300, 65, 40)])
+def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
+    from torchloom.trainers import target_prop as tp
+
+    ms = _ms()
+    assert ms.MIN_CONNECTION == tp._MIN_CONNECTION
+    g = torch.Generator().manual_seed(shape[1])
+    rows, cols, outs = shape
+    w = torch.randn(outs, cols, generator=g)
+    w[:, 0] = 0.001 / outs  # Σ|w| = 0.001 < MIN_CONNECTION: that input unit gets no estimate
+    t_out = torch.randn(rows, outs, generator=g)
+    act = torch.randn(rows, cols, generator=g)
+    want = tp._weighted_estimate(t_out.double(), w.double(), w.double().abs().sum(0))
+    num = (t_out @ w).to(DEVICE)
+    t, gap = ms.estimate_gap_(num, w.to(DEVICE), act.to(DEVICE))
+    assert t.data_ptr() == num.data_ptr()
+    torch.testing.assert_close(t.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gap.cpu().double(), want - act.double(), rtol=1e-5, atol=1e-5)
+    assert torch.all(t[:, 0] == 0)
+    ref_t, ref_gap = ms.estimate_gap_ref((t_out @ w), w, act)
+    torch.testing.assert_close(t.cpu(), ref_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gap.cpu(), ref_gap, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
 @pytest.mark.parametrize("loss_type,labels", [("mse", True), ("mse", False), ("cross_entropy", True)])
 def test_fused_tween_step_equals_the_torch_op_step(extra, loss_type, labels):
     _same_run(TweenConfig(base_rate=0.05), _data(labels=labels), loss_type=loss_type, **extra)
@@ -232,7 +284,6 @@ def test_fused_step_is_not_taken_where_it_does_not_apply():
     backend = "triton" if DEVICE == "cpu" else None
     cases = [
         (_net(torch.float64), TargetPropConfig()),  # float64: the exact torch-op step
-        (_net(), TargetPropConfig(mode="pure")),  # pure TargetProp
         (Network(Dense(6, 8, "tanh"), LayerNorm(8), Dense(8, 4, "linear")).to(DEVICE), TweenConfig()),  # not all Dense
     ]
     for net, method in cases:

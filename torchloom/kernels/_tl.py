@@ -24,4 +24,9 @@ except ImportError:  # Triton is an optional dependency
         return fn
 
 
+if triton is not None:  # Triton's installation key from the last process, not hashed again (_key_cache)
+    from ._key_cache import install as _install_key_cache
+
+    _install_key_cache(triton)
+
 __all__ = ["triton", "tl", "jit"]

@@ -38,7 +38,8 @@ from ._triton import elementwise_settings, row_settings
 from .explosion_rule import rule_body
 
 __all__ = [
-    "MAX_LAYERS", "MAX_SEGMENTS", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
+    "MAX_LAYERS", "MAX_SEGMENTS", "MIN_CONNECTION", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
+    "estimate_gap_", "estimate_gap_ref",
     "layer_stats_into", "stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
 
@@ -141,6 +142,64 @@ def target_rows(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -
     if not labels:
         correct.zero_()
     return loss, g, t, y_hat, correct
+
+
+# ------------------------------------------------------------- 1b. pure TargetProp's estimates
+MIN_CONNECTION = 0.01  # a column of |W| summing to at most this gets no estimate (Loom's rule)
+_EST_ROWS, _EST_COLS, _EST_PROGRAMS = 16, 64, 128
+
+
+def estimate_gap_ref(num: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference: pure TargetProp's input target of a Dense layer and its gap. ``num = t_out W``
+    ``[B, in]``, ``weight`` ``W [out, in]``, ``act`` the layer's input ``[B, in]`` → ``(t, t − act)``
+    with ``t = num / Σ_o |W[o, :]|`` where that sum exceeds ``MIN_CONNECTION``, else 0."""
+    colsum = weight.abs().sum(0)
+    connected = colsum > MIN_CONNECTION
+    t = torch.where(connected, num / torch.where(connected, colsum, 1.0), 0.0)
+    return t, t - act
+
+
+@jit
+def _estimate_kernel(
+    t_ptr, gap_ptr, w_ptr, act_ptr, rows, cols, outs, min_connection, row_programs,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (c, r): the |W| column sums of column block c (W read once per program), then rows
+    r, r + row_programs, ... of blocks of ``BLOCK_R`` rows: t = num / colsum (connected) over num, gap."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < cols
+    rr = tl.arange(0, BLOCK_R)
+    s = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for o in range(0, outs, BLOCK_R):
+        m = ((o + rr) < outs)[:, None] & cmask[None, :]
+        w = tl.load(w_ptr + (o + rr)[:, None].to(tl.int64) * cols + c[None, :], mask=m, other=0.0).to(tl.float32)
+        s += tl.sum(tl.abs(w), axis=0)
+    connected = s > min_connection
+    denom = tl.where(connected, s, 1.0)
+    for r0 in range(tl.program_id(1) * BLOCK_R, rows, row_programs * BLOCK_R):
+        r = r0 + rr
+        m = (r < rows)[:, None] & cmask[None, :]
+        offs = r[:, None].to(tl.int64) * cols + c[None, :]
+        num = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(act_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        t = tl.where(connected[None, :], num / denom[None, :], 0.0)
+        tl.store(t_ptr + offs, t.to(t_ptr.dtype.element_ty), mask=m)
+        tl.store(gap_ptr + offs, (t - a).to(gap_ptr.dtype.element_ty), mask=m)
+
+
+def estimate_gap_(num: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    """``estimate_gap_ref`` in one launch, the target written over ``num`` (all contiguous: ``num`` and
+    ``act`` ``[B, in]``, ``weight`` ``[out, in]``): returns ``(num, gap)``. Each program sums the
+    ``|W|`` columns of its block itself (no separate reduction launch), then streams its rows."""
+    rows, cols = num.shape
+    gap = torch.empty_like(num)
+    col_blocks = -(-cols // _EST_COLS)
+    row_programs = max(1, min(-(-rows // _EST_ROWS), _EST_PROGRAMS // col_blocks))
+    _estimate_kernel[(col_blocks, row_programs)](
+        num, gap, weight, act, rows, cols, weight.shape[0], MIN_CONNECTION, row_programs,
+        BLOCK_R=_EST_ROWS, BLOCK_C=_EST_COLS, num_warps=4,
+    )
+    return num, gap
 
 
 # ------------------------------------------------------------------------- 2. layer statistics

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from ..layers.attention import MultiHeadAttention
-from ..layers.base import Layer
+from ..layers.base import Layer, column_sum
 from ..layers.dense import Dense
 from ..layers.lstm import LSTM
 from ..layers.network import Network
@@ -576,9 +576,13 @@ class _FusedStep:
     budgets / gaps / alignments are per-program partial sums finished, with every decision of the
     step, by one single-program kernel, and the step's log row is written by that kernel.
 
+    Pure TargetProp takes it too: each layer's delta-rule direction is one matrix product written into
+    the flat buffer, and each input target is a matrix product, one ``|W|`` column-sum and one
+    ``estimate_gap_`` launch (the estimate and the gap the next layer down reads).
+
     Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
-    ``MAX_LAYERS`` layers, data-parallel runs, pure TargetProp, outputs wider than 8,192, inputs that
-    are not ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
+    ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
+    ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
 
     def __init__(self, trainer: Any, method: str, flat: _FlatLayout) -> None:
         dev = trainer.device
@@ -617,8 +621,6 @@ class _FusedStep:
             return None
         if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
             return None
-        if method == "target_prop" and not trainer.config.use_chain_rule:
-            return None
         if method == "tween" and trainer.config.loss_type not in (None, "mse", "cross_entropy"):
             return None
         params = list(trainer.model.parameters())
@@ -651,6 +653,30 @@ class _FusedStep:
                     v.copy_(d)
             grads[i] = g
         return grads
+
+    def _pure_into_flat(self, gap: Tensor, target: Tensor, acts: list[Tensor]) -> list[Tensor | None]:
+        """Pure TargetProp's backward pass from the output's ``gap = target − out``: each layer's
+        delta-rule direction (``gapᵀ x``, bias ``Σ gap``) written into the flat direction buffer, and each
+        layer's input target (``_weighted_estimate``: ``t W / Σ|W|`` per input unit). Returns the targets
+        at each layer's output ([0] None: the input's target is never used)."""
+        from ..kernels import dense_small
+        from ..kernels.method_steps import estimate_gap_
+
+        layers = self.t.model.layers
+        backend = getattr(self.t, "kernel_backend", None)
+        targets: list[Tensor | None] = [None] * (self.n + 1)
+        targets[self.n] = target
+        for i in range(self.n - 1, -1, -1):
+            views, w = self.views[i], layers[i].weight  # w: [out, in]
+            if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
+                dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
+            else:
+                torch.mm(gap.t(), acts[i], out=views[0])
+                if len(views) > 1:
+                    column_sum(gap, out=views[1])
+            if i > 0:
+                targets[i], gap = estimate_gap_(torch.mm(targets[i + 1], w), w, acts[i])
+        return targets
 
     def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
         """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch)."""
@@ -686,13 +712,18 @@ class _FusedStep:
         out = target_prop_forward(t.model, st, x)
         t.observe_outputs(out, y)
         loss_rows, g, target, _, correct = target_rows(out, y, TP)
-        grads = self._backward_into_flat(g, st.saved)
-        st.gradients = grads
-        st.weight_gradients = list(self.views)
-        st.backward_targets = [None] * (self.n + 1)  # never materialised by the fused step
         acts = st.forward_acts
-        scale = cfg.gradient_scale
-        part = self._stats([(acts[i + 1], grads[i + 1], None, scale) for i in range(self.n - 1)] + [(out, target, None, None)])
+        st.weight_gradients = list(self.views)
+        if cfg.use_chain_rule:
+            grads = self._backward_into_flat(g, st.saved)
+            st.gradients = grads
+            st.backward_targets = [None] * (self.n + 1)  # never materialised by the fused step
+            scale = cfg.gradient_scale
+            part = self._stats([(acts[i + 1], grads[i + 1], None, scale) for i in range(self.n - 1)] + [(out, target, None, None)])
+        else:
+            targets = self._pure_into_flat(g, target, acts)
+            st.gradients, st.backward_targets = [None] * (self.n + 1), targets
+            part = self._stats([(acts[i + 1], targets[i + 1], None, None) for i in range(self.n)])
         clip_norm = t.clip if t.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
         if t.clip > 0 and clip_norm == 0:

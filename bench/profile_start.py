@@ -1,0 +1,102 @@
+"""Where a short run's fixed start goes: one whole ``torchloom.train`` run in a fresh process, profiled.
+
+Prints, for one method and batch size (784-256-256-10, 60,000 random samples, 4 epochs, the data on
+the GPU before the timer, after ``bench_trainers``' process warm-up):
+
+* the run's wall time, and a second identical run in the same process (what is left when every
+  Triton kernel is loaded and every cache warm: the difference is the per-process start);
+* every Triton kernel's first launch in the process (host time of the call that compiled or loaded
+  it) against its later launches;
+* the ``cProfile`` functions with the most cumulative time (``--profile``).
+
+Run: ``PYTHONPATH=. python bench/profile_start.py --method tween --batch 1024 [--profile]`` on a
+CUDA machine; each invocation is a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_trainers as bt  # noqa: E402
+
+import torchloom  # noqa: E402
+
+
+def _trace_triton() -> dict[str, list[float]]:
+    """Wrap Triton's launcher: host seconds of every launch, per kernel name."""
+    from triton.runtime.jit import JITFunction
+
+    calls: dict[str, list[float]] = collections.defaultdict(list)
+    run = JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            calls[self.fn.__name__].append(time.perf_counter() - t)
+
+    JITFunction.run = timed
+    return calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="backprop", choices=list(bt.METHODS))
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=60000)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="cProfile the first run")
+    ap.add_argument("--callers", action="append", default=[], help="with --profile: print who called functions matching this")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = bt._data(args.samples, args.batch, dev)
+    bt._warm_process(dev)
+    calls = _trace_triton()
+    prof = cProfile.Profile() if args.profile else None
+    walls = []
+    for run in range(2):
+        net = bt._net(dev)
+        bt._sync(dev)
+        t = time.perf_counter()
+        if prof is not None and run == 0:
+            prof.enable()
+        result = torchloom.train(net, data, bt._config(args.method, dev, epochs=args.epochs))
+        bt._sync(dev)
+        if prof is not None and run == 0:
+            prof.disable()
+        walls.append(time.perf_counter() - t)
+        if run == 0:
+            first_calls = {k: list(v) for k, v in calls.items()}
+            epochs = list(result.epoch_times)
+    print(f"{args.method} batch {args.batch}: first run {walls[0]:.3f} s (epochs {', '.join(f'{e:.3f}' for e in epochs)}), "
+          f"second run {walls[1]:.3f} s, per-process start {walls[0] - walls[1]:.3f} s")
+    print(f"{'kernel':<34} {'launches':>8} {'first ms':>9} {'later µs':>9}")
+    total_first = 0.0
+    for name, times in sorted(first_calls.items(), key=lambda kv: -kv[1][0]):
+        later = sorted(times[1:])
+        total_first += times[0]
+        print(f"{name:<34} {len(times):>8} {times[0] * 1e3:>9.2f} {later[len(later) // 2] * 1e6 if later else float('nan'):>9.1f}")
+    print(f"first launches: {len(first_calls)} kernels, {total_first:.3f} s of host time")
+    if prof is not None:
+        s = io.StringIO()
+        stats = pstats.Stats(prof, stream=s).sort_stats("cumulative")
+        stats.print_stats(45)
+        for pattern in args.callers:
+            stats.print_callers(pattern)
+        print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
