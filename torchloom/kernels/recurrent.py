@@ -19,6 +19,9 @@ Backward, with ``dh_t`` (gOut_t + gPre_{t+1} W_hh) and the carry ``κ_{t+1} = dc
 
 Everything is computed in float32 and stored in the tensors' dtype. ``*_ref`` are the PyTorch
 references (CPU, float64, and the tests).
+
+Then the CUDA-graph cache of the recurrent loops, and the persistent Elman RNN loop: the whole
+forward or backward time loop of ``torchloom.layers.rnn`` in one kernel launch (its section below).
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from torch import Tensor
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, use_triton
 
-__all__ = ["lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref"]
+__all__ = [
+    "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
+    "rnn_forward_loop", "rnn_backward_loop", "rnn_forward_loop_ref", "rnn_backward_loop_ref", "rnn_loop_uses_triton",
+]
 
 
 @jit
@@ -228,3 +234,269 @@ def graph_cache_bytes() -> int:
 def clear_graph_cache() -> None:
     """Drop every cached graph and its buffers."""
     _GRAPHS.clear()
+
+
+# --------------------------------------------------------------------- persistent Elman RNN loop
+# The Elman RNN's two time loops (``torchloom.layers.rnn``) carry a state ``s [B, H]`` across time with
+# one ``[B, H] × [H, H]`` product per step:
+#
+#   forward:   pre_t += h_{t−1} W_hhᵀ  (t > 0);        h_t = tanh(pre_t)
+#   backward:  gPre_t = (1 − h_t²) ⊙ (gOut_t + gPre_{t+1} W_hh)   (no product at t = T−1)
+#
+# At B = 64, H = 256 one step is 4 MFLOP: a cuBLAS call per step leaves the GPU idle between
+# launches even inside a CUDA graph (1.4 ms forward + backward at T = 64 on an H100, cuDNN 0.35 ms).
+# ``_rnn_loop_kernel`` runs the whole loop in one launch. Program (b, n) owns rows
+# [b·BLOCK_B, (b+1)·BLOCK_B) and ``COL_TILES`` column tiles of ``BLOCK_N``; each step it reads the
+# previous state (all H columns of its rows, written by its sibling programs) back from the output
+# tensor, multiplies it by its slice of W_hh (L1-hot: W_hh never changes) and writes its tiles.
+#
+# Waiting for the siblings: the output is filled with a signalling-NaN bit pattern (``_SENTINEL``)
+# before the launch, and each element is written once, with a computed value (an arithmetic NaN is
+# the canonical quiet NaN, never that pattern). A program re-reads a chunk of the previous state
+# (volatile loads: from L2, never a stale L1 line) until none of it is the sentinel. Each element is
+# its own flag, so no fence, atomic counter or barrier orders anything: the wait costs the store's
+# trip to L2 and one load's round trip (an atomic step counter with release/acquire instead: 207 µs
+# against 160 µs for the TF32 forward loop at B = 64, T = 64, H = 256 on an H100). The spin is only
+# safe when every program is resident at once: on CUDA the grid never exceeds the SM count
+# (``_rnn_loop_settings``) and the kernel is a cooperative launch (Triton's
+# ``launch_cooperative_grid``: CUDA starts it only with every program resident, and refuses a grid
+# that cannot be — never a partial start behind other kernels, e.g. a data-parallel run's NCCL
+# kernels on another stream; same time on the H100, captured in CUDA graphs alike). A Triton
+# without that option launches it plainly. A wait longer than ``_SPIN_LIMIT`` polls still gives up
+# rather than hang the GPU, and the sentinel NaNs it then multiplies make the result NaN. Triton's interpreter
+# runs programs one after another, so there one program per batch block loops over all column tiles
+# and never waits.
+#
+# Precision: fp32 products follow ``torch.backends.cuda.matmul.allow_tf32``, the switch of the cuBLAS
+# loop they replace: False (PyTorch's default) → ``_FP32_PRODUCT`` ("ieee": exact fp32 FMA, the
+# numbers of that loop); True → TF32 tensor cores (what ``nn.RNN`` does by default: cuDNN follows
+# ``torch.backends.cudnn.allow_tf32``, default True). Half inputs multiply on tensor cores; everything
+# accumulates in fp32 and is stored in the tensors' dtype.
+import functools  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+_cooperative = [True]  # cleared when this Triton does not know ``launch_cooperative_grid``
+USE_PERSISTENT_RNN = True  # False: the RNN runs the CUDA-graphed cuBLAS loop (the benchmark's baseline)
+_FP32_PRODUCT = "ieee"  # tl.dot's input_precision for fp32 without TF32 (the benchmark also times "tf32x3")
+_RNN_MAX_HIDDEN = 1024  # larger H: one step's product fills the GPU well enough through cuBLAS
+_SPIN_LIMIT = 1 << 20  # polls per wait (~0.5 µs each): siblings are one step (µs) away, not half a second
+# Signalling NaNs (exponent all ones, mantissa 1), as the integers of the same width.
+_SENTINEL = {torch.float32: (0x7F800001, torch.int32), torch.bfloat16: (0x7F81, torch.int16),
+             torch.float16: (0x7C01, torch.int16)}
+
+
+@jit
+def _round_tf32(x):
+    """fp32 → the nearest TF32 (10 mantissa bits; ties away from zero), still stored as fp32."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+
+@jit
+def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                   SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """``acc + S[rows, k:k+BLOCK_K] @ W[k:k+BLOCK_K, cols]`` (fp32 accumulator; zero outside H; ``W``
+    row-major with row stride ``s_wk``), once no element of the ``S`` chunk, read as ``BITS``
+    integers, is ``SENTINEL`` any more."""
+    ks = k + tl.arange(0, BLOCK_K)
+    km = ks < H
+    ptrs = S + rows[:, None] * s_sb + ks[None, :]
+    sm = rm[:, None] & km[None, :]
+    s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
+    polls = 0
+    while (tl.max(tl.max((s.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), 1), 0) > 0) & (polls < SPIN_LIMIT):
+        s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
+        polls += 1
+    w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+    if DOT_F32:  # the interpreter multiplies bfloat16's raw bits (numpy has no bfloat16)
+        s, w = s.to(tl.float32), w.to(tl.float32)
+    if PRECISION == "tf32":  # rounded operands: 1.2× the error of cuDNN's TF32 on an H100, unrounded 2.5×
+        s, w = _round_tf32(s), _round_tf32(w)
+    return tl.dot(s, w, acc, input_precision=PRECISION)
+
+
+@jit
+def _rnn_loop_kernel(
+    OUT, IN, AUX, W,
+    s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk,
+    B, T, H,
+    BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
+    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+):
+    """Forward: ``IN`` = pre (updated in place), ``OUT`` = hidden, ``W`` = W_hhᵀ. Backward: ``IN`` =
+    gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` row-major (row stride ``s_wk``).
+    ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rm = rows < B
+    rows = rows.to(tl.int64)
+    for i in range(T):
+        if BACKWARD:
+            t = T - 1 - i
+            prev = t + 1
+        else:
+            t = i
+            prev = t - 1
+        for j in tl.static_range(COL_TILES):
+            cols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cm = cols < H
+            m = rm[:, None] & cm[None, :]
+            # This step's own inputs first: they do not wait for the siblings.
+            acc = tl.load(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if BACKWARD:
+                h = tl.load(AUX + rows[:, None] * s_ab + t * s_at + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if i > 0:
+                for k in range(0, H, BLOCK_K):
+                    acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
+                                         BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT)
+            if BACKWARD:
+                out = acc * (1.0 - h * h)
+            else:
+                tl.store(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], acc.to(IN.dtype.element_ty), mask=m)
+                out = _tanh(acc)
+            tl.store(OUT + rows[:, None] * s_ob + t * s_ot + cols[None, :], out.to(OUT.dtype.element_ty), mask=m)
+
+
+def rnn_forward_loop_ref(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None:
+    """Reference forward loop over ``pre, hidden [B, T, H]``: ``pre_t += h_{t−1} W_hhᵀ`` (t > 0, in
+    place), ``h_t = tanh(pre_t)`` into ``hidden``."""
+    w_hh_t = weight_hh.t()
+    for t in range(pre.shape[1]):
+        if t > 0:  # h_0 = 0 contributes nothing
+            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
+        torch.tanh(pre[:, t], out=hidden[:, t])
+
+
+def rnn_backward_loop_ref(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh: Tensor) -> None:
+    """Reference backward loop: ``g_pre [B, T, H]`` holds ``1 − h_t²`` on entry and ``gPre_t`` on exit;
+    ``dh [B, H]`` is scratch for ``gOut_t + gPre_{t+1} W_hh``."""
+    T = g_pre.shape[1]
+    g_pre[:, T - 1].mul_(grad_out[:, T - 1])
+    for t in range(T - 2, -1, -1):
+        torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh)  # gOut_t + gPre_{t+1} W_hh
+        g_pre[:, t].mul_(dh)
+
+
+class RNNLoopSettings(NamedTuple):
+    """Launch settings of ``_rnn_loop_kernel``: ``col_programs`` programs per batch block, each with
+    ``col_tiles`` tiles of ``block_n`` columns; the product runs over K in ``block_k`` chunks."""
+
+    block_b: int
+    block_n: int
+    block_k: int
+    col_tiles: int
+    col_programs: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _rnn_loop_settings(x: Tensor, batch: int, hidden: int) -> RNNLoopSettings | None:
+    """Settings for the loop of ``[batch, ·, hidden]`` on ``x``'s device and dtype, or None where the
+    kernel does not apply (CUDA: hidden above ``_RNN_MAX_HIDDEN``, or no grid of at most one program
+    per SM)."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if not x.is_cuda:  # the interpreter: one program per batch block, every column tile
+        return RNNLoopSettings(16, 16, 16, cdiv(hidden, 16), 1, 4)
+    if hidden > _RNN_MAX_HIDDEN:
+        return None
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    # The whole previous state of a program's rows in one chunk up to H = 256 (one wait per step) and
+    # 4 warps: the best of bench/bench_rnn_loop.py --sweep on an H100 for fp32, TF32 and bf16 (3-pass
+    # TF32, whose split operands fill the registers: chunks of 128).
+    block_k = min(max(_next_pow2(hidden), 16), 128 if _dot_precision(x) == "tf32x3" else 256)
+    num_warps = 4
+    # 16 × 16 tiles (tl.dot's minimum): the most programs, so the least work per program between two
+    # waits (B = 64, H = 256: 64 programs); wider tiles only where the grid would not fit on the GPU.
+    for block_b, block_n in ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64), (64, 128)):
+        programs = cdiv(batch, block_b) * cdiv(hidden, block_n)
+        if programs <= sms:
+            return RNNLoopSettings(block_b, block_n, block_k, 1, cdiv(hidden, block_n), num_warps)
+    return None
+
+
+def _dot_precision(t: Tensor) -> str:
+    """fp32 products: TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` (see the section note)."""
+    if not t.is_cuda or t.dtype != torch.float32:
+        return "ieee"  # half inputs: ignored; the interpreter: numpy's fp32
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else _FP32_PRODUCT
+
+
+def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
+    """Whether the RNN's loops on ``x``'s device and dtype at ``[batch, ·, hidden]`` run
+    ``_rnn_loop_kernel`` (``backend`` as in ``use_triton``; None also needs ``USE_PERSISTENT_RNN``).
+    ``backend="triton"`` where the kernel does not apply is a ``ValueError``."""
+    if not use_triton(x, backend, KERNEL_DTYPES) or (backend is None and not USE_PERSISTENT_RNN):
+        return False
+    if _rnn_loop_settings(x, batch, hidden) is None:
+        if backend == "triton":
+            raise ValueError(f"backend='triton': no persistent-loop grid for batch {batch}, hidden {hidden} on {x.device}")
+        return False
+    return True
+
+
+def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool,
+                     settings: RNNLoopSettings | None = None) -> None:
+    """One launch of ``_rnn_loop_kernel`` (``settings``: the benchmark's sweep, else
+    ``_rnn_loop_settings``), after filling ``out`` with the sentinel."""
+    B, T, H = out.shape
+    for name, t in (("output", out), ("input", inp), ("aux", aux)):
+        if t.shape != out.shape or t.stride(-1) != 1:
+            raise ValueError(f"RNN loop: {name} must be [B, T, H] = {list(out.shape)} with unit last stride, "
+                             f"got {list(t.shape)} strides {t.stride()}")
+    st = settings or _rnn_loop_settings(out, B, H)
+    sentinel, int_dtype = _SENTINEL[out.dtype]
+    out.view(int_dtype).fill_(sentinel)  # a view of the same bytes (unit last stride), whatever the strides
+    # Row-major K × N: forward multiplies by W_hhᵀ, backward by W_hh. A transposed tile costs the fp32
+    # FMA product a layout change every step (forward 2.4× the backward's time on an H100); the copy
+    # costs a few µs once.
+    w = weight_hh.contiguous() if backward else weight_hh.t().contiguous()
+    launch = _rnn_loop_kernel[(-(-B // st.block_b), st.col_programs)]
+    args = (
+        out, inp, aux, w,
+        out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0),
+        B, T, H,
+    )
+    kw = dict(
+        BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
+        PRECISION=_dot_precision(out), DOT_F32=not out.is_cuda and out.dtype == torch.bfloat16,
+        SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
+        num_warps=st.num_warps,
+    )
+    if out.is_cuda and _cooperative[0]:
+        try:
+            launch(*args, **kw, launch_cooperative_grid=True)
+            return
+        except KeyError:  # "Keyword argument ... unrecognised": an older Triton
+            _cooperative[0] = False
+    launch(*args, **kw)
+
+
+def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> None:
+    """The RNN's forward loop (``rnn_forward_loop_ref``) in one launch of ``_rnn_loop_kernel`` where
+    ``rnn_loop_uses_triton``, else the reference. ``pre`` (updated in place) and ``hidden``
+    ``[B, T, H]`` with unit last stride."""
+    B, _, H = pre.shape
+    if not rnn_loop_uses_triton(pre, B, H, backend):
+        rnn_forward_loop_ref(pre, weight_hh, hidden)
+        return
+    _launch_rnn_loop(hidden, pre, pre, weight_hh, backward=False)
+
+
+def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre: Tensor, backend: str | None = None) -> None:
+    """The RNN's backward loop: ``gPre_t = (1 − h_t²) ⊙ (gOut_t + gPre_{t+1} W_hh)`` written into
+    ``g_pre``, from ``grad_out`` and ``hidden`` (all ``[B, T, H]``, unit last stride); one launch of
+    ``_rnn_loop_kernel`` where ``rnn_loop_uses_triton``, else ``rnn_backward_loop_ref``."""
+    B, _, H = g_pre.shape
+    if not rnn_loop_uses_triton(g_pre, B, H, backend):
+        torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
+        rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
+        return
+    _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, backward=True)

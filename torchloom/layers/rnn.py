@@ -69,19 +69,25 @@ def autocast_recurrent_forward(forward, x: Tensor, weight_ih: Tensor, weight_hh:
 
 @torch.no_grad()
 def rnn_forward(
-    x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None
+    x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None, backend: str | None = None
 ) -> tuple[Tensor, RNNSaved]:
     """``x [B, T, I]`` → ``(h [B, T, H], saved)``: ``h_t = tanh(x_t W_ihᵀ + h_{t−1} W_hhᵀ + b)``,
-    ``h_0 = 0``. No autograd graph is built."""
+    ``h_0 = 0``. No autograd graph is built.
+
+    The input projections (and the bias) of every step are one matmul; the time loop then adds
+    ``h_{t−1} W_hhᵀ`` in place (``torchloom.kernels.recurrent``): on CUDA one launch of the persistent
+    loop kernel, else (shapes it does not take, ``USE_PERSISTENT_RNN = False``) the per-step cuBLAS
+    loop replayed as a CUDA graph; on CPU and in float64 the plain loop. ``backend``: None (that
+    choice), ``"triton"`` (the kernel, required) or ``"reference"`` (the cuBLAS loop)."""
     B, T, I = x.shape
     H = weight_hh.shape[0]
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
-    K = _graph_kernels(x)
-    if K is not None:  # CUDA: the loop replayed as a CUDA graph (torchloom.kernels.recurrent)
+    K = _kernels()
+    if not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "forward", lambda: _rnn_forward_loop(buf["pre"], buf["w_hh"], buf["hidden"]))
+        graph = K.ensure_graph(entry, "forward", lambda: K.rnn_forward_loop_ref(buf["pre"], buf["w_hh"], buf["hidden"]))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, H)
         torch.mm(x2, w_ih_t, out=out) if bias is None else torch.addmm(bias, x2, w_ih_t, out=out)
@@ -89,20 +95,22 @@ def rnn_forward(
         graph.replay()
         pre, hidden = buf["pre"].clone(), buf["hidden"].clone()
     else:
-        # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
         pre = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, H)
         hidden = torch.empty_like(pre)
-        _rnn_forward_loop(pre, weight_hh, hidden)
+        K.rnn_forward_loop(pre, weight_hh, hidden, backend)
     return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
 
 
-def _graph_kernels(x: Tensor):
-    """``torchloom.kernels.recurrent`` when the loops of ``x`` may run as CUDA graphs, else None."""
-    if not x.is_cuda or x.dtype == torch.float64:
-        return None
+def _kernels():
+    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
     from ..kernels import recurrent
 
-    return recurrent if recurrent.graphs_usable(x) else None
+    return recurrent
+
+
+def _graphs_usable(K, x: Tensor) -> bool:
+    """True when the cuBLAS loops of ``x`` may run as CUDA graphs (float64 runs step by step)."""
+    return x.dtype != torch.float64 and K.graphs_usable(x)
 
 
 def _rnn_graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
@@ -113,49 +121,36 @@ def _rnn_graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
     return K.graph_buffers(("rnn", B, T, H, x.dtype, x.device), make)
 
 
-def _rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None:
-    w_hh_t = weight_hh.t()
-    for t in range(pre.shape[1]):
-        if t > 0:  # h_0 = 0 contributes nothing
-            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
-        torch.tanh(pre[:, t], out=hidden[:, t])
-
-
-def _rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh: Tensor) -> None:
-    """``g_pre`` holds ``1 − h_t²`` on entry and ``gPre_t`` on exit."""
-    T = g_pre.shape[1]
-    g_pre[:, T - 1].mul_(grad_out[:, T - 1])
-    for t in range(T - 2, -1, -1):
-        torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh)  # gOut_t + gPre_{t+1} W_hh
-        g_pre[:, t].mul_(dh)
-
-
 @torch.no_grad()
 def rnn_backward(
-    grad_out: Tensor, saved: RNNSaved, needs_input_grad: bool = True
+    grad_out: Tensor, saved: RNNSaved, needs_input_grad: bool = True, backend: str | None = None
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
     """Hand-written BPTT over all steps. With ``gPre_t = (gOut_t + gPre_{t+1} W_hh) ⊙ (1 − h_t²)``:
     ``dW_ih = Σ_t gPre_tᵀ x_t``, ``dW_hh = Σ_{t≥2} gPre_tᵀ h_{t−1}``, ``db = Σ_{b,t} gPre_t``,
     ``dx_t = gPre_t W_ih``. Returns ``(dx [B, T, I] or None, (dW_ih, dW_hh, db or None))``, the
-    parameter gradients in ``saved.param_dtype`` when set. Per step: one cuBLAS call into a
-    preallocated buffer and one in-place multiply."""
+    parameter gradients in ``saved.param_dtype`` when set. The loop over t runs as in ``rnn_forward``
+    (``backend`` likewise): one kernel launch, or per step one cuBLAS call into a preallocated buffer
+    and one in-place multiply."""
     x, weight_ih, weight_hh, _, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[0]
     grad_out = grad_out.to(x.dtype)
-    K = _graph_kernels(x)
-    if K is not None:
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    K = _kernels()
+    if not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "backward", lambda: _rnn_backward_loop(buf["g_out"], buf["w_hh"], buf["g_pre"], buf["dh"]))
+        graph = K.ensure_graph(
+            entry, "backward", lambda: K.rnn_backward_loop_ref(buf["g_out"], buf["w_hh"], buf["g_pre"], buf["dh"]))
         torch.mul(hidden, hidden, out=buf["g_pre"]).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         buf["g_out"].copy_(grad_out)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         g_pre = buf["g_pre"]  # read by the products below before any other replay
     else:
-        g_pre = 1.0 - hidden * hidden  # tanh'(pre_t) = 1 − h_t², turned into gPre in place below
-        _rnn_backward_loop(grad_out, weight_hh, g_pre, x.new_empty(B, H))
+        g_pre = torch.empty_like(hidden)
+        K.rnn_backward_loop(grad_out, weight_hh, hidden, g_pre, backend)
     g2 = g_pre.reshape(B * T, H)
     grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
     grad_w_hh = torch.mm(g_pre[:, 1:].reshape(-1, H).t(), hidden[:, :-1].reshape(-1, H))

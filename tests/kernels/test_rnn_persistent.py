@@ -1,0 +1,199 @@
+"""The persistent Elman-RNN loop kernel (``_rnn_loop_kernel``: the whole forward or backward time loop
+in one launch) against float64 truths: ``nn.RNN`` with autograd through the layer's functional
+forward/backward, and the reference loops. Through Triton's interpreter on CPU (one program per batch
+block) and natively on CUDA (column programs synchronised across the grid): ragged batch blocks,
+hidden sizes that are not a power of two, one step, strided operands, half precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_close
+from torchloom.kernels import recurrent as K
+from torchloom.layers.rnn import RNN, rnn_backward, rnn_forward
+
+pytestmark = pytest.mark.usefixtures("cuda_default_device")
+
+# (B, T, I, H, bias): B below / above one batch block of 16, H ragged over 16-wide column and K tiles.
+SHAPES = [(3, 5, 4, 37, True), (20, 1, 3, 16, True), (17, 5, 2, 40, False)]
+
+
+def _ids(s):
+    return f"B{s[0]}T{s[1]}I{s[2]}H{s[3]}-{'bias' if s[4] else 'nobias'}"
+
+
+def _inputs(B, T, I, H, bias, dtype=torch.float32):
+    x = torch.randn(B, T, I)
+    w_ih, w_hh = torch.randn(H, I) * 0.5, torch.randn(H, H) * (1.5 / H**0.5)
+    b = torch.randn(H) * 0.5 if bias else None
+    g = torch.randn(B, T, H)
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return cast(x), cast(w_ih), cast(w_hh), cast(b), cast(g)
+
+
+def _truth(x, w_ih, w_hh, b, g):
+    """nn.RNN in float64 (bias_hh = 0) with autograd: output and the gradients (x, W_ih, W_hh, b)."""
+    B, T, I = x.shape
+    H = w_hh.shape[0]
+    ref = nn.RNN(I, H, bias=b is not None, batch_first=True, dtype=torch.float64, device=x.device)
+    with torch.no_grad():
+        ref.weight_ih_l0.copy_(w_ih)
+        ref.weight_hh_l0.copy_(w_hh)
+        if b is not None:
+            ref.bias_ih_l0.copy_(b)
+            ref.bias_hh_l0.zero_()
+    xr = x.double().requires_grad_()
+    y, _ = ref(xr)
+    params = [ref.weight_ih_l0, ref.weight_hh_l0] + ([ref.bias_ih_l0] if b is not None else [])
+    return y.detach(), torch.autograd.grad(y, [xr, *params], g.double())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_layer_on_the_kernel_matches_nn_rnn(shape):
+    x, w_ih, w_hh, b, g = _inputs(*shape)
+    assert K.rnn_loop_uses_triton(x, shape[0], shape[3], "triton")
+    y, saved = rnn_forward(x, w_ih, w_hh, b, backend="triton")
+    y_truth, truth = _truth(x, w_ih, w_hh, b, g)
+    assert_close(y, y_truth, name="hidden", rtol=1e-5, atol=1e-5)
+    # saved.pre is the exact pre-activation x_t W_ihᵀ + b + h_{t−1} W_hhᵀ (the kernel writes it back)
+    h_prev = torch.cat([torch.zeros_like(y_truth[:, :1]), y_truth[:, :-1]], 1)
+    pre = x.double() @ w_ih.double().T + h_prev @ w_hh.double().T + (0 if b is None else b.double())
+    assert_close(saved.pre, pre, name="pre", rtol=1e-5, atol=1e-5)
+    gx, (gw_ih, gw_hh, gb) = rnn_backward(g, saved, backend="triton")
+    for name, got, want in zip(("grad input", "grad weight_ih", "grad weight_hh", "grad bias"), (gx, gw_ih, gw_hh, gb), truth):
+        assert_close(got, want, name=name, rtol=1e-4, atol=1e-4)
+    if b is None:
+        assert gb is None
+    # the reference loop (on CUDA: the graphed cuBLAS loop) gives the same numbers
+    y_ref, saved_ref = rnn_forward(x, w_ih, w_hh, b, backend="reference")
+    assert_close(y, y_ref, name="hidden vs reference", rtol=1e-4, atol=1e-5)
+    gx_ref, _ = rnn_backward(g, saved_ref, backend="reference")
+    assert_close(gx, gx_ref, name="grad input vs reference", rtol=1e-4, atol=1e-5)
+
+
+def test_loops_alone_on_strided_operands():
+    """The launchers on time-major views (row stride ≠ T·H), a transposed W_hh and a row-padded
+    grad_out."""
+    B, T, H = 18, 4, 21
+    pre = torch.randn(T, B, H + 3)[..., :H].transpose(0, 1)  # [B, T, H], strides (H+3, B(H+3), 1)
+    w_hh = (torch.randn(H, H) * 0.4).T  # strides (1, H)
+    hidden = torch.empty(T, B, H).transpose(0, 1)
+    pre64, hid64 = pre.double(), torch.empty(B, T, H, dtype=torch.float64)
+    K.rnn_forward_loop_ref(pre64, w_hh.double(), hid64)
+    # two column tiles per program, two K chunks
+    st = K.RNNLoopSettings(block_b=16, block_n=16, block_k=16, col_tiles=2, col_programs=1, num_warps=4)
+    K._launch_rnn_loop(hidden, pre, pre, w_hh, backward=False, settings=st)
+    assert_close(hidden, hid64, name="hidden", rtol=1e-4, atol=1e-5)
+    assert_close(pre, pre64, name="pre", rtol=1e-4, atol=1e-5)
+
+    g = torch.randn(B, T, H + 5)[..., :H]
+    g_pre = torch.empty(B, T, H)
+    K.rnn_backward_loop(g, w_hh, hidden, g_pre, backend="triton")
+    g64 = 1.0 - hid64 * hid64
+    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g64, torch.empty(B, H, dtype=torch.float64))
+    assert_close(g_pre, g64, name="gPre", rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="unit last stride"):
+        K.rnn_forward_loop(pre.transpose(1, 2), w_hh, hidden.transpose(1, 2), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_within_dtype_tolerance(dtype):
+    """Half inputs and weights: error against the float64 truth at most twice that of the reference
+    loop run in the same dtype, plus a small floor."""
+    shape = (19, 6, 5, 24, True)
+    x, w_ih, w_hh, b, g = _inputs(*shape, dtype=dtype)
+    y, saved = rnn_forward(x, w_ih, w_hh, b, backend="triton")
+    gx, grads = rnn_backward(g, saved, backend="triton")
+    y_low, saved_low = rnn_forward(x, w_ih, w_hh, b, backend="reference")
+    gx_low, grads_low = rnn_backward(g, saved_low, backend="reference")
+    y64, truth = _truth(x.double(), w_ih.double(), w_hh.double(), b.double(), g.double())
+    for name, got, want, lo in zip(("hidden", "dx", "dW_ih", "dW_hh", "db"), (y, gx, *grads), (y64, *truth),
+                                   (y_low, gx_low, *grads_low)):
+        assert got.dtype == dtype, name
+        err = (got.double() - want).abs().max().item()
+        lo_err = (lo.double() - want).abs().max().item()
+        floor = 2 * torch.finfo(dtype).eps * want.abs().max().item()
+        assert err <= 2 * lo_err + floor, f"{name}: error {err:.3e} vs the reference loop's {lo_err:.3e}"
+
+
+def test_dispatch():
+    x = torch.randn(2, 3, 4)
+    assert K.rnn_loop_uses_triton(x, 2, 4, "triton")
+    assert not K.rnn_loop_uses_triton(x, 2, 4, "reference")
+    assert not K.rnn_loop_uses_triton(x.double(), 2, 4)  # float64: the reference, exact
+    assert K.rnn_loop_uses_triton(x, 2, 4) == x.is_cuda  # CPU: the reference unless forced
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,T,H", [(64, 64, 256), (32, 128, 256), (64, 16, 512), (5, 9, 1000)])
+def test_cuda_kernel_matches_graphed_loop(B, T, H):
+    """At the benchmark's sizes (many column programs per batch block, so the grid-wide wait really
+    synchronises): the default path is the kernel, equal to the graphed cuBLAS loop in fp32 and the
+    same from run to run; with TF32 allowed it stays within TF32's error."""
+    layer = RNN(H, H, device="cuda")
+    x, g = torch.randn(B, T, H), torch.randn(B, T, H)
+    assert K.rnn_loop_uses_triton(x, B, H)
+    st = K._rnn_loop_settings(x, B, H)
+    assert st.col_programs > 1 and -(-B // st.block_b) * st.col_programs <= K._sm_count(x.device.index or 0)
+    params = (layer.weight_ih.detach(), layer.weight_hh.detach(), layer.bias.detach())
+    y_ref, saved_ref = rnn_forward(x, *params, backend="reference")
+    gx_ref, grads_ref = rnn_backward(g, saved_ref, backend="reference")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow, tol in ((False, 2e-5), (True, 1e-2)):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            y, saved = rnn_forward(x, *params)
+            gx, grads = rnn_backward(g, saved)
+            assert_close(y, y_ref, name=f"hidden (tf32={allow})", rtol=tol, atol=tol)
+            assert_close(gx, gx_ref, name=f"grad input (tf32={allow})", rtol=tol, atol=tol)
+            for n, a, r in zip(("dW_ih", "dW_hh", "db"), grads, grads_ref):
+                assert_close(a, r, name=f"{n} (tf32={allow})", rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    # a race between the programs would show as run-to-run differences
+    runs = []
+    for _ in range(20):
+        hidden = torch.empty_like(saved.pre)
+        K._launch_rnn_loop(hidden, saved.pre.clone(), saved.pre, layer.weight_hh.detach(), backward=False)
+        runs.append(hidden)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:]) and not runs[0].isnan().any()
+
+
+@pytest.mark.cuda
+def test_cuda_fallbacks():
+    x = torch.randn(2, 3, 4)
+    assert not K.rnn_loop_uses_triton(x, 2, K._RNN_MAX_HIDDEN + 1)  # too wide: the graphed loop
+    with pytest.raises(ValueError, match="no persistent-loop grid"):
+        K.rnn_loop_uses_triton(x, 2, K._RNN_MAX_HIDDEN + 1, "triton")
+    assert not K.rnn_loop_uses_triton(x, 4096, 1024)  # no grid of one program per SM
+    previous, K.USE_PERSISTENT_RNN = K.USE_PERSISTENT_RNN, False
+    try:
+        assert not K.rnn_loop_uses_triton(x, 2, 4)
+        assert K.rnn_loop_uses_triton(x, 2, 4, "triton")
+    finally:
+        K.USE_PERSISTENT_RNN = previous
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_trained_inside_captured_steps_like_eager_steps():
+    """train() captures the RNN's kernel (and its sentinel fill) in its CUDA graphs: the same losses and
+    weights as the eager device steps."""
+    import torchloom
+    from torchloom import Dense, LastStep, Network, TrainingConfig
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 6, 5, generator=g, device="cpu").cuda(), torch.randint(0, 3, (32,), generator=g, device="cpu").cuda()) for _ in range(20)]
+    runs = []
+    for graph in (True, False):
+        torch.manual_seed(0)
+        net = Network(RNN(5, 48), LastStep(), Dense(48, 3, "linear")).cuda()
+        cfg = TrainingConfig(epochs=3, learning_rate=0.05, loss_type="cross_entropy", verbose=0, cuda_graph=graph, device="cuda")
+        result = torchloom.train(net, data, cfg)
+        runs.append((result.loss_history, [p.detach().clone() for p in net.parameters()]))
+    assert K._cooperative[0]  # a cooperative launch: CUDA started it with every program resident
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
+    for p, q in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
