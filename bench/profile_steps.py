@@ -51,6 +51,33 @@ def census(method, batch, steps, dev, graphed=False):
     return kernels, times
 
 
+class _Keep:
+    """Keeps the trainer of a run (its runner holds the captured graphs)."""
+
+    def on_train_begin(self, trainer):
+        self.trainer = trainer
+
+
+def replay_time(method, batch, dev, reps=200, steps=128):
+    """Device time per step of the captured chunk graph alone (CUDA events around ``reps`` replays), and
+    the epoch-based step time of the same run (what ``bench_trainers`` reports): the difference is
+    what an epoch adds on the host (replay launches, slot copies, the read-back and its Python)."""
+    data = _data(steps * batch, batch, dev)
+    keep = _Keep()
+    result = torchloom.train(_net(dev), data, _config(method, dev, epochs=3, observers=[keep]))
+    chunk = keep.trainer._runner._chunk
+    graph, k = chunk["graph"], chunk["x"].shape[0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * k), min(result.epoch_times[1:]) / len(data) * 1e6
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 1024])
@@ -58,9 +85,18 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--graphed", action="store_true", help="profile the captured steps' replay instead")
+    ap.add_argument("--replay", action="store_true", help="only the chunk graph's device time per step vs the epoch-based step time")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__)
+    if args.replay:
+        print("| batch | method | graph replay µs/step | epoch-based µs/step |")
+        print("|---:|---|---:|---:|")
+        for batch in args.batches:
+            for method in args.methods:
+                r, e = replay_time(method, batch, dev)
+                print(f"| {batch} | {method} | {r:.1f} | {e:.1f} |", flush=True)
+        return 0
     for batch in args.batches:
         for method in args.methods:
             k, t = census(method, batch, args.steps, dev, args.graphed)

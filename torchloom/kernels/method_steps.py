@@ -39,7 +39,7 @@ from .explosion_rule import rule_body
 
 __all__ = [
     "MAX_LAYERS", "MAX_SEGMENTS", "MIN_CONNECTION", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
-    "estimate_gap_", "estimate_gap_ref",
+    "estimate_gap", "estimate_gap_ref",
     "layer_stats_into", "stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
 
@@ -146,60 +146,75 @@ def target_rows(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -
 
 # ------------------------------------------------------------- 1b. pure TargetProp's estimates
 MIN_CONNECTION = 0.01  # a column of |W| summing to at most this gets no estimate (Loom's rule)
-_EST_ROWS, _EST_COLS, _EST_PROGRAMS = 16, 64, 128
+_EST_ROWS, _EST_COLS, _EST_OUTS, _EST_PROGRAMS = 16, 32, 64, 128
 
 
-def estimate_gap_ref(num: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
-    """Reference: pure TargetProp's input target of a Dense layer and its gap. ``num = t_out W``
-    ``[B, in]``, ``weight`` ``W [out, in]``, ``act`` the layer's input ``[B, in]`` → ``(t, t − act)``
-    with ``t = num / Σ_o |W[o, :]|`` where that sum exceeds ``MIN_CONNECTION``, else 0."""
+def estimate_gap_ref(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference: pure TargetProp's input target of a Dense layer and its gap. ``t_out [B, out]`` the
+    target of the layer's output, ``weight`` ``W [out, in]``, ``act`` the layer's input ``[B, in]`` →
+    ``(t, t − act)`` with ``t = (t_out W) / Σ_o |W[o, :]|`` where that sum exceeds ``MIN_CONNECTION``,
+    else 0."""
     colsum = weight.abs().sum(0)
     connected = colsum > MIN_CONNECTION
-    t = torch.where(connected, num / torch.where(connected, colsum, 1.0), 0.0)
+    t = torch.where(connected, (t_out @ weight) / torch.where(connected, colsum, 1.0), 0.0)
     return t, t - act
 
 
 @jit
 def _estimate_kernel(
-    t_ptr, gap_ptr, w_ptr, act_ptr, rows, cols, outs, min_connection, row_programs,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    t_ptr, gap_ptr, w_ptr, act_ptr, tout_ptr, rows, cols, outs, min_connection, row_programs,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr, WITH_NUM: tl.constexpr,
 ):
-    """Program (c, r): the |W| column sums of column block c (W read once per program), then rows
-    r, r + row_programs, ... of blocks of ``BLOCK_R`` rows: t = num / colsum (connected) over num, gap."""
+    """Program (c, r): the |W| column sums of column block c (W read once per program) — with
+    ``WITH_NUM`` (at most ``BLOCK_R`` rows) also ``t_out W`` for the block, from the same W tiles —
+    then rows r, r + row_programs, ... in blocks of ``BLOCK_R``: t = num / colsum where connected, and
+    the gap t − act. Without ``WITH_NUM``, ``t_ptr`` holds ``num`` on entry and ``t`` on exit."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < cols
     rr = tl.arange(0, BLOCK_R)
+    oo = tl.arange(0, BLOCK_O)
     s = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for o in range(0, outs, BLOCK_R):
-        m = ((o + rr) < outs)[:, None] & cmask[None, :]
-        w = tl.load(w_ptr + (o + rr)[:, None].to(tl.int64) * cols + c[None, :], mask=m, other=0.0).to(tl.float32)
-        s += tl.sum(tl.abs(w), axis=0)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for o in range(0, outs, BLOCK_O):
+        om = (o + oo) < outs
+        w = tl.load(w_ptr + (o + oo)[:, None].to(tl.int64) * cols + c[None, :], mask=om[:, None] & cmask[None, :], other=0.0)
+        s += tl.sum(tl.abs(w.to(tl.float32)), axis=0)
+        if WITH_NUM:
+            tt = tl.load(tout_ptr + rr[:, None] * outs + (o + oo)[None, :], mask=(rr < rows)[:, None] & om[None, :], other=0.0)
+            acc += tl.dot(tt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     connected = s > min_connection
     denom = tl.where(connected, s, 1.0)
     for r0 in range(tl.program_id(1) * BLOCK_R, rows, row_programs * BLOCK_R):
         r = r0 + rr
         m = (r < rows)[:, None] & cmask[None, :]
         offs = r[:, None].to(tl.int64) * cols + c[None, :]
-        num = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if WITH_NUM:
+            num = acc
+        else:
+            num = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
         a = tl.load(act_ptr + offs, mask=m, other=0.0).to(tl.float32)
         t = tl.where(connected[None, :], num / denom[None, :], 0.0)
         tl.store(t_ptr + offs, t.to(t_ptr.dtype.element_ty), mask=m)
         tl.store(gap_ptr + offs, (t - a).to(gap_ptr.dtype.element_ty), mask=m)
 
 
-def estimate_gap_(num: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
-    """``estimate_gap_ref`` in one launch, the target written over ``num`` (all contiguous: ``num`` and
-    ``act`` ``[B, in]``, ``weight`` ``[out, in]``): returns ``(num, gap)``. Each program sums the
-    ``|W|`` columns of its block itself (no separate reduction launch), then streams its rows."""
-    rows, cols = num.shape
-    gap = torch.empty_like(num)
+def estimate_gap(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    """``estimate_gap_ref`` (all contiguous, one dtype: ``t_out [B, out]``, ``weight [out, in]``,
+    ``act [B, in]``) → ``(t, gap)``. Up to 16 rows: one launch, the product ``t_out W`` computed from
+    the same weight tiles as the ``|W|`` column sums (IEEE float32 products); more rows: cuBLAS's
+    product, then one launch."""
+    rows, cols = act.shape
+    outs = weight.shape[0]
+    gap = torch.empty_like(act)
     col_blocks = -(-cols // _EST_COLS)
-    row_programs = max(1, min(-(-rows // _EST_ROWS), _EST_PROGRAMS // col_blocks))
+    with_num = rows <= _EST_ROWS
+    t = torch.empty_like(act) if with_num else torch.mm(t_out, weight)
+    row_programs = 1 if with_num else max(1, min(-(-rows // _EST_ROWS), _EST_PROGRAMS // col_blocks))
     _estimate_kernel[(col_blocks, row_programs)](
-        num, gap, weight, act, rows, cols, weight.shape[0], MIN_CONNECTION, row_programs,
-        BLOCK_R=_EST_ROWS, BLOCK_C=_EST_COLS, num_warps=4,
+        t, gap, weight, act, t_out, rows, cols, outs, MIN_CONNECTION, row_programs,
+        BLOCK_R=_EST_ROWS, BLOCK_C=_EST_COLS, BLOCK_O=_EST_OUTS, WITH_NUM=with_num, num_warps=4,
     )
-    return num, gap
+    return t, gap
 
 
 # ------------------------------------------------------------------------- 2. layer statistics

@@ -578,7 +578,8 @@ class _FusedStep:
 
     Pure TargetProp takes it too: each layer's delta-rule direction is one matrix product written into
     the flat buffer, and each input target is a matrix product, one ``|W|`` column-sum and one
-    ``estimate_gap_`` launch (the estimate and the gap the next layer down reads).
+    ``estimate_gap`` launch (the estimate and the gap the next layer down reads; up to 16 rows the
+    product is computed in that launch too).
 
     Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
     ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
@@ -660,7 +661,7 @@ class _FusedStep:
         layer's input target (``_weighted_estimate``: ``t W / Σ|W|`` per input unit). Returns the targets
         at each layer's output ([0] None: the input's target is never used)."""
         from ..kernels import dense_small
-        from ..kernels.method_steps import estimate_gap_
+        from ..kernels.method_steps import estimate_gap
 
         layers = self.t.model.layers
         backend = getattr(self.t, "kernel_backend", None)
@@ -675,7 +676,7 @@ class _FusedStep:
                 if len(views) > 1:
                     column_sum(gap, out=views[1])
             if i > 0:
-                targets[i], gap = estimate_gap_(torch.mm(targets[i + 1], w), w, acts[i])
+                targets[i], gap = estimate_gap(targets[i + 1], w, acts[i])
         return targets
 
     def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
