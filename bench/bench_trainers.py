@@ -65,9 +65,14 @@ def _data(n_samples, batch, dev, sizes=SIZES):
     return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n_samples, batch)]
 
 
-def _config(method, dev, **kw):
+def _config(method, dev, batch=None, **kw):
+    """``method``'s TrainingConfig. TargetProp sums its update directions over the batch (Loom's rule):
+    with ``batch`` its rate is scaled by ``min(1, 32 / batch)`` so that every batch size trains without
+    diverging (a diverged run abandons its epochs and times something else)."""
     m = METHODS[method]
     m = m if isinstance(m, str) else type(m)(**{k: getattr(m, k) for k in m.__dataclass_fields__})
+    if isinstance(m, TargetPropConfig) and batch:
+        m.learning_rate = m.learning_rate * min(1.0, 32 / batch)
     return TrainingConfig(method=m, loss_type="cross_entropy" if method == "backprop" else "mse", verbose=0, device=dev, **kw)
 
 
@@ -90,7 +95,7 @@ def step_times(batches_sizes, dev, epochs=3, max_steps=128, methods=tuple(METHOD
                     kw["observers"] = [_ForceHost()]
                 net = _net(dev)
                 eps = epochs if way != "host" else 2
-                result = torchloom.train(net, data, _config(method, dev, epochs=eps, **kw))
+                result = torchloom.train(net, data, _config(method, dev, batch=batch, epochs=eps, **kw))
                 times[(method, way)] = min(result.epoch_times[1:]) / len(data) * 1e6
         base = times[("backprop", "graphed")]
         for method in ("backprop", *(m for m in methods if m != "backprop")):
@@ -134,7 +139,7 @@ def _loom_run(method, data, dev, epochs):
     net = _net(dev)
     _sync(dev)
     t = time.perf_counter()
-    torchloom.train(net, data, _config(method, dev, epochs=epochs))
+    torchloom.train(net, data, _config(method, dev, batch=data[0][0].shape[0], epochs=epochs))
     _sync(dev)
     return time.perf_counter() - t
 

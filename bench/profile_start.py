@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         if prof is not None and run == 0:
             prof.enable()
-        result = torchloom.train(net, data, bt._config(args.method, dev, epochs=args.epochs))
+        result = torchloom.train(net, data, bt._config(args.method, dev, batch=args.batch, epochs=args.epochs))
         bt._sync(dev)
         if prof is not None and run == 0:
             prof.disable()
@@ -79,8 +79,9 @@ def main(argv=None) -> int:
         if run == 0:
             first_calls = {k: list(v) for k, v in calls.items()}
             epochs = list(result.epoch_times)
+            losses = list(result.loss_history)
     print(f"{args.method} batch {args.batch}: first run {walls[0]:.3f} s (epochs {', '.join(f'{e:.3f}' for e in epochs)}), "
-          f"second run {walls[1]:.3f} s, per-process start {walls[0] - walls[1]:.3f} s")
+          f"second run {walls[1]:.3f} s, per-process start {walls[0] - walls[1]:.3f} s; losses {', '.join(f'{x:.4g}' for x in losses)}")
     print(f"{'kernel':<34} {'launches':>8} {'first ms':>9} {'later µs':>9}")
     total_first = 0.0
     for name, times in sorted(first_calls.items(), key=lambda kv: -kv[1][0]):

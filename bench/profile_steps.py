@@ -41,7 +41,7 @@ class _Profile:
 def census(method, batch, steps, dev, graphed=False):
     data = _data(steps * batch, batch, dev)
     obs = _Profile()
-    torchloom.train(_net(dev), data, _config(method, dev, epochs=2, cuda_graph=None if graphed else False, observers=[obs]))
+    torchloom.train(_net(dev), data, _config(method, dev, batch=batch, epochs=2, cuda_graph=None if graphed else False, observers=[obs]))
     kernels = collections.Counter()
     times = collections.Counter()
     for e in obs.prof.events():
@@ -64,7 +64,7 @@ def replay_time(method, batch, dev, reps=200, steps=128):
     what an epoch adds on the host (replay launches, slot copies, the read-back and its Python)."""
     data = _data(steps * batch, batch, dev)
     keep = _Keep()
-    result = torchloom.train(_net(dev), data, _config(method, dev, epochs=3, observers=[keep]))
+    result = torchloom.train(_net(dev), data, _config(method, dev, batch=batch, epochs=3, observers=[keep]))
     chunk = keep.trainer._runner._chunk
     graph, k = chunk["graph"], chunk["x"].shape[0]
     graph.replay()

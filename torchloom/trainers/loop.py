@@ -40,6 +40,7 @@ from ..observers.base import ObserverList
 from ..observers.history import History
 from ..observers.progress import EpochLinePrinter, ProgressObserver
 from .guards import UpdateGuard, finite_flag
+from .losses import prefetched_label_bounds
 
 __all__ = [
     "StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "Trainer", "BatchSource",
@@ -189,7 +190,9 @@ class BatchSource:
         items = list(batches)
         if not items:
             raise ValueError(f"{name} is empty: give at least one (input, target) batch")
-        self._items = [convert(*_to_pair(b, i), i) for i, b in enumerate(items)]
+        pairs = [_to_pair(b, i) for i, b in enumerate(items)]
+        with prefetched_label_bounds(y for _, y in pairs):  # every batch's label range in one read
+            self._items = [convert(x, y, i) for i, (x, y) in enumerate(pairs)]
 
     def _stream(self, loader: Any, empty_message: str) -> None:
         """Batches converted as they stream from ``loader``; its first batch is checked now."""

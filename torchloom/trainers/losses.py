@@ -14,15 +14,20 @@ CUDA tensors and its PyTorch reference elsewhere (``torchloom.kernels``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["LOSS_TYPES", "check_loss_type", "check_target", "loss_and_grad", "compute_loss", "loss_gradient"]
+__all__ = [
+    "LOSS_TYPES", "check_loss_type", "check_target", "loss_and_grad", "compute_loss", "loss_gradient", "label_bounds",
+    "prefetched_label_bounds",
+]
 
 LOSS_TYPES = ("mse", "cross_entropy", "crossentropy")
 
@@ -53,6 +58,56 @@ def is_label_target(target: Tensor) -> bool:
     return target.dtype in _INT_DTYPES
 
 
+# ------------------------------------------------------------------ label ranges, read in one go
+_prefetched = threading.local()
+
+
+def _identity(t: Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
+def label_bounds(labels: Tensor) -> tuple[int, int]:
+    """``(min, max)`` of non-empty integer ``labels`` as Python ints: from the values
+    ``prefetched_label_bounds`` read for them when they are among its tensors (unchanged since), else
+    read now (one device sync on a GPU)."""
+    values = getattr(_prefetched, "values", None)
+    if values is not None:
+        hit = values.get(_identity(labels))
+        if hit is not None:
+            return hit
+    lo, hi = torch.stack([labels.min(), labels.max()]).tolist()
+    return int(lo), int(hi)
+
+
+@contextlib.contextmanager
+def prefetched_label_bounds(targets: Iterable[Any]) -> Iterator[None]:
+    """Within the block (this thread), ``label_bounds`` of any of the non-empty integer device tensors
+    among ``targets`` answers from one read for all of them: tensors of one shape are stacked and
+    reduced in two launches, one host sync in all. A run over a list of batches checks every batch's
+    label range before it starts; one sync per batch (1,875 at batch 32 over 60,000 samples) was most
+    of its start. CPU tensors are read when asked (no sync to save)."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for t in targets:
+        if isinstance(t, Tensor) and t.dtype in _INT_DTYPES and t.numel() and t.device.type != "cpu":
+            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+    values: dict[tuple, tuple[int, int]] = {}
+    if groups:
+        lows, highs = [], []
+        for group in groups.values():
+            lo, hi = torch.aminmax(torch.stack(group).reshape(len(group), -1), dim=1)
+            lows.append(lo.long())
+            highs.append(hi.long())
+        read = torch.stack([torch.cat(lows), torch.cat(highs)]).tolist()
+        flat = [t for group in groups.values() for t in group]
+        values = {_identity(t): (int(lo), int(hi)) for t, lo, hi in zip(flat, read[0], read[1])}
+    previous = getattr(_prefetched, "values", None)
+    _prefetched.values = values if previous is None else {**previous, **values}
+    try:
+        yield
+    finally:
+        _prefetched.values = previous
+
+
 def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, loss_type: str, *, check_labels: bool = True) -> None:
     """Raise ``ValueError`` unless ``target`` fits an output of ``output_shape`` for ``loss_type``.
 
@@ -77,7 +132,7 @@ def check_target(output_shape: torch.Size | tuple[int, ...], target: Tensor, los
                 f"{list(output_shape)}, got {list(target.shape)}"
             )
         if check_labels and target.numel() > 0:
-            lo, hi = int(target.min()), int(target.max())
+            lo, hi = label_bounds(target)
             if lo < 0 or hi >= output_shape[-1]:
                 raise ValueError(
                     f"class labels must lie in [0, {output_shape[-1]}), got values in [{lo}, {hi}]"

@@ -72,6 +72,7 @@ from ..layers.rnn import RNN
 from ..observers.layer_stats import LayerEvents
 from .loop import RateHolder, StepOutput, StepStatus, Trainer, all_finite, as_flat, flatten_tensors_
 from .config import as_network
+from .losses import label_bounds
 
 __all__ = [
     "MODES",
@@ -301,7 +302,7 @@ def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target")
                 f"{list(out_shape)}, got {list(target.shape)}"
             )
         if target.numel():
-            lo, hi = torch.stack([target.min(), target.max()]).tolist()
+            lo, hi = label_bounds(target)
             if lo < 0 or hi >= out_shape[-1]:
                 raise ValueError(f"{fn}: class labels must lie in [0, {out_shape[-1]}), got values in [{lo}, {hi}]")
         return

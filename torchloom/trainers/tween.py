@@ -34,7 +34,7 @@ from ..layers.base import Layer
 from ..layers.network import Network
 from ..observers.layer_stats import LayerEvents
 from .loop import finite_flag, RateHolder, StepOutput, StepStatus, Trainer, TrainingResult, as_flat, flatten_tensors_
-from .losses import LOSS_TYPES, is_label_target, loss_and_grad
+from .losses import LOSS_TYPES, is_label_target, label_bounds, loss_and_grad
 from .config import as_network
 
 __all__ = ["ExplosionRule", "TweenConfig", "TweenState", "TweenTrainer"]
@@ -1013,7 +1013,7 @@ def _check_target_shape(out_shape: tuple[int, ...], batch: int, y: Tensor) -> No
     if is_label_target(y):
         if tuple(y.shape) != full[:-1]:
             raise ValueError(f"class labels must have shape {list(full[:-1])} for an output of shape {list(full)}, got {list(y.shape)}")
-        lo, hi = int(y.min()), int(y.max())
+        lo, hi = label_bounds(y)
         if lo < 0 or hi >= full[-1]:
             raise ValueError(f"class labels must lie in [0, {full[-1]}), got values in [{lo}, {hi}]")
     elif tuple(y.shape) != full:
