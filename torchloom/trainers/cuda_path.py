@@ -357,13 +357,37 @@ class CudaRunner:
     def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
         """One host sync: the epoch's per-step losses, statuses and logs → an ``EpochOutcome``, with
         Loom's messages for skipped updates."""
-        losses = self.step_loss[:count, 0].double().cpu().tolist()
-        statuses = self.step_status[:count, 0].cpu().tolist()
-        logs = self.step_logs[:count, : self.n_logs].cpu().tolist() if self.n_logs else None
+        # one transfer: losses, statuses, logs and the method's epoch-end tensors in one float64 buffer
+        tensors_fn = getattr(self.t, "device_epoch_tensors", None)
+        extras = list(tensors_fn()) if tensors_fn is not None else []
+        parts = [self.step_loss[:count, 0].double(), self.step_status[:count, 0].double()]
+        if self.n_logs:
+            parts.append(self.step_logs[:count, : self.n_logs].reshape(-1))
+        parts += [e.detach().reshape(-1).double() for e in extras]
+        flat = torch.cat(parts).cpu().tolist()
+        losses, statuses = flat[:count], [int(s) for s in flat[count : 2 * count]]
+        at = 2 * count
+        logs = None
+        if self.n_logs:
+            logs = [flat[at + k * self.n_logs : at + (k + 1) * self.n_logs] for k in range(count)]
+            at += count * self.n_logs
+        extra_values = []
+        for e in extras:
+            extra_values.append(flat[at : at + e.numel()])
+            at += e.numel()
         names = self.t.device_log_names
         sizes = source.batch_sizes
         out = EpochOutcome()
-        for k, status in enumerate(statuses):
+        if count and not any(statuses):  # every step applied: the sums at once (same order, same floats)
+            out.batches_run = out.counted = count
+            out.samples = sum(sizes[:count]) if sizes is not None else 0
+            out.loss_sum = sum(losses)
+            if logs is not None:
+                out.extra_sums = {name: sum(column) for name, column in zip(names, zip(*logs))}
+            statuses_left: list[int] = []
+        else:
+            statuses_left = statuses
+        for k, status in enumerate(statuses_left):
             if status == 3:  # not run: an earlier batch abandoned the epoch
                 break
             out.batches_run += 1
@@ -379,5 +403,6 @@ class CudaRunner:
             out.samples = self._streamed_samples
         epoch_end = getattr(self.t, "device_epoch_end", None)
         if epoch_end is not None:
-            epoch_end(self, losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
+            kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
+            epoch_end(self, *kept, extra_values) if tensors_fn is not None else epoch_end(self, *kept)
         return out

@@ -938,12 +938,21 @@ class TweenTrainer(Trainer):
         align = torch.where(both, (dot / torch.where(both, nf * nt, 1.0) + 1) / 2, 0.5)
         return torch.stack([gap, budget, align], dim=1)
 
-    def device_epoch_end(self, runner: Any, losses: list[float], statuses: list[int], logs: list[list[float]] | None) -> None:
-        """Once per epoch (after the runner's one host read): the device state back into the
-        ``TweenState`` fields and per-step histories, so both paths leave the same state behind."""
+    def device_epoch_tensors(self) -> list[Tensor]:
+        """What ``device_epoch_end`` reads, for the runner's one host read per epoch: the device state
+        (``STATE_FIELDS`` order) and, after a step, the last step's per-layer metrics ``[L, 3]``."""
+        metrics = getattr(self, "_last_metrics", None)
+        return [self._dev_flat] + ([metrics] if metrics is not None else [])
+
+    def device_epoch_end(
+        self, runner: Any, losses: list[float], statuses: list[int], logs: list[list[float]] | None,
+        values: list[list[float]],
+    ) -> None:
+        """Once per epoch (after the runner's one host read, which brought ``device_epoch_tensors()`` as
+        ``values``): the device state back into the ``TweenState`` fields and per-step histories, so
+        both paths leave the same state behind."""
         st, d = self.state, self.dev
-        values = torch.stack([v.reshape(()) for v in d.values()]).tolist()
-        snapshot = dict(zip(d.keys(), values))
+        snapshot = dict(zip(d.keys(), values[0]))
         st.adaptive_rate = snapshot.pop("adaptive_rate")
         st.explosion_count = int(snapshot.pop("explosion_count"))
         st.steps = int(snapshot.pop("steps"))
@@ -958,9 +967,9 @@ class TweenTrainer(Trainer):
             st.link_budget_history.append(row[1])
             st.explosion_history.append(count)
             st.rate_history.append(row[3])
-        if getattr(self, "_last_metrics", None) is not None:
-            gaps, budgets, aligns = self._last_metrics.double().cpu().unbind(1)
-            st.gaps, st.link_budgets, st.alignments = gaps.tolist(), budgets.tolist(), aligns.tolist()
+        if len(values) > 1:  # the last step's metrics, [L, 3] row by row
+            m = values[1]
+            st.gaps, st.link_budgets, st.alignments = m[0::3], m[1::3], m[2::3]
 
     # The explosion rule's state and its device form (see ``ExplosionRule``).
     def _rule_state(self) -> dict[str, float]:
