@@ -53,3 +53,47 @@ def test_momentum_update_flat(cuda_default_device, sizes, backend):
 def test_momentum_update_rejects_mismatched_buffers():
     with pytest.raises(ValueError, match="must hold the 5 elements"):
         momentum_update_flat_(torch.zeros(4), torch.zeros(4), torch.zeros(4), [0, 5], torch.ones(1), torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_momentum_update_with_the_guards_copy_and_check(cuda_default_device, overflow, backend):
+    """``backup``/``flag``: the old values land in the backup, the update is the plain one, and the
+    flag rises exactly when a new value is NaN/±Inf (here: c·g overflows float32 in one segment);
+    the weight guard's restore then brings back the old values."""
+    from torchloom.kernels.weight_guard import restore_if_flagged_
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    dev = torch.get_default_device()
+    sizes = [300, 5, 1030]
+    n = sum(sizes)
+    p0, v0, gr = (torch.randn(n, generator=g, device="cpu").to(dev) for _ in range(3))
+    bounds = [0, 300, 305, n]
+    a = torch.full((3,), 0.9, dtype=torch.float64, device=dev)
+    c = torch.tensor([0.1, 1e39 if overflow else 0.2, -0.3], dtype=torch.float64, device=dev)
+    apply = torch.ones(3, dtype=torch.int8, device=dev)
+    plain_p, plain_v = p0.clone(), v0.clone()
+    momentum_update_flat_(plain_p, plain_v, gr, bounds, a, c, apply, backend="reference")
+    p, v = p0.clone(), v0.clone()
+    bp, bv = torch.full_like(p, 7.0), torch.full_like(v, 7.0)
+    flag = torch.zeros((), dtype=torch.int32, device=dev)
+    momentum_update_flat_(p, v, gr, bounds, a, c, apply, backend=backend, backup=(bp, bv), flag=flag)
+    assert torch.equal(bp, p0) and torch.equal(bv, v0)
+    if not overflow:  # (past float32's range the kernel's float64 coefficients and the reference round differently)
+        torch.testing.assert_close(p, plain_p, rtol=1e-6, atol=1e-6)
+    assert int(flag) == int(overflow) == int(not (torch.isfinite(plain_p).all() and torch.isfinite(plain_v).all()))
+    status = torch.zeros((), dtype=torch.int32, device=dev)
+    restore_if_flagged_([p, v], [bp, bv], flag, status)
+    if overflow:
+        assert torch.equal(p, p0) and torch.equal(v, v0) and int(status) == 4
+    else:
+        assert int(status) == 0
+
+
+def test_momentum_update_backup_needs_a_flag_and_the_right_size():
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="go together"):
+        momentum_update_flat_(z, z, z, [0, 4], torch.ones(1), torch.ones(1), torch.ones(1), backup=(z, z))
+    with pytest.raises(ValueError, match="hold 4 elements"):
+        momentum_update_flat_(z, z, z, [0, 4], torch.ones(1), torch.ones(1), torch.ones(1), backup=(torch.zeros(3), z),
+                              flag=torch.zeros((), dtype=torch.int32))

@@ -93,8 +93,14 @@ def pair_stats(f: Tensor, t: Tensor, extra: Tensor | None = None, backend: str |
 
 
 # ------------------------------------------------------------------------ momentum update
-def momentum_update_flat_ref_(p: Tensor, v: Tensor, g: Tensor, bounds: list[int], a: Tensor, c: Tensor, apply: Tensor) -> None:
+def momentum_update_flat_ref_(
+    p: Tensor, v: Tensor, g: Tensor, bounds: list[int], a: Tensor, c: Tensor, apply: Tensor,
+    backup: tuple[Tensor, Tensor] | None = None, flag: Tensor | None = None,
+) -> None:
     """Reference of ``momentum_update_flat_`` (same math, one segment at a time, no host read)."""
+    if backup is not None:
+        backup[0].copy_(p)
+        backup[1].copy_(v)
     for layer in range(len(bounds) - 1):
         lo, hi = bounds[layer], bounds[layer + 1]
         if hi <= lo:
@@ -104,10 +110,16 @@ def momentum_update_flat_ref_(p: Tensor, v: Tensor, g: Tensor, bounds: list[int]
         new_v = a[layer].to(vs.dtype) * vs + c[layer].to(vs.dtype) * gs
         vs.copy_(torch.where(on, new_v, vs))
         ps.add_(torch.where(on, vs, torch.zeros_like(vs)))
+    if flag is not None:
+        bad = ~(torch.isfinite(p).all() & torch.isfinite(v).all())
+        flag.copy_(torch.where(bad, torch.ones_like(flag), flag))
 
 
 @jit
-def _momentum_kernel(p_ptr, v_ptr, g_ptr, bounds_ptr, a_ptr, c_ptr, apply_ptr, n, L: tl.constexpr, BLOCK: tl.constexpr):
+def _momentum_kernel(
+    p_ptr, v_ptr, g_ptr, bounds_ptr, a_ptr, c_ptr, apply_ptr, bp_ptr, bv_ptr, flag_ptr, n,
+    L: tl.constexpr, BLOCK: tl.constexpr, GUARD: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -121,27 +133,48 @@ def _momentum_kernel(p_ptr, v_ptr, g_ptr, bounds_ptr, a_ptr, c_ptr, apply_ptr, n
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if GUARD:  # the weight guard's copy, made while the values are in registers anyway
+        tl.store(bp_ptr + offs, p, mask=mask)
+        tl.store(bv_ptr + offs, v, mask=mask)
     new_v = (a * v.to(a.dtype) + c * g.to(a.dtype)).to(v.dtype)
     new_v = tl.where(on, new_v, v)
+    new_p = tl.where(on, p + new_v, p)
     tl.store(v_ptr + offs, new_v, mask=mask)
-    tl.store(p_ptr + offs, tl.where(on, p + new_v, p), mask=mask)
+    tl.store(p_ptr + offs, new_p, mask=mask)
+    if GUARD:  # ... and its check: any NaN/±Inf among the new values raises the flag
+        finite = (tl.abs(new_v.to(tl.float32)) < float("inf")) & (tl.abs(new_p.to(tl.float32)) < float("inf"))
+        if tl.max(tl.where(finite, 0, 1), axis=0) != 0:
+            tl.atomic_max(flag_ptr, 1)
 
 
 def momentum_update_flat_(
     p: Tensor, v: Tensor, g: Tensor, bounds: list[int], a: Tensor, c: Tensor, apply: Tensor, bounds_t: Tensor | None = None,
-    backend: str | None = None,
+    backend: str | None = None, backup: tuple[Tensor, Tensor] | None = None, flag: Tensor | None = None,
 ) -> None:
     """Every layer's momentum update in one launch (module docstring). ``p``, ``v``, ``g``: 1-D buffers
     of one layout; ``bounds``: the ``L + 1`` segment boundaries (``bounds_t``: the same as an int64
-    device tensor, made once by the caller); ``a``, ``c``, ``apply``: ``[L]`` device tensors."""
+    device tensor, made once by the caller); ``a``, ``c``, ``apply``: ``[L]`` device tensors.
+
+    With ``backup = (bp, bv)`` (buffers like ``p`` and ``v``) and ``flag`` (a 0-d int32, zeroed by the
+    caller) the same launch does a weight guard's work (``trainers/guards.py``): the old values into
+    ``bp``/``bv``, and ``flag`` raised when any new value of ``p`` or ``v`` is NaN/±Inf; the caller
+    then restores from the backup when it is raised (``kernels.weight_guard.restore_if_flagged_``)."""
+    if (backup is None) != (flag is None):
+        raise ValueError("momentum_update_flat_: backup and flag go together")
+    if backup is not None and not (backup[0].numel() == p.numel() and backup[1].numel() == v.numel()):
+        raise ValueError(f"momentum_update_flat_: backup buffers must hold {p.numel()} elements each, got {backup[0].numel()}, {backup[1].numel()}")
     n_layers = len(bounds) - 1
     if not (p.numel() == v.numel() == g.numel() == bounds[-1]):
         raise ValueError(f"momentum_update_flat_: p, v, g must hold the {bounds[-1]} elements of the segments, got {p.numel()}, {v.numel()}, {g.numel()}")
     ok = use_triton(p, backend) and p.dtype in KERNEL_DTYPES + (torch.float64,) and 0 < n_layers <= _MAX_SEGMENTS
     if not ok:
-        momentum_update_flat_ref_(p, v, g, bounds, a, c, apply)
+        momentum_update_flat_ref_(p, v, g, bounds, a, c, apply, backup, flag)
         return
     if bounds_t is None:
         bounds_t = torch.tensor(bounds, dtype=torch.int64, device=p.device)
     block, num_warps, programs = elementwise_settings(p.numel(), p.is_cuda)
-    _momentum_kernel[(programs,)](p, v, g, bounds_t, a, c, apply, p.numel(), L=n_layers, BLOCK=block, num_warps=num_warps)
+    bp, bv = backup if backup is not None else (p, v)
+    _momentum_kernel[(programs,)](
+        p, v, g, bounds_t, a, c, apply, bp, bv, flag if flag is not None else apply, p.numel(),
+        L=n_layers, BLOCK=block, GUARD=backup is not None, num_warps=num_warps,
+    )

@@ -84,15 +84,53 @@ class UpdateGuard:
         self._known: set[int] = set()
         self._flag: Tensor | None = None  # device form: raised when a guarded tensor is non-finite
 
-    @torch.no_grad()
-    def save(self) -> None:
-        """Copy the current values (reusing the backup buffers while the tensor set is unchanged)."""
+    def _ensure_buffers(self) -> list[Tensor]:
+        """The guarded tensors now, with backup buffers for them (kept while the set is unchanged)."""
         live = _unique_storage([t for t in self._tensors() if t.numel()])
         # the same memory (a flat buffer's view is often a new object each call): keep the backups
         same = len(live) == len(self._live) and all(_key(a) == _key(b) for a, b in zip(live, self._live))
         if not same:
             self._live = live
             self._backup = [torch.empty_like(t) for t in live]
+        return live
+
+    def backup_views(self, *tensors: Tensor) -> list[Tensor] | None:
+        """For an update that saves the old values itself while it reads them (the fused momentum
+        update): the backup buffers' views that stand for ``tensors``, when the guarded tensors are
+        exactly their memory (each a contiguous piece of a guarded tensor, together all of it), else
+        None (then ``save`` as usual). Nothing is copied; ``restore_flagged_`` completes the guard."""
+        self._ensure_buffers()
+        views, covered = [], 0
+        for t in tensors:
+            for live, backup in zip(self._live, self._backup):
+                size = t.element_size()
+                off = t.data_ptr() - live.data_ptr()
+                inside = 0 <= off and off + t.numel() * size <= live.numel() * live.element_size()
+                if inside and live.dtype == t.dtype and live.is_contiguous() and t.is_contiguous() and off % size == 0:
+                    views.append(backup.view(-1)[off // size : off // size + t.numel()].view(t.shape))
+                    covered += t.numel()
+                    break
+            else:
+                return None
+        if covered != sum(t.numel() for t in self._live):  # other guarded tensors the update would not save
+            return None
+        self._known = {_key(t) for t in self._live}
+        return views
+
+    @torch.no_grad()
+    def restore_flagged_(self, status: Tensor | None = None) -> Tensor:
+        """After an update that filled ``backup_views`` and raised ``device_flag`` itself: put every
+        guarded tensor back when the flag is set (and turn an OK ``status`` into ``NAN_WEIGHTS``).
+        Returns the flag. No host read."""
+        from ..kernels.weight_guard import restore_if_flagged_
+
+        restore_if_flagged_(self._live, self._backup, self._flag, status)
+        return self._flag
+
+    @torch.no_grad()
+    def save(self) -> None:
+        """Copy the current values (reusing the backup buffers while the tensor set is unchanged)."""
+        live = self._ensure_buffers()
         if len(live) > 4:
             torch._foreach_copy_(self._backup, self._live)
         else:  # a few flat buffers: one plain copy each (a DtoD memcpy; the multi-tensor kernel took ~10 µs

@@ -697,12 +697,25 @@ class _FusedStep:
         return self.lr
 
     def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:
+        """The momentum update of every layer in one launch, which also does the weight guard's copy and
+        check (three launches fewer) when the guarded tensors are exactly the parameter and velocity
+        buffers; else inside the runner's usual guard."""
         from ..kernels.layer_update import momentum_update_flat_
 
         flat = self.flat
-        with runner.guard_update(slot):
-            momentum_update_flat_(flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t,
-                                  backend=getattr(self.t, "kernel_backend", None))
+        backend = getattr(self.t, "kernel_backend", None)
+        guard = runner.update_guard
+        backup = guard.backup_views(flat.p, flat.v)
+        if backup is None:
+            with runner.guard_update(slot):
+                momentum_update_flat_(flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend)
+            return
+        flag = guard.device_flag(flat.p.device)
+        flag.zero_()
+        momentum_update_flat_(
+            flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend, backup=tuple(backup), flag=flag,
+        )
+        guard.restore_flagged_(runner.step_status[slot, 0])
 
     # ------------------------------------------------------------------------- TargetProp
     def target_prop_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
