@@ -187,6 +187,9 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
     kernel caches are warm, as on any machine after its first run, whatever the order of the
     contenders. ``cold``: every timed process starts from empty Triton and Inductor caches (every
     kernel compiled inside the timed run)."""
+    import contextlib
+    import os
+    import signal
     import subprocess
     import tempfile
 
@@ -195,7 +198,16 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
 
     def run(c, batch, n, eps, cold_env):
         cmd = [sys.executable, __file__, "--one-run", c, str(batch), str(n), str(eps), "--device", dev.type]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_child_env(pycache, cold_env))
+        # a session of its own, ended with the run: torch.compile's worker processes outlive their
+        # parent otherwise and would share the machine with the next contenders
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(pycache, cold_env),
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         if res.returncode != 0:
             raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
         return float(res.stdout.strip().splitlines()[-1])
