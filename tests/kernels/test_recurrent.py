@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close
+from helpers import assert_close, recurrent_truth
 from torchloom.kernels import recurrent as K
 from torchloom.layers.lstm import LSTMSaved, lstm_backward, lstm_forward
 
@@ -16,21 +16,7 @@ pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
 
 def _truth(x, w_ih, w_hh, b, g):
-    """nn.LSTM in float64 (bias_hh = 0) with autograd: output and the gradients."""
-    B, T, I = x.shape
-    H = w_hh.shape[1]
-    ref = nn.LSTM(I, H, bias=b is not None, batch_first=True, dtype=torch.float64, device=x.device)
-    with torch.no_grad():
-        ref.weight_ih_l0.copy_(w_ih)
-        ref.weight_hh_l0.copy_(w_hh)
-        if b is not None:
-            ref.bias_ih_l0.copy_(b)
-            ref.bias_hh_l0.zero_()
-    xr = x.double().requires_grad_()
-    y, _ = ref(xr)
-    params = [ref.weight_ih_l0, ref.weight_hh_l0] + ([ref.bias_ih_l0] if b is not None else [])
-    grads = torch.autograd.grad(y, [xr, *params], g.double())
-    return y.detach(), grads
+    return recurrent_truth(nn.LSTM, x, w_ih, w_hh, b, g)
 
 
 @pytest.mark.parametrize("shape", [(3, 6, 5, 33, True), (2, 1, 3, 7, True), (4, 4, 2, 16, False)],

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close
+from helpers import assert_close, recurrent_truth
 from torchloom.kernels import recurrent as K
 from torchloom.layers.rnn import RNN, rnn_backward, rnn_forward
 
@@ -34,20 +34,7 @@ def _inputs(B, T, I, H, bias, dtype=torch.float32):
 
 
 def _truth(x, w_ih, w_hh, b, g):
-    """nn.RNN in float64 (bias_hh = 0) with autograd: output and the gradients (x, W_ih, W_hh, b)."""
-    B, T, I = x.shape
-    H = w_hh.shape[0]
-    ref = nn.RNN(I, H, bias=b is not None, batch_first=True, dtype=torch.float64, device=x.device)
-    with torch.no_grad():
-        ref.weight_ih_l0.copy_(w_ih)
-        ref.weight_hh_l0.copy_(w_hh)
-        if b is not None:
-            ref.bias_ih_l0.copy_(b)
-            ref.bias_hh_l0.zero_()
-    xr = x.double().requires_grad_()
-    y, _ = ref(xr)
-    params = [ref.weight_ih_l0, ref.weight_hh_l0] + ([ref.bias_ih_l0] if b is not None else [])
-    return y.detach(), torch.autograd.grad(y, [xr, *params], g.double())
+    return recurrent_truth(nn.RNN, x, w_ih, w_hh, b, g)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)

@@ -1,4 +1,4 @@
-"""Fused pieces of TargetProp's and Tweening's captured device steps: a step in about twenty launches.
+"""Fused pieces of TargetProp's and Tweening's captured device steps: a step in about eighteen launches.
 
 A captured step's time at small batches is its launch count (about 2.5 µs a kernel on an H100), and
 a TargetProp or Tween step written in torch ops launched 110–130 kernels against backprop's 16: one
@@ -11,6 +11,9 @@ launches:
   accuracy partial (class labels). TargetProp: ``g = t − out``, loss ``mean((out − t)²)``; Tween:
   ``loss_and_grad``'s gradient times the batch, masked to rows whose error ``Σ(ŷ − t)²`` reaches
   ``gap_threshold`` (``ŷ``: the softmax for cross-entropy, the output for MSE).
+* ``estimate_gap(t_out, W, act)``: pure TargetProp's input target of a Dense layer (``t_out W``
+  divided by the ``|W|`` column sums where they exceed ``MIN_CONNECTION``, else 0) and its gap
+  ``t − act``, one launch (up to 16 rows it computes the product too).
 * ``layer_stats_into(part, f, t, extra, scale)``: ``pair_stats``'s five sums (``Σ f·t, Σ f², Σ t²,
   Σ (f − t)², Σ extra²``) for one layer, left as per-program partials in that layer's rows of one
   shared buffer (no ``sum`` launch). With ``scale`` the target is never materialised: ``t = f +

@@ -570,7 +570,7 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
 
 class _FusedStep:
     """The fused device step of TargetProp's chain rule and of Tweening (``kernels/method_steps.py``):
-    the same rule as the torch-op device step in about twenty launches instead of 110–130, for a
+    the same rule as the torch-op device step in about eighteen launches instead of 110–130, for a
     network of ``Dense`` layers on CUDA (or on the CPU through Triton's interpreter, when the trainer's
     ``kernel_backend`` is ``"triton"``: the tests). Update directions are written by each layer's
     backward straight into the flat direction buffer of the one-launch momentum update, the link
