@@ -184,3 +184,72 @@ def test_trained_inside_captured_steps_like_eager_steps():
     assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
     for p, q in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bb,bn,bk", [(32, 32, 64), (64, 64, 128), (64, 128, 256)])
+def test_the_wider_tiles_of_large_grids(bb, bn, bk):
+    """The tile shapes ``_rnn_loop_settings`` picks for large batches or hidden sizes (wider than the
+    16 × 16 of the default shapes), forward and backward against the float64 reference loops."""
+    B, T, H = 70, 3, 150
+    st = K.RNNLoopSettings(block_b=bb, block_n=bn, block_k=bk, col_tiles=-(-H // bn), col_programs=1, num_warps=4)
+    pre, w_hh = torch.randn(B, T, H), torch.randn(H, H) * (1.5 / H**0.5)
+    hidden = torch.empty(B, T, H)
+    pre64, hid64 = pre.double(), torch.empty(B, T, H, dtype=torch.float64)
+    K.rnn_forward_loop_ref(pre64, w_hh.double(), hid64)
+    K._launch_rnn_loop(hidden, pre, pre, w_hh, backward=False, settings=st)
+    assert_close(hidden, hid64, name="hidden", rtol=1e-4, atol=1e-5)
+    g, g_pre = torch.randn(B, T, H), torch.empty(B, T, H)
+    K._launch_rnn_loop(g_pre, g, hidden, w_hh, backward=True, settings=st)
+    g64 = 1.0 - hid64 * hid64
+    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g64, torch.empty(B, H, dtype=torch.float64))
+    assert_close(g_pre, g64, name="gPre", rtol=1e-4, atol=1e-5)
+
+
+def test_tf32_rounding_keeps_nan_and_inf():
+    """``_round_tf32``: finite values to the nearest TF32 (10 mantissa bits), NaN (any payload) and
+    ±Inf unchanged — the bit trick alone turns the GPU's NaN 0x7FFFFFFF into −0."""
+    from torchloom.kernels._tl import jit, tl
+
+    @jit
+    def round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(y_ptr + offs, K._round_tf32(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
+    bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0x7F800000, -0x800000], dtype=torch.int32)  # NaN, NaN, +Inf, -Inf
+    specials = bits.view(torch.float32)
+    finite = torch.randn(60)
+    x = torch.cat([specials, finite])
+    y = torch.empty_like(x)
+    round_kernel[(1,)](x, y, x.numel(), BLOCK=64)
+    y = y.cpu()
+    assert torch.isnan(y[:2]).all() and y[2] == float("inf") and y[3] == float("-inf")
+    want = ((finite.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+    assert torch.equal(y[4:], want)
+
+
+def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch):
+    """A compile or launch failure (e.g. CUDA refusing the cooperative grid) runs the reference loop,
+    warns once per shape, and gives the reference's numbers."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+    monkeypatch.setattr(K, "_launch_rnn_loop", refuse)
+    monkeypatch.setattr(K, "_failed", set())
+    B, T, H = 5, 4, 16
+    pre, w_hh = torch.randn(B, T, H), torch.randn(H, H) * 0.2
+    pre_ref, hid_ref = pre.clone(), torch.empty(B, T, H)
+    K.rnn_forward_loop_ref(pre_ref, w_hh, hid_ref)
+    hidden = torch.empty(B, T, H)
+    with pytest.warns(RuntimeWarning, match="could not run .* using the per-step loop"):
+        K.rnn_forward_loop(pre, w_hh, hidden, backend="triton")
+    assert torch.equal(hidden, hid_ref) and torch.equal(pre, pre_ref)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the shape is remembered
+        K.rnn_forward_loop(pre_ref.clone(), w_hh, torch.empty(B, T, H), backend="triton")
+    assert len(calls) == 1

@@ -46,3 +46,29 @@ def test_a_bad_batch_among_many_is_named_before_training(method):
     with pytest.raises(ValueError, match=r"batch 4: .*\[0, 2\), got values in \[0, 2\]"):
         torchloom.train(net, data, cfg)
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+
+
+def test_batches_made_under_inference_mode_train(monkeypatch):
+    """Inference tensors have no version counter: they are read when asked, never cached."""
+    monkeypatch.setattr(losses, "_PREFETCH_CHUNK", 8)  # several stacked chunks per group
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.inference_mode():
+        g = torch.Generator().manual_seed(2)
+        data = [(torch.randn(4, 3, generator=g).to(dev), torch.randint(0, 2, (4,), generator=g).to(dev)) for _ in range(5)]
+    with losses.prefetched_label_bounds([y for _, y in data]):
+        assert [losses.label_bounds(y) for _, y in data] == [(int(y.min()), int(y.max())) for _, y in data]
+    result = torchloom.train(Network(Dense(3, 2, "linear")), data, TrainingConfig(epochs=1, verbose=0, loss_type="cross_entropy"))
+    assert len(result.loss_history) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch reads device tensors")
+def test_chunked_stacking_gives_the_same_bounds(monkeypatch):
+    monkeypatch.setattr(losses, "_PREFETCH_CHUNK", 64)  # 2 tensors of 32 per chunk
+    ys = [torch.randint(-5, 10, (32,), device="cuda") for _ in range(7)]
+    with losses.prefetched_label_bounds(ys):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = [losses.label_bounds(y) for y in ys]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert got == [(int(y.min()), int(y.max())) for y in ys]

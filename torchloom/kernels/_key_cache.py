@@ -8,7 +8,8 @@ a 0.85 s whole training run, paid again by every new process although the instal
 ``install()`` (called when the kernel modules first import Triton; nothing happens until Triton first
 asks for the key) keeps the key Triton computed in a
 small file of Triton's cache directory, named after a stamp of the installation — Triton's version and
-the path, size and modification time of every ``.py`` and ``.so`` file in the package (~2 ms to stat)
+the path, size, modification and change times and inode of every ``.py`` and ``.so`` file in the
+package, symlinked folders included (~2 ms to stat)
 — and hands the stored key to Triton in later processes (Triton's own compile-warm-up workers do the
 same: ``triton.runtime.cache.triton_key = lambda: key``). The key is the one Triton computes, so the
 on-disk kernel cache is shared with plain Triton; any change to the installation changes the stamp and
@@ -29,16 +30,17 @@ __all__ = ["install", "installation_stamp", "key_file"]
 
 
 def installation_stamp(triton: Any) -> str:
-    """Hex digest of Triton's version and each ``.py``/``.so`` file's relative path, size and mtime."""
+    """Hex digest of Triton's version and each ``.py``/``.so`` file's relative path, size, modification
+    and change times and inode (symlinked folders followed: an editable install links its backends)."""
     root = os.path.dirname(os.path.abspath(triton.__file__))
     h = hashlib.sha256(f"{triton.__version__}\0{root}\n".encode())
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):  # editable installs link backends in
         dirnames.sort()
         for name in sorted(filenames):
             if name.endswith((".py", ".so")):
                 path = os.path.join(dirpath, name)
                 st = os.stat(path)
-                h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
     return h.hexdigest()
 
 

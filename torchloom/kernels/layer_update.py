@@ -142,7 +142,10 @@ def _momentum_kernel(
     tl.store(v_ptr + offs, new_v, mask=mask)
     tl.store(p_ptr + offs, new_p, mask=mask)
     if GUARD:  # ... and its check: any NaN/±Inf among the new values raises the flag
-        finite = (tl.abs(new_v.to(tl.float32)) < float("inf")) & (tl.abs(new_p.to(tl.float32)) < float("inf"))
+        if new_v.dtype == tl.float64:  # compared in their own dtype: float64 beyond float32's range is finite
+            finite = (tl.abs(new_v) < float("inf")) & (tl.abs(new_p) < float("inf"))
+        else:
+            finite = (tl.abs(new_v.to(tl.float32)) < float("inf")) & (tl.abs(new_p.to(tl.float32)) < float("inf"))
         if tl.max(tl.where(finite, 0, 1), axis=0) != 0:
             tl.atomic_max(flag_ptr, 1)
 

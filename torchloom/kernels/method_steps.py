@@ -208,6 +208,10 @@ def estimate_gap(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Te
     product, then one launch."""
     rows, cols = act.shape
     outs = weight.shape[0]
+    if not (t_out.is_contiguous() and weight.is_contiguous() and act.is_contiguous()):
+        raise ValueError("estimate_gap: t_out, weight and act must be contiguous")
+    if t_out.shape != (rows, outs) or weight.shape[1] != cols:
+        raise ValueError(f"estimate_gap: t_out {list(t_out.shape)}, weight {list(weight.shape)} and act {list(act.shape)} do not fit")
     gap = torch.empty_like(act)
     col_blocks = -(-cols // _EST_COLS)
     with_num = rows <= _EST_ROWS

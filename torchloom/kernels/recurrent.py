@@ -263,7 +263,9 @@ def clear_graph_cache() -> None:
 # that cannot be — never a partial start behind other kernels, e.g. a data-parallel run's NCCL
 # kernels on another stream; same time on the H100, captured in CUDA graphs alike). A Triton
 # without that option launches it plainly. A wait longer than ``_SPIN_LIMIT`` polls still gives up
-# rather than hang the GPU, and the sentinel NaNs it then multiplies make the result NaN. Triton's interpreter
+# rather than hang the GPU: the sentinels it then reads become NaNs (in every precision), so the result
+# is NaN, never a silent number. A kernel that cannot compile or launch for a shape (registers, a grid
+# CUDA refuses) warns once and that shape runs the reference loop from then on. Triton's interpreter
 # runs programs one after another, so there one program per batch block loops over all column tiles
 # and never waits.
 #
@@ -287,8 +289,10 @@ _SENTINEL = {torch.float32: (0x7F800001, torch.int32), torch.bfloat16: (0x7F81, 
 
 @jit
 def _round_tf32(x):
-    """fp32 → the nearest TF32 (10 mantissa bits; ties away from zero), still stored as fp32."""
-    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    """fp32 → the nearest TF32 (10 mantissa bits; ties away from zero), still stored as fp32. NaN and
+    ±Inf stay as they are (the bit trick would carry a NaN's payload into the sign: −0)."""
+    rounded = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < float("inf"), rounded, x)
 
 
 @jit
@@ -307,6 +311,8 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
     while (tl.max(tl.max((s.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), 1), 0) > 0) & (polls < SPIN_LIMIT):
         s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
         polls += 1
+    # a wait that gave up leaves sentinels: NaN, whatever the precision does with the pattern next
+    s = tl.where(s.to(BITS, bitcast=True) == SENTINEL, float("nan"), s.to(tl.float32)).to(s.dtype)
     w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
     if DOT_F32:  # the interpreter multiplies bfloat16's raw bits (numpy has no bfloat16)
         s, w = s.to(tl.float32), w.to(tl.float32)
@@ -479,15 +485,42 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
     launch(*args, **kw)
 
 
+_failed: set = set()  # (B, H, dtype, device) whose kernel could not launch: the reference from then on
+
+
+def _launch_or_fallback(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool) -> bool:
+    """``_launch_rnn_loop``, or False (with one ``RuntimeWarning``) when the kernel cannot compile or
+    launch for this shape on this GPU (too many registers, a cooperative grid CUDA refuses...): the
+    caller then runs the reference loop. Nothing was written but the sentinel, which it overwrites."""
+    key = (out.shape[0], out.shape[2], out.dtype, out.device)
+    if key in _failed:
+        return False
+    try:
+        _launch_rnn_loop(out, inp, aux, weight_hh, backward)
+        return True
+    except (ValueError, TypeError):  # the operands themselves: the caller's error
+        raise
+    except Exception as e:  # noqa: BLE001 - any compile/launch failure: the per-step loop instead
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise  # a capture cannot fall back mid-way; the engine's warm-up runs first and lands here
+        _failed.add(key)
+        import warnings
+
+        warnings.warn(
+            f"RNN: the persistent loop kernel could not run for batch {key[0]}, hidden {key[1]}, {key[2]} on {key[3]} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the per-step loop",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+
+
 def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> None:
     """The RNN's forward loop (``rnn_forward_loop_ref``) in one launch of ``_rnn_loop_kernel`` where
     ``rnn_loop_uses_triton``, else the reference. ``pre`` (updated in place) and ``hidden``
     ``[B, T, H]`` with unit last stride."""
     B, _, H = pre.shape
-    if not rnn_loop_uses_triton(pre, B, H, backend):
+    if not rnn_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(hidden, pre, pre, weight_hh, False):
         rnn_forward_loop_ref(pre, weight_hh, hidden)
-        return
-    _launch_rnn_loop(hidden, pre, pre, weight_hh, backward=False)
 
 
 def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre: Tensor, backend: str | None = None) -> None:
@@ -495,8 +528,6 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
     ``g_pre``, from ``grad_out`` and ``hidden`` (all ``[B, T, H]``, unit last stride); one launch of
     ``_rnn_loop_kernel`` where ``rnn_loop_uses_triton``, else ``rnn_backward_loop_ref``."""
     B, _, H = g_pre.shape
-    if not rnn_loop_uses_triton(g_pre, B, H, backend):
+    if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(g_pre, grad_out, hidden, weight_hh, True):
         torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
-        return
-    _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, backward=True)

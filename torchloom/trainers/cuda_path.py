@@ -57,6 +57,15 @@ __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
 # 1,024, H100); at 16 it captures at most 31 (16 + a tail of at most 15).
 STEPS_PER_GRAPH = 16
 
+def _sum_in_order(values: Sequence[float]) -> float:
+    """Left-to-right float sum, as ``EpochOutcome.add`` accumulates (Python 3.12's ``sum`` of floats
+    compensates its roundings, which would differ in the last bits)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
 NAN_WEIGHTS = 4  # status written after the update when it made a weight or state non-finite (undone)
 _SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
@@ -381,9 +390,9 @@ class CudaRunner:
         if count and not any(statuses):  # every step applied: the sums at once (same order, same floats)
             out.batches_run = out.counted = count
             out.samples = sum(sizes[:count]) if sizes is not None else 0
-            out.loss_sum = sum(losses)
+            out.loss_sum = _sum_in_order(losses)
             if logs is not None:
-                out.extra_sums = {name: sum(column) for name, column in zip(names, zip(*logs))}
+                out.extra_sums = {name: _sum_in_order(column) for name, column in zip(names, zip(*logs))}
             statuses_left: list[int] = []
         else:
             statuses_left = statuses

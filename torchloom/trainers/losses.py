@@ -62,8 +62,16 @@ def is_label_target(target: Tensor) -> bool:
 _prefetched = threading.local()
 
 
+_PREFETCH_CHUNK = 1 << 24  # label elements stacked at once (128 MB of int64): bounded extra memory
+
+
 def _identity(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
+def _prefetchable(t: Any) -> bool:
+    # inference tensors keep no version counter: they are read when asked
+    return isinstance(t, Tensor) and t.dtype in _INT_DTYPES and t.numel() > 0 and t.device.type != "cpu" and not t.is_inference()
 
 
 def label_bounds(labels: Tensor) -> tuple[int, int]:
@@ -71,7 +79,7 @@ def label_bounds(labels: Tensor) -> tuple[int, int]:
     ``prefetched_label_bounds`` read for them when they are among its tensors (unchanged since), else
     read now (one device sync on a GPU)."""
     values = getattr(_prefetched, "values", None)
-    if values is not None:
+    if values is not None and _prefetchable(labels):
         hit = values.get(_identity(labels))
         if hit is not None:
             return hit
@@ -82,23 +90,27 @@ def label_bounds(labels: Tensor) -> tuple[int, int]:
 @contextlib.contextmanager
 def prefetched_label_bounds(targets: Iterable[Any]) -> Iterator[None]:
     """Within the block (this thread), ``label_bounds`` of any of the non-empty integer device tensors
-    among ``targets`` answers from one read for all of them: tensors of one shape are stacked and
-    reduced in two launches, one host sync in all. A run over a list of batches checks every batch's
-    label range before it starts; one sync per batch (1,875 at batch 32 over 60,000 samples) was most
-    of its start. CPU tensors are read when asked (no sync to save)."""
+    among ``targets`` answers from one read for all of them: tensors of one shape are stacked (at
+    most 2²⁴ elements at a time) and reduced, one host sync in all. A run over a list of batches
+    checks every batch's label range before it starts; one sync per batch (1,875 at batch 32 over
+    60,000 samples) was most of its start. CPU tensors (no sync to save) and inference tensors (no
+    version counter to notice a change by) are read when asked."""
     groups: dict[tuple, list[Tensor]] = {}
     for t in targets:
-        if isinstance(t, Tensor) and t.dtype in _INT_DTYPES and t.numel() and t.device.type != "cpu":
+        if _prefetchable(t):
             groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
     values: dict[tuple, tuple[int, int]] = {}
     if groups:
-        lows, highs = [], []
+        lows, highs, flat = [], [], []
         for group in groups.values():
-            lo, hi = torch.aminmax(torch.stack(group).reshape(len(group), -1), dim=1)
-            lows.append(lo.long())
-            highs.append(hi.long())
+            step = max(1, _PREFETCH_CHUNK // group[0].numel())  # stack a bounded number of elements at a time
+            for i in range(0, len(group), step):
+                chunk = group[i : i + step]
+                lo, hi = torch.aminmax(torch.stack(chunk).reshape(len(chunk), -1), dim=1)
+                lows.append(lo.long())
+                highs.append(hi.long())
+                flat += chunk
         read = torch.stack([torch.cat(lows), torch.cat(highs)]).tolist()
-        flat = [t for group in groups.values() for t in group]
         values = {_identity(t): (int(lo), int(hi)) for t, lo, hi in zip(flat, read[0], read[1])}
     previous = getattr(_prefetched, "values", None)
     _prefetched.values = values if previous is None else {**previous, **values}

@@ -671,7 +671,10 @@ class _FusedStep:
         for i in range(self.n - 1, -1, -1):
             views, w = self.views[i], layers[i].weight  # w: [out, in]
             if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
-                dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
+                _, *ds = dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
+                for d, v in zip(ds, views):
+                    if d.data_ptr() != v.data_ptr():  # written elsewhere (the reference, or a copy)
+                        v.copy_(d)
             else:
                 torch.mm(gap.t(), acts[i], out=views[0])
                 if len(views) > 1:
