@@ -95,3 +95,20 @@ def test_the_stored_key_is_tritons_own():
         pytest.skip("switched off in this environment")
     assert cache.triton_key() == cache.triton_key.uncached()
     assert cache.triton_key().startswith(triton.__version__)
+
+
+def test_the_stamp_sees_files_in_symlinked_folders(tmp_path):
+    """An editable Triton links its backend folders into the package: a change there is a new stamp."""
+    from torchloom.kernels import _key_cache
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "compiler.py").write_text("a = 1\n")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backend").symlink_to(outside, target_is_directory=True)
+    triton = types.SimpleNamespace(__version__="9.9.9", __file__=str(pkg / "__init__.py"))
+    before = _key_cache.installation_stamp(triton)
+    (outside / "compiler.py").write_text("a = 22\n")
+    assert _key_cache.installation_stamp(triton) != before
