@@ -57,6 +57,7 @@ __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
 # 1,024, H100); at 16 it captures at most 31 (16 + a tail of at most 15).
 STEPS_PER_GRAPH = 16
 
+
 def _sum_in_order(values: Sequence[float]) -> float:
     """Left-to-right float sum, as ``EpochOutcome.add`` accumulates (Python 3.12's ``sum`` of floats
     compensates its roundings, which would differ in the last bits)."""
@@ -413,5 +414,8 @@ class CudaRunner:
         epoch_end = getattr(self.t, "device_epoch_end", None)
         if epoch_end is not None:
             kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
-            epoch_end(self, *kept, extra_values) if tensors_fn is not None else epoch_end(self, *kept)
+            if tensors_fn is not None:
+                epoch_end(self, *kept, extra_values)
+            else:
+                epoch_end(self, *kept)
         return out
