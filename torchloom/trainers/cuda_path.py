@@ -58,15 +58,6 @@ __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
 STEPS_PER_GRAPH = 16
 
 
-def _sum_in_order(values: Sequence[float]) -> float:
-    """Left-to-right float sum, as ``EpochOutcome.add`` accumulates (Python 3.12's ``sum`` of floats
-    compensates its roundings, which would differ in the last bits)."""
-    total = 0.0
-    for v in values:
-        total += v
-    return total
-
-
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
 NAN_WEIGHTS = 4  # status written after the update when it made a weight or state non-finite (undone)
 _SLOT = 4  # 4 × 4 bytes: one 16-byte-aligned row per step or learning rate
@@ -388,16 +379,7 @@ class CudaRunner:
         names = self.t.device_log_names
         sizes = source.batch_sizes
         out = EpochOutcome()
-        if count and not any(statuses):  # every step applied: the sums at once (same order, same floats)
-            out.batches_run = out.counted = count
-            out.samples = sum(sizes[:count]) if sizes is not None else 0
-            out.loss_sum = _sum_in_order(losses)
-            if logs is not None:
-                out.extra_sums = {name: _sum_in_order(column) for name, column in zip(names, zip(*logs))}
-            statuses_left: list[int] = []
-        else:
-            statuses_left = statuses
-        for k, status in enumerate(statuses_left):
+        for k, status in enumerate(statuses):
             if status == 3:  # not run: an earlier batch abandoned the epoch
                 break
             out.batches_run += 1

@@ -568,6 +568,13 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
     return skipped
 
 
+def _into_views(directions: Any, views: tuple[Tensor, ...]) -> None:
+    """Copy each direction into its flat-buffer view unless it was written there in place."""
+    for d, v in zip(directions, views):
+        if d.data_ptr() != v.data_ptr():  # computed elsewhere (a reference path, or a layer that copies)
+            v.copy_(d)
+
+
 class _FusedStep:
     """The fused device step of TargetProp's chain rule and of Tweening (``kernels/method_steps.py``):
     the same rule as the torch-op device step in about eighteen launches instead of 110–130, for a
@@ -577,10 +584,10 @@ class _FusedStep:
     budgets / gaps / alignments are per-program partial sums finished, with every decision of the
     step, by one single-program kernel, and the step's log row is written by that kernel.
 
-    Pure TargetProp takes it too: each layer's delta-rule direction is one matrix product written into
-    the flat buffer, and each input target is a matrix product, one ``|W|`` column-sum and one
-    ``estimate_gap`` launch (the estimate and the gap the next layer down reads; up to 16 rows the
-    product is computed in that launch too).
+    Pure TargetProp takes it too: each layer's delta-rule direction is written into the flat buffer (up
+    to 128 rows by the small-batch Dense backward kernel, else a matrix product and a column sum), and
+    each input target is one ``estimate_gap`` launch (the ``|W|`` column sums, the estimate and the gap
+    the next layer down reads; above 16 rows a cuBLAS product ``t·W`` before it).
 
     Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
     ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
@@ -650,9 +657,7 @@ class _FusedStep:
         for i in range(self.n - 1, -1, -1):
             views = self.views[i]
             g, ds = layers[i].backward_saved(g, saved[i], needs_input_grad=first_input or i > 0, out=views)
-            for d, v in zip(ds, views):
-                if d.data_ptr() != v.data_ptr():  # a layer that could not write in place
-                    v.copy_(d)
+            _into_views(ds, views)
             grads[i] = g
         return grads
 
@@ -672,9 +677,7 @@ class _FusedStep:
             views, w = self.views[i], layers[i].weight  # w: [out, in]
             if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
                 _, *ds = dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
-                for d, v in zip(ds, views):
-                    if d.data_ptr() != v.data_ptr():  # written elsewhere (the reference, or a copy)
-                        v.copy_(d)
+                _into_views(ds, views)
             else:
                 torch.mm(gap.t(), acts[i], out=views[0])
                 if len(views) > 1:
