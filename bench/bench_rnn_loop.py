@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import itertools
 import os
-import statistics
 import sys
 import time
 
@@ -39,6 +38,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --smoke on CPU
 
 from torchloom.kernels import recurrent as K  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_layers as BL  # noqa: E402
 from torchloom.layers.rnn import RNN, rnn_backward, rnn_forward  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,52 +70,21 @@ def persistent(on: bool):
 
 
 # ----------------------------------------------------------------------------------------- timing
-# time_fn / graphed_time as in bench/bench_layers.py, whose "graphed" column issue 16 quotes.
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+# bench/bench_layers.py's timers (its "graphed" column is what issue 16 quotes), here in milliseconds.
+_DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def time_fn(fn, target_s: float) -> float:
-    """Median ms per call: 3 warm-up calls, then 5 timed runs of ``n`` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    once = max(time.perf_counter() - t, 1e-6)
-    n = max(1, min(1000, int(target_s / 5 / once)))
-    runs = []
-    for _ in range(5):
-        _sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync()
-        runs.append((time.perf_counter() - t) / n)
-    return statistics.median(runs) * 1e3
+    """Median ms per call (``bench_layers.time_fn``)."""
+    return BL.time_fn(fn, _DEV, target_s) * 1e3
 
 
 def graphed_time(fn, target_s: float, steps: int = 10) -> float:
-    """Median ms per call with ``steps`` calls captured in one CUDA graph and replayed: the device's
-    time without the host's launch overhead (on CPU: ``time_fn``)."""
-    if not torch.cuda.is_available():
+    """Median ms per call with ``steps`` calls captured in one CUDA graph and replayed
+    (``bench_layers.graphed_time``; on CPU: ``time_fn``)."""
+    if _DEV.type != "cuda":
         return time_fn(fn, target_s)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    try:
-        return time_fn(graph.replay, target_s) / steps
-    finally:
-        del graph
+    return BL.graphed_time(fn, _DEV, target_s, steps) * 1e3
 
 
 def _params(B, T, I, H, dtype, dev):
