@@ -164,6 +164,12 @@ class BackpropTrainer(Trainer):
             return all(g["capturable"] for g in self.optimizer.param_groups)
         return isinstance(self.optimizer, FusedOptimizer)
 
+    def device_kernel_modules(self) -> list[str]:
+        from .losses import kernel_module
+
+        own = [getattr(self.optimizer, "kernel_module", ""), kernel_module(self.loss_type), "torchloom.kernels.dense_small"]
+        return [*super().device_kernel_modules(), *(m for m in own if m)]
+
     def device_setup(self, runner: Any) -> None:
         """Parameters, gradients and optimizer state back to back, one buffer per param group, so
         the gradient norm and the update are one launch per group (``flatten_optimizer_``). Each

@@ -314,6 +314,12 @@ class Trainer:
     def device_setup(self, runner: Any) -> None:
         """Lay out what the device step needs (flat buffers, state) once the runner exists."""
 
+    def device_kernel_modules(self) -> list[str]:
+        """The kernel modules the device step launches (dotted names), imported on a helper thread
+        while the run gets ready (``kernels/_preload.py``). The engine's own: the step guard, the
+        weight guard and the gradient norms; a method adds its own."""
+        return ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
+
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         raise NotImplementedError
 
@@ -544,6 +550,18 @@ class Trainer:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
         self.preflight()
+        preload = None
+        if self.device.type == "cuda" and self.device_ready():  # Triton's start, beside the data's
+            from ..kernels._preload import Preload
+
+            preload = Preload(self.device_kernel_modules())
+        try:
+            return self._fit(batches, epochs, cfg, preload, track_perf)
+        finally:
+            if preload is not None:  # a run that failed before its runner leaves no thread behind
+                preload.join()
+
+    def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
         if self.dist is not None:
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
@@ -568,6 +586,8 @@ class Trainer:
         first_epoch = 0
         if resume is not None:
             first_epoch = self._restore_checkpoint(resume, history)
+        if preload is not None:
+            preload.join()
         self._build_runner()
 
         perf: list[dict[str, float]] | None = [] if track_perf else None

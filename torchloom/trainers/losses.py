@@ -203,6 +203,11 @@ def callable_loss_and_grad(loss: Callable[[Tensor, Tensor], Tensor], output: Ten
     return value, grad
 
 
+def kernel_module(loss_type: Any) -> str | None:
+    """The module of ``loss_type``'s fused loss kernel; None for a loss callable."""
+    return _KERNELS[loss_type][0] if isinstance(loss_type, str) and loss_type in _KERNELS else None
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(loss_type: str):
     module, name = _KERNELS[check_loss_type(loss_type)]

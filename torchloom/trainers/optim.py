@@ -74,6 +74,8 @@ class FusedOptimizer(Optimizer):
     """torchloom's optimizers: ``update(grad_scale=, found_inf=)`` does one fused update of every
     parameter with a gradient; ``step`` is the closure (if any) and then ``update``."""
 
+    kernel_module = ""  # the module of its fused update kernel (imported ahead by the engine)
+
     def step(
         self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
     ) -> float | None:
@@ -100,6 +102,8 @@ class SGD(FusedOptimizer):
     (per-element clip, 0 = off), ``backend`` (None: Triton on CUDA, the reference elsewhere;
     ``"triton"`` / ``"reference"`` to force one).
     """
+
+    kernel_module = "torchloom.kernels.sgd"
 
     def __init__(
         self,
@@ -187,6 +191,8 @@ class AdamW(FusedOptimizer):
     parameters' device and let the kernel read it: nothing on the host changes between steps, so a
     CUDA graph can capture ``step()``), ``backend`` (as ``SGD``).
     """
+
+    kernel_module = "torchloom.kernels.adamw"
 
     def __init__(
         self,
@@ -279,6 +285,8 @@ class RMSprop(FusedOptimizer):
     Args: ``lr`` (> 0, or a 0-d tensor), ``alpha`` (in [0, 1)), ``eps`` (> 0), ``weight_decay``,
     ``momentum`` (>= 0), ``centered``, ``clip_value`` (per-element clip, 0 = off), ``backend`` (as ``SGD``).
     """
+
+    kernel_module = "torchloom.kernels.rmsprop"
 
     def __init__(
         self,

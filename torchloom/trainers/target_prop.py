@@ -963,6 +963,10 @@ class TargetPropTrainer(Trainer):
     def device_ready(self) -> bool:
         return True
 
+    def device_kernel_modules(self) -> list[str]:
+        own = ["torchloom.kernels.method_steps", "torchloom.kernels.layer_update", "torchloom.kernels.dense_small"]
+        return [*super().device_kernel_modules(), *own]
+
     def device_setup(self, runner: Any) -> None:
         """Velocities exist from the start on the device (zeros: the same first update as the host
         path's lazily made ones), and the link budgets live in a device tensor."""

@@ -771,6 +771,11 @@ class TweenTrainer(Trainer):
     def device_ready(self) -> bool:
         return True
 
+    def device_kernel_modules(self) -> list[str]:
+        own = ["torchloom.kernels.explosion_rule", "torchloom.kernels.method_steps", "torchloom.kernels.layer_update",
+               "torchloom.kernels.dense_small"]
+        return [*super().device_kernel_modules(), *own]
+
     def device_setup(self, runner: Any) -> None:
         """The state the device step reads and writes lives in device tensors (``self.dev``): the
         explosion rule's scalars, and per-layer constants (depth scales). Synced back into the

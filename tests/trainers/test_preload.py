@@ -1,0 +1,102 @@
+"""The helper thread that imports Triton and a run's kernel modules while the run gets ready
+(``torchloom/kernels/_preload.py``), and each method's list of the kernel modules its device step
+launches (``Trainer.device_kernel_modules``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from torchloom.kernels._preload import Preload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_preload_imports_the_modules_on_a_thread(tmp_path, monkeypatch):
+    (tmp_path / "preload_probe_mod.py").write_text(
+        "import threading\nIMPORTED_ON = threading.current_thread().name\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "preload_probe_mod", raising=False)
+    preload = Preload(["preload_probe_mod"])
+    assert preload.started
+    preload.join()
+    module = sys.modules["preload_probe_mod"]
+    assert module.IMPORTED_ON == "torchloom-preload"
+    assert not Preload(["preload_probe_mod"]).started  # imported already: no second thread
+    assert not any(t.name == "torchloom-preload" for t in threading.enumerate())
+
+
+def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
+    (tmp_path / "preload_broken_mod.py").write_text("raise RuntimeError('broken on import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload = Preload(["preload_broken_mod", "torchloom_no_such_module_xyz"])
+    preload.join()  # no error here: the code that needs the module imports it again and fails there
+    assert "preload_broken_mod" not in sys.modules
+    with pytest.raises(RuntimeError, match="broken on import"):
+        importlib.import_module("preload_broken_mod")
+
+
+_PROBE = r"""
+import json, sys, torch
+from torchloom import Dense, Network, TrainingConfig
+from torchloom.trainers.cuda_path import CudaRunner
+from torchloom.trainers.train import make_trainer
+
+method, loss_type, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear"))
+g = torch.Generator().manual_seed(1)
+labels = loss_type == "cross_entropy"
+data = [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g))
+        for _ in range(3)]
+extra = dict(optimizer=optimizer) if method == "backprop" else {}
+cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type=loss_type, gradient_clip=0.5, **extra)
+trainer = make_trainer(net, cfg)
+trainer.kernel_backend = "triton"
+trainer._runner = CudaRunner(trainer)  # the device step on CPU tensors, kernels through the interpreter
+trainer.fit(data, 1)
+used = sorted(m for m in sys.modules if m.startswith("torchloom.kernels.") and not m.rpartition(".")[2].startswith("_"))
+print(json.dumps({"used": used, "declared": trainer.device_kernel_modules()}))
+"""
+
+_IMPORTS = r"""
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("torchloom.kernels."))))
+"""
+
+CASES = [
+    ("backprop", "cross_entropy", "sgd"), ("backprop", "mse", "adamw"), ("backprop", "crossentropy", "rmsprop"),
+    ("target_prop", "mse", "sgd"), ("tween", "cross_entropy", "sgd"), ("tween", "mse", "sgd"),
+]
+
+
+@pytest.mark.parametrize("method,loss_type,optimizer", CASES, ids=["-".join(c) for c in CASES])
+def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss_type, optimizer):
+    """Run a method's device step (CPU tensors, Triton's interpreter) in a fresh process: every kernel
+    module it imported is one that importing the method's declared modules imports too, so the
+    preload leaves no kernel module to the first step; and every declared module exists."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+
+    def probe(*args: str):
+        out = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    report = probe(_PROBE, method, loss_type, optimizer)
+    assert report["used"], "the device step imported no kernel module: the probe did not reach the kernels"
+    for name in report["declared"]:
+        assert importlib.util.find_spec(name) is not None, name
+    preloaded = probe(_IMPORTS, *report["declared"])  # what importing the declared modules imports
+    missing = sorted(set(report["used"]) - set(preloaded))
+    assert not missing, f"{method}'s device step imports kernel modules the preload does not: {missing}"
