@@ -27,6 +27,7 @@ Run: ``PYTHONPATH=. python bench/bench_trainers.py`` on a CUDA machine (``--quic
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -180,13 +181,17 @@ def _child_env(pycache: str, cold: bool) -> dict:
     return env
 
 
-def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, methods=tuple(METHODS), cold=False):
+def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, methods=tuple(METHODS), cold=False,
+               repeats=1, no_preload=False):
     """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
     imports, kernel loads or caches. Each contender first runs once, untimed, in a process of its own
     at a tiny size: after that its bytecode and (unless ``cold``) Triton's and Inductor's on-disk
     kernel caches are warm, as on any machine after its first run, whatever the order of the
     contenders. ``cold``: every timed process starts from empty Triton and Inductor caches (every
-    kernel compiled inside the timed run)."""
+    kernel compiled inside the timed run). ``repeats``: every contender timed that many times, the
+    contenders taking turns (so a slow spell of the machine spreads over all of them); the rows give the
+    median and the range. ``no_preload``: each torchloom method also as ``<method>/no-preload``, with
+    ``TORCHLOOM_PRELOAD=0`` (no helper thread importing Triton while the run gets ready)."""
     import contextlib
     import os
     import signal
@@ -194,13 +199,17 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
     import tempfile
 
     pycache = tempfile.mkdtemp(prefix="bench-pycache-")
-    contenders = ["eager"] + (["compile"] if with_compile else []) + list(methods)
+    variants = [*methods, *(f"{m}/no-preload" for m in methods if no_preload)]
+    contenders = ["eager"] + (["compile"] if with_compile else []) + variants
 
     def run(c, batch, n, eps, cold_env):
+        env = _child_env(pycache, cold_env)
+        if c.endswith("/no-preload"):
+            c, env["TORCHLOOM_PRELOAD"] = c.split("/")[0], "0"
         cmd = [sys.executable, __file__, "--one-run", c, str(batch), str(n), str(eps), "--device", dev.type]
         # a session of its own, ended with the run: torch.compile's worker processes outlive their
         # parent otherwise and would share the machine with the next contenders
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(pycache, cold_env),
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
         try:
             out, err = proc.communicate(timeout=900)
@@ -217,9 +226,15 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
             run(c, batch, 2 * batch, 1, False)
     rows = []
     for batch in batch_sizes:
-        times = {c: run(c, batch, n_samples, epochs, cold) for c in contenders}
-        for method in methods:
-            rows.append((batch, method, times[method], times["eager"], times.get("compile", float("nan")), times[method] / times["eager"]))
+        times = {c: [] for c in contenders}
+        for _ in range(repeats):
+            for c in contenders:
+                times[c].append(run(c, batch, n_samples, epochs, cold))
+        med = {c: statistics.median(v) for c, v in times.items()}
+        spread = {c: (min(v), max(v)) for c, v in times.items()}
+        for method in variants:
+            rows.append((batch, method, med[method], med["eager"], med.get("compile", float("nan")), med[method] / med["eager"],
+                         spread[method], spread["eager"]))
     return rows
 
 
@@ -231,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--whole-run-only", action="store_true", help="only the whole-run table")
     ap.add_argument("--steps-only", action="store_true", help="only the per-step table")
     ap.add_argument("--cold", action="store_true", help="whole runs from empty Triton/Inductor caches (compiles timed)")
+    ap.add_argument("--repeats", type=int, default=1, help="whole runs: time each contender this many times (median, range)")
+    ap.add_argument("--no-preload-too", action="store_true", help="whole runs: each method also with TORCHLOOM_PRELOAD=0")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (backprop's step is always timed: the ratio's base)")
     ap.add_argument("--sizes", default=None, help="comma-separated batch sizes for both tables")
     ap.add_argument("--one-run", nargs=4, metavar=("CONTENDER", "BATCH", "SAMPLES", "EPOCHS"), help=argparse.SUPPRESS)
@@ -269,10 +286,15 @@ def main(argv=None) -> int:
     print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
     caches = "empty Triton and Inductor caches: every compile timed" if args.cold else "Triton's and Inductor's disk caches warm from an untimed tiny run"
     print(f"Each contender in a fresh process (imports, kernel loads and graph captures its own; {caches}).\n")
+    if args.repeats > 1:
+        print(f"Medians of {args.repeats} runs each, the contenders taking turns; ranges in brackets.\n")
     print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
     print("|---:|---|---:|---:|---:|---:|")
-    for batch, method, t, e, c, r in whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run), methods=methods, cold=args.cold):
-        print(f"| {batch} | {method} | {t:.3f} | {e:.3f} | {c:.3f} | {r:.2f}× |", flush=True)
+    rows = whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run), methods=methods,
+                      cold=args.cold, repeats=max(1, args.repeats), no_preload=args.no_preload_too)
+    for batch, method, t, e, c, r, (t0, t1), (e0, e1) in rows:
+        rng = (lambda a, b: f" [{a:.3f}–{b:.3f}]") if args.repeats > 1 else (lambda a, b: "")
+        print(f"| {batch} | {method} | {t:.3f}{rng(t0, t1)} | {e:.3f}{rng(e0, e1)} | {c:.3f} | {r:.2f}× |", flush=True)
     return 0
 
 

@@ -34,6 +34,15 @@ def test_preload_imports_the_modules_on_a_thread(tmp_path, monkeypatch):
     assert not any(t.name == "torchloom-preload" for t in threading.enumerate())
 
 
+def test_preload_switched_off_by_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "preload_off_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TORCHLOOM_PRELOAD", "0")
+    preload = Preload(["preload_off_mod"])
+    preload.join()
+    assert not preload.started and "preload_off_mod" not in sys.modules
+
+
 def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
     (tmp_path / "preload_broken_mod.py").write_text("raise RuntimeError('broken on import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

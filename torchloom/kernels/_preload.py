@@ -13,12 +13,14 @@ for it. It only imports, so the run's thread may go on meanwhile, importing and 
 needs (Python's module locks hand each module to one importer; Triton's runtime objects, such as its
 driver, are made by the run's thread alone). Nothing here raises: a module that fails to import is
 imported again by the code that needs it, which reports the error where it belongs. Once a process
-has imported the modules, a later ``Preload`` of them starts no thread.
+has imported the modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in
+the environment switches the thread off (every import then happens where it is first needed).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -46,6 +48,8 @@ class Preload:
     def __init__(self, modules: Iterable[str]) -> None:
         self.modules = tuple(dict.fromkeys(modules))
         missing = [m for m in self.modules if m not in sys.modules]
+        if os.environ.get("TORCHLOOM_PRELOAD", "1") == "0":
+            missing = []
         self._thread: threading.Thread | None = None
         if missing:
             self._thread = threading.Thread(target=self._run, args=(missing,), name="torchloom-preload", daemon=True)
