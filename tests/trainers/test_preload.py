@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchloom.kernels._preload import Preload
 
@@ -60,18 +61,20 @@ from torchloom.trainers.cuda_path import CudaRunner
 from torchloom.trainers.train import make_trainer
 
 method, loss_type, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear"))
+net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear")).to(dev)
 g = torch.Generator().manual_seed(1)
 labels = loss_type == "cross_entropy"
-data = [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g))
+data = [(torch.randn(8, 6, generator=g).to(dev), (torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g)).to(dev))
         for _ in range(3)]
 extra = dict(optimizer=optimizer) if method == "backprop" else {}
 cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type=loss_type, gradient_clip=0.5, **extra)
 trainer = make_trainer(net, cfg)
-trainer.kernel_backend = "triton"
-trainer._runner = CudaRunner(trainer)  # the device step on CPU tensors, kernels through the interpreter
-trainer.fit(data, 1)
+if dev == "cpu":  # the device step on CPU tensors, its kernels through Triton's interpreter
+    trainer.kernel_backend = "triton"
+    trainer._runner = CudaRunner(trainer)
+trainer.fit(data, 1)  # on CUDA: the device path itself (TORCHLOOM_PRELOAD=0: its imports happen where they are used)
 used = sorted(m for m in sys.modules if m.startswith("torchloom.kernels.") and not m.rpartition(".")[2].startswith("_"))
 print(json.dumps({"used": used, "declared": trainer.device_kernel_modules()}))
 """
@@ -95,7 +98,8 @@ def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss
     module it imported is one that importing the method's declared modules imports too, so the
     preload leaves no kernel module to the first step; and every declared module exists."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    cuda = torch.cuda.is_available()
+    env = dict(os.environ, TRITON_INTERPRET="0" if cuda else "1", TORCHLOOM_PRELOAD="0", PYTHONPATH=str(ROOT))
 
     def probe(*args: str):
         out = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
