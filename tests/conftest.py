@@ -15,6 +15,34 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def pytest_sessionstart(session):
+    """Triton's interpreter before 3.7 cannot run a kernel loop with a run-time bound under NumPy 2.4
+    or later (``InterpreterError: TypeError('only 0-dimensional arrays can be converted to Python
+    scalars')``, measured with Triton 3.6 and NumPy 2.4.6; Triton 3.7 and NumPy 2.3 are fine): every
+    kernel test would fail with that error, so the suite stops at once and says why."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy
+        import triton
+    except ImportError:
+        return
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        pytest.exit(
+            f"Triton {triton.__version__}'s CPU interpreter cannot run torchloom's kernels with NumPy {numpy.__version__} "
+            "(loops with run-time bounds fail). Install triton>=3.7 or numpy<2.4, or uninstall triton to test the "
+            "references only.", returncode=4,
+        )
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_one_thread():
     """Every test starts from the same random state and depends on no other test's. The tensors here
