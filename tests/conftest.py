@@ -6,6 +6,7 @@ natively on CUDA tensors (the GPU-only tests skip cleanly without one).
 """
 
 import os
+import re
 
 import torch
 
@@ -16,9 +17,10 @@ import pytest  # noqa: E402
 
 
 def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string: '3.7.0+git12' → (3, 7), '3.6rc1' → (3, 6)."""
     parts = []
     for piece in text.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = re.match(r"\d*", piece).group()
         parts.append(int(digits or 0))
     return tuple(parts)
 

@@ -44,6 +44,7 @@ def test_preload_switched_off_by_the_environment(tmp_path, monkeypatch):
     assert not preload.started and "preload_off_mod" not in sys.modules
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
     (tmp_path / "preload_broken_mod.py").write_text("raise RuntimeError('broken on import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -113,3 +114,67 @@ def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss
     preloaded = probe(_IMPORTS, *report["declared"])  # what importing the declared modules imports
     missing = sorted(set(report["used"]) - set(preloaded))
     assert not missing, f"{method}'s device step imports kernel modules the preload does not: {missing}"
+
+
+# ------------------------------------------------------------------ the engine's use of it
+class _StandIn:
+    """Records what ``fit`` does with its preload (the real one needs CUDA to be started)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def join(self):
+        self.log.append("join")
+
+
+def _wired(monkeypatch, log):
+    from torchloom.trainers import loop
+
+    build = loop.Trainer._build_runner
+    monkeypatch.setattr(loop.Trainer, "_start_preload", lambda self, batches: _StandIn(log))
+    monkeypatch.setattr(loop.Trainer, "_build_runner", lambda self: (log.append("runner"), build(self))[1])
+
+
+def _data(bad=False):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 3, generator=g), torch.rand(4, 2, generator=g)) for _ in range(3)]
+    if bad:
+        data[2] = (torch.randn(4, 5), data[2][1])  # wrong input width: rejected before any step
+    return data
+
+
+@pytest.mark.parametrize("method", ["backprop", "target_prop", "tween"])
+def test_fit_joins_the_preload_before_the_runner_and_after_a_failure(monkeypatch, method):
+    from torchloom import Dense, Network, TrainingConfig, train
+
+    cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type="mse")
+    log = []
+    _wired(monkeypatch, log)
+    train(Network(Dense(3, 2)), _data(), cfg)
+    assert log[:2] == ["join", "runner"], log  # joined first; the finally's join after it is a no-op
+    monkeypatch.undo()
+    with pytest.raises(ValueError) as plain:
+        train(Network(Dense(3, 2)), _data(bad=True), cfg)
+    log.clear()
+    _wired(monkeypatch, log)
+    with pytest.raises(ValueError) as wired:
+        train(Network(Dense(3, 2)), _data(bad=True), cfg)
+    assert str(wired.value) == str(plain.value)  # the same error as without the preload
+    assert log == ["join"]  # joined although the run failed before its runner
+
+
+def test_no_preload_beside_dataloader_workers_or_off_cuda(monkeypatch):
+    from torchloom import Dense, Network, TrainingConfig
+    from torchloom.kernels import _preload
+    from torchloom.trainers.train import make_trainer
+
+    started = []
+    monkeypatch.setattr(_preload, "Preload", lambda modules: started.append(list(modules)) or _StandIn([]))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.rand(8, 2))
+    trainer = make_trainer(Network(Dense(3, 2)), TrainingConfig(method="tween", verbose=0))
+    assert trainer._start_preload(_data()) is None and not started  # CPU: nothing to preload
+    trainer.device = torch.device("cuda")  # only the decision is exercised: no CUDA call is made
+    assert trainer._start_preload(torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)) is None
+    assert not started
+    assert trainer._start_preload(torch.utils.data.DataLoader(data, batch_size=4)) is not None
+    assert started == [trainer.device_kernel_modules()]

@@ -29,7 +29,8 @@ __all__ = ["Preload"]
 
 def _warm_triton() -> None:
     """Import the Triton modules a first kernel launch would import on the run's thread."""
-    try:
+    try:  # the package first: a thread importing it meanwhile never sees a half-made submodule
+        importlib.import_module("triton")
         importlib.import_module("triton.language")
     except Exception:  # noqa: BLE001 - no Triton: the kernels fall back to their references
         return

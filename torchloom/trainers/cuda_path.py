@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..layers.base import host_checks
 from .guards import UpdateGuard
-from .loop import BatchSource, EpochOutcome, StepStatus
+from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -180,7 +180,7 @@ class CudaRunner:
                     f"{str(cause).splitlines()[0]}); running it eagerly on the device instead. "
                     "TrainingConfig(cuda_graph=False) silences this.",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
         if self.graphs is not None:
             if t.scheduler is not None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -550,16 +552,26 @@ class Trainer:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
         self.preflight()
-        preload = None
-        if self.device.type == "cuda" and self.device_ready():  # Triton's start, beside the data's
-            from ..kernels._preload import Preload
-
-            preload = Preload(self.device_kernel_modules())
+        preload = self._start_preload(batches)
         try:
             return self._fit(batches, epochs, cfg, preload, track_perf)
         finally:
             if preload is not None:  # a run that failed before its runner leaves no thread behind
                 preload.join()
+
+    def _start_preload(self, batches: Any) -> Any:
+        """On CUDA, with a device step: a ``kernels._preload.Preload`` importing Triton and the device
+        step's kernel modules while the data is converted and checked; ``None`` otherwise, and when a
+        ``DataLoader`` with worker processes is about to start them (workers forked beside a thread
+        that is importing could inherit a half-imported module)."""
+        if self.device.type != "cuda" or not self.device_ready():
+            return None
+        loaders = (batches, getattr(self.training, "validation_data", None))
+        if any(isinstance(d, torch.utils.data.DataLoader) and d.num_workers > 0 for d in loaders):
+            return None
+        from ..kernels._preload import Preload
+
+        return Preload(self.device_kernel_modules())
 
     def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
@@ -622,7 +634,7 @@ class Trainer:
                     f"epoch {epoch + 1}: no batch counted ({skipped} skipped for non-finite loss, gradients or "
                     f"weights{', or the data yielded no batch' if n_total == 0 else ''}); its loss is reported as NaN",
                     DivergenceWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
             self.loss_history.append(avg_loss)
             self.epoch_times.append(epoch_time)
@@ -781,6 +793,19 @@ class Trainer:
 
 
 CHECKPOINT_FORMAT = "torchloom-training-state-1"
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised by the caller of this function that names the first
+    frame outside torchloom: the user's ``train()`` / ``fit()`` call, however deep the engine's own
+    calls go."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
