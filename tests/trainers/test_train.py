@@ -258,3 +258,13 @@ def test_a_layer_or_list_of_layers_is_wrapped():
     assert not torch.equal(w0, layer.weight)
     layers = [Dense(3, 4, dtype=torch.float64), Dense(4, 2, dtype=torch.float64)]
     train(layers, _batches(), epochs=1, verbose=False)
+
+
+@pytest.mark.parametrize("method", ["backprop", "tween"])
+def test_divergence_warning_names_the_users_call(method):
+    """The warning points at the caller's line (the first frame outside torchloom), not the engine's."""
+    net = Network(Dense(2, 2))
+    bad = [(torch.full((3, 2), float("nan")), torch.rand(3, 2))]
+    with pytest.warns(torchloom.DivergenceWarning) as record:
+        train(net, bad, epochs=1, loss_type="mse", method=method, verbose=0)
+    assert {w.filename for w in record if issubclass(w.category, torchloom.DivergenceWarning)} == {__file__}
