@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 __all__ = ["Preload"]
 
+
 def _warm_triton() -> None:
     """Import the Triton modules a first kernel launch would import on the run's thread."""
     try:  # the package first: a thread importing it meanwhile never sees a half-made submodule

@@ -547,7 +547,9 @@ class Trainer:
         ``val_<metric>``), the training metrics, an epoch-interval or ``ReduceLROnPlateau``
         schedule, then the observers. With a streamed source (a ``DataLoader``), a batch that fails
         its check mid-epoch, or any error inside an epoch, puts the model and the trainer's state
-        back as they were at the start of that epoch before the error propagates."""
+        back as they were at the start of that epoch before the error propagates. On CUDA, a helper
+        thread imports Triton and the device step's kernel modules meanwhile (``kernels/_preload.py``;
+        it has ended before the first step, or before ``fit`` returns or raises)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
