@@ -57,18 +57,24 @@ def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
 
 _PROBE = r"""
 import json, sys, torch
-from torchloom import Dense, Network, TrainingConfig
+from torchloom import LSTM, RNN, Dense, LayerNorm, MultiHeadAttention, Network, RMSNorm, Softmax, SwiGLU, TrainingConfig
 from torchloom.trainers.cuda_path import CudaRunner
 from torchloom.trainers.train import make_trainer
 
 method, loss_type, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear")).to(dev)
 g = torch.Generator().manual_seed(1)
-labels = loss_type == "cross_entropy"
-data = [(torch.randn(8, 6, generator=g).to(dev), (torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g)).to(dev))
-        for _ in range(3)]
+if method == "backprop-layers":  # every layer family with kernels of its own, on sequences [8, 5, 6]
+    method = "backprop"
+    net = Network(Dense(6, 8, "tanh"), RMSNorm(8), MultiHeadAttention(8, 2), LayerNorm(8), SwiGLU(8, 16),
+                  RNN(8, 8), LSTM(8, 8), Dense(8, 4, "linear"), Softmax()).to(dev)
+    data = [(torch.randn(8, 5, 6, generator=g).to(dev), torch.rand(8, 5, 4, generator=g).to(dev)) for _ in range(3)]
+else:
+    net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear")).to(dev)
+    labels = loss_type == "cross_entropy"
+    data = [(torch.randn(8, 6, generator=g).to(dev), (torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g)).to(dev))
+            for _ in range(3)]
 extra = dict(optimizer=optimizer) if method == "backprop" else {}
 cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type=loss_type, gradient_clip=0.5, **extra)
 trainer = make_trainer(net, cfg)
@@ -90,6 +96,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("torchloom.kernel
 CASES = [
     ("backprop", "cross_entropy", "sgd"), ("backprop", "mse", "adamw"), ("backprop", "crossentropy", "rmsprop"),
     ("target_prop", "mse", "sgd"), ("tween", "cross_entropy", "sgd"), ("tween", "mse", "sgd"),
+    ("backprop-layers", "mse", "sgd"),
 ]
 
 

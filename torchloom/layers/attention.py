@@ -403,6 +403,8 @@ class MultiHeadAttention(Layer):
     Shapes: input ``[batch, seq, d_model]`` → output ``[batch, seq, d_model]``.
     """
 
+    kernel_modules = ("torchloom.kernels.softmax", "torchloom.kernels.flash_attention")
+
     def __init__(
         self,
         d_model: int,

@@ -85,6 +85,10 @@ class Layer(nn.Module):
     # ``.grad`` views). A layer that takes it may still return other tensors; callers check.
     accepts_grad_out = False
 
+    # The kernel modules (dotted names) its forward and backward launch on CUDA: the training engine
+    # imports them on a helper thread before the first step (``torchloom/kernels/_preload.py``).
+    kernel_modules: tuple[str, ...] = ()
+
     def forward(self, x: Tensor) -> Tensor:
         return LayerFunction.apply(self, x, *self.parameters())
 

@@ -181,6 +181,8 @@ class Dense(Layer):
     ``RuntimeError``.
     """
 
+    kernel_modules = ("torchloom.kernels.dense_small",)
+
     def __init__(
         self,
         in_features: int,

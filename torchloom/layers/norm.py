@@ -123,6 +123,8 @@ class RMSNorm(Layer):
     Shapes: input ``[batch, ..., n]`` → output of the same shape.
     """
 
+    kernel_modules = ("torchloom.kernels.rmsnorm", "torchloom.kernels.layernorm")
+
     def __init__(
         self,
         normalized_shape: int,
@@ -215,6 +217,8 @@ class LayerNorm(Layer):
 
     Shapes: input ``[batch, ..., n]`` → output of the same shape.
     """
+
+    kernel_modules = ("torchloom.kernels.layernorm",)
 
     def __init__(
         self,

@@ -217,6 +217,8 @@ class RecurrentLayer(Layer):
             keeps the gates out of saturation) or ``"loom_uniform"`` (``U(−0.1, 0.1)``, Loom ``poly``).
     """
 
+    kernel_modules = ("torchloom.kernels.recurrent",)
+
     _GATES = 1
     _NAME = "Recurrent"
 

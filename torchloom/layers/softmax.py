@@ -88,6 +88,8 @@ class Softmax(Layer):
     Shapes: input ``[batch, ...]`` (at least 2-D) → output of the same shape. No parameters.
     """
 
+    kernel_modules = ("torchloom.kernels.softmax",)
+
     def __init__(self, dim: int = -1, temperature: float = 1.0) -> None:
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):

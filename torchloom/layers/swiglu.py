@@ -187,6 +187,8 @@ class SwiGLU(Layer):
     ``torch.func.functional_call`` works; ``vmap`` and ``torch.jit.script`` raise ``RuntimeError``.
     """
 
+    kernel_modules = ("torchloom.kernels.swiglu",)
+
     def __init__(
         self,
         hidden: int,

@@ -167,7 +167,7 @@ class BackpropTrainer(Trainer):
     def device_kernel_modules(self) -> list[str]:
         from .losses import kernel_module
 
-        own = [getattr(self.optimizer, "kernel_module", ""), kernel_module(self.loss_type), "torchloom.kernels.dense_small"]
+        own = [getattr(self.optimizer, "kernel_module", ""), kernel_module(self.loss_type)]
         return [*super().device_kernel_modules(), *(m for m in own if m)]
 
     def device_setup(self, runner: Any) -> None:

@@ -319,8 +319,10 @@ class Trainer:
     def device_kernel_modules(self) -> list[str]:
         """The kernel modules the device step launches (dotted names), imported on a helper thread
         while the run gets ready (``kernels/_preload.py``). The engine's own: the step guard, the
-        weight guard and the gradient norms; a method adds its own."""
-        return ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
+        weight guard and the gradient norms, and the model's layers' (``Layer.kernel_modules``); a
+        method adds its own."""
+        layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
+        return ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm", *layers]
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         raise NotImplementedError

@@ -964,7 +964,7 @@ class TargetPropTrainer(Trainer):
         return True
 
     def device_kernel_modules(self) -> list[str]:
-        own = ["torchloom.kernels.method_steps", "torchloom.kernels.layer_update", "torchloom.kernels.dense_small"]
+        own = ["torchloom.kernels.method_steps", "torchloom.kernels.layer_update"]
         return [*super().device_kernel_modules(), *own]
 
     def device_setup(self, runner: Any) -> None:

@@ -772,8 +772,7 @@ class TweenTrainer(Trainer):
         return True
 
     def device_kernel_modules(self) -> list[str]:
-        own = ["torchloom.kernels.explosion_rule", "torchloom.kernels.method_steps", "torchloom.kernels.layer_update",
-               "torchloom.kernels.dense_small"]
+        own = ["torchloom.kernels.explosion_rule", "torchloom.kernels.method_steps", "torchloom.kernels.layer_update"]
         return [*super().device_kernel_modules(), *own]
 
     def device_setup(self, runner: Any) -> None:
