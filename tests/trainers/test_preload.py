@@ -102,7 +102,8 @@ CASES = [
 
 @pytest.mark.parametrize("method,loss_type,optimizer", CASES, ids=["-".join(c) for c in CASES])
 def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss_type, optimizer):
-    """Run a method's device step (CPU tensors, Triton's interpreter) in a fresh process: every kernel
+    """Run a method's device step in a fresh process (on CUDA when there is a GPU, else on CPU tensors
+    through Triton's interpreter), the preload off: every kernel
     module it imported is one that importing the method's declared modules imports too, so the
     preload leaves no kernel module to the first step; and every declared module exists."""
     pytest.importorskip("triton")

@@ -48,8 +48,7 @@ class Preload:
     process)."""
 
     def __init__(self, modules: Iterable[str]) -> None:
-        self.modules = tuple(dict.fromkeys(modules))
-        missing = [m for m in self.modules if m not in sys.modules]
+        missing = [m for m in dict.fromkeys(modules) if m not in sys.modules]
         if os.environ.get("TORCHLOOM_PRELOAD", "1") == "0":
             missing = []
         self._thread: threading.Thread | None = None
