@@ -185,9 +185,9 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
                repeats=1, no_preload=False):
     """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
     imports, kernel loads or caches. Each contender first runs once, untimed, in a process of its own
-    at a tiny size: after that its bytecode and (unless ``cold``) Triton's and Inductor's on-disk
-    kernel caches are warm, as on any machine after its first run, whatever the order of the
-    contenders. ``cold``: every timed process starts from empty Triton and Inductor caches (every
+    at a tiny size with the same last-batch size (a ragged last batch has kernel variants of its own):
+    after that its bytecode and (unless ``cold``) Triton's and Inductor's on-disk kernel caches are
+    warm, as on any machine after its first run, whatever the order of the contenders. ``cold``: every timed process starts from empty Triton and Inductor caches (every
     kernel compiled inside the timed run). ``repeats``: every contender timed that many times, the
     contenders taking turns (so a slow spell of the machine spreads over all of them); the rows give the
     median and the range. ``no_preload``: each torchloom method also as ``<method>/no-preload``, with
@@ -221,9 +221,9 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
             raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
         return float(res.stdout.strip().splitlines()[-1])
 
-    for batch in batch_sizes:  # untimed priming runs: bytecode and kernel caches
+    for batch in batch_sizes:  # untimed priming runs: bytecode and kernel caches, the ragged last batch's too
         for c in contenders:
-            run(c, batch, 2 * batch, 1, False)
+            run(c, batch, 2 * batch + n_samples % batch, 1, False)
     rows = []
     for batch in batch_sizes:
         times = {c: [] for c in contenders}

@@ -6,6 +6,7 @@ On CUDA (run on the GPU machine) it must equal the CPU results, with and without
 """
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_close
 from torchloom import Dense, Network, TrainingConfig, train
-from torchloom.trainers.cuda_path import CudaRunner
+from torchloom.trainers.cuda_path import STEPS_PER_GRAPH, CudaRunner, steps_per_graph
 from torchloom.trainers.backprop import BackpropTrainer
 
 
@@ -124,16 +125,34 @@ def test_gpu_equals_cpu(name, cuda_graph):
         assert_close(p.cpu(), q, name=f"param {i}", rtol=2e-4, atol=2e-5)
 
 
+def test_steps_per_graph_records_fewer_steps_in_short_runs():
+    """The chunk graph's length: a power of two in [2, STEPS_PER_GRAPH], never shorter for a longer
+    run, the nearest power of two to sqrt(steps / 20) (capture once against replays per step)."""
+    ks = [steps_per_graph(n) for n in range(1, 20001)]
+    assert set(ks) == {2, 4, 8, STEPS_PER_GRAPH}
+    assert all(a <= b for a, b in zip(ks, ks[1:]))
+    for n in (1, 80, 236, 500, 1876, 7500, 10**6):
+        best = math.sqrt(n / 20)
+        k = steps_per_graph(n)
+        # nearest on a log scale among the allowed lengths
+        allowed = [2, 4, 8, 16]
+        assert abs(math.log(k / best)) <= min(abs(math.log(a / best)) for a in allowed) + 1e-12, (n, k)
+    assert steps_per_graph(236) == 4 and steps_per_graph(7500) == 16
+
+
 @pytest.mark.cuda
-def test_gpu_graphs_are_captured_and_replayed_with_a_ragged_last_batch():
+@pytest.mark.parametrize("epochs", [1, 3, 40])
+def test_gpu_graphs_are_captured_and_replayed_with_a_ragged_last_batch(epochs):
     batches = _batches(n=70, bs=4, ragged=3, dtype=torch.float32)  # 71 steps: 2 graphs
     net = _net(torch.float32)
-    cfg = TrainingConfig(epochs=3, learning_rate=0.1, verbose=False, use_gpu=True)
+    cfg = TrainingConfig(epochs=epochs, learning_rate=0.1, verbose=False, use_gpu=True)
     trainer = BackpropTrainer(net, cfg)
-    result = trainer.fit(batches, 3)
+    result = trainer.fit(batches, epochs)
     assert trainer._cuda.capture_count == 2 and trainer._cuda.graphs is not None
+    # the chunk graph's length follows the run's length (2, 4, then 16 steps here)
+    assert trainer._cuda._chunk["x"].shape[0] == steps_per_graph(71 * epochs) == {1: 2, 3: 4, 40: 16}[epochs]
     ref = _net(torch.float32)
-    r_cpu = train(ref, batches, TrainingConfig(epochs=3, learning_rate=0.1, verbose=False))
+    r_cpu = train(ref, batches, TrainingConfig(epochs=epochs, learning_rate=0.1, verbose=False))
     np.testing.assert_allclose(result.loss_history, r_cpu.loss_history, rtol=2e-5)
     for p, q in zip(net.parameters(), ref.parameters()):
         assert_close(p.cpu(), q, name="param", rtol=2e-4, atol=2e-5)

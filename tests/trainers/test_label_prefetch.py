@@ -62,8 +62,10 @@ def test_batches_made_under_inference_mode_train(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch reads device tensors")
-def test_chunked_stacking_gives_the_same_bounds(monkeypatch):
+@pytest.mark.parametrize("host_reduce", [0, 1 << 20], ids=["reduced-on-device", "reduced-on-cpu"])
+def test_chunked_stacking_gives_the_same_bounds(monkeypatch, host_reduce):
     monkeypatch.setattr(losses, "_PREFETCH_CHUNK", 64)  # 2 tensors of 32 per chunk
+    monkeypatch.setattr(losses, "_HOST_REDUCE", host_reduce)
     ys = [torch.randint(-5, 10, (32,), device="cuda") for _ in range(7)]
     with losses.prefetched_label_bounds(ys):
         torch.cuda.set_sync_debug_mode("error")

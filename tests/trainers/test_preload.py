@@ -35,6 +35,44 @@ def test_preload_imports_the_modules_on_a_thread(tmp_path, monkeypatch):
     assert not any(t.name == "torchloom-preload" for t in threading.enumerate())
 
 
+def test_preload_shortens_the_switch_interval_while_it_runs_and_restores_it(tmp_path, monkeypatch):
+    """While the thread imports, the run's thread gets the interpreter lock back within 0.2 ms of
+    asking; the interval the process had comes back at ``join``."""
+    (tmp_path / "preload_slow_mod.py").write_text("import time\ntime.sleep(0.2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "preload_slow_mod", raising=False)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        preload = Preload(["preload_slow_mod"])
+        assert preload.started and sys.getswitchinterval() == pytest.approx(2e-4)
+        preload.join()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_warming_triton_s_tools_never_raises(monkeypatch):
+    """The subprocess answers Triton's first launch needs are asked on the thread; a missing function
+    or one that fails (another Triton layout, no ptxas) changes nothing."""
+    from torchloom.kernels import _preload
+
+    _preload._warm_tools(None)
+    _preload._warm_tools(torch.device("cpu"))  # no capability to ask for: skipped quietly
+    pytest.importorskip("triton")
+    try:
+        from triton.runtime import build
+    except ImportError:
+        pytest.skip("no triton.runtime.build in this Triton")
+
+    def broken():
+        raise OSError("no file(1) here")
+
+    monkeypatch.setattr(build, "platform_key", broken, raising=False)
+    _preload._warm_tools(None)
+
+
 def test_preload_switched_off_by_the_environment(tmp_path, monkeypatch):
     (tmp_path / "preload_off_mod.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -177,7 +215,7 @@ def test_no_preload_beside_dataloader_workers_or_off_cuda(monkeypatch):
     from torchloom.trainers.train import make_trainer
 
     started = []
-    monkeypatch.setattr(_preload, "Preload", lambda modules: started.append(list(modules)) or _StandIn([]))
+    monkeypatch.setattr(_preload, "Preload", lambda modules, device=None: started.append(list(modules)) or _StandIn([]))
     data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.rand(8, 2))
     trainer = make_trainer(Network(Dense(3, 2)), TrainingConfig(method="tween", verbose=0))
     assert trainer._start_preload(_data()) is None and not started  # CPU: nothing to preload

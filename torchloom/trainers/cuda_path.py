@@ -18,7 +18,7 @@ records one step with every decision in device tensors, using three services of 
 The runner knows no method's rules. Nothing in a step reads a device value on the host, so steps
 queue up back to back. When the batches are a list (shapes fixed per position, a ragged last batch
 included) the steps are captured in two CUDA graphs, whatever the number of batches: one of
-``STEPS_PER_GRAPH`` steps over static input slots, replayed once per chunk of that many batches
+up to ``STEPS_PER_GRAPH`` steps (fewer in a short run) over static input slots, replayed once per chunk of that many batches
 (copied into the slots by one ``torch.stack``), and one for the remaining tail (``_capture``). Capture
 starts in the first epoch when no layer needs an eager host check of its inputs (Embedding's index
 range), else in the second. A ``DataLoader`` (new tensors every epoch) runs eager device steps. At the end of an epoch
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -48,14 +49,32 @@ from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
 if TYPE_CHECKING:
     from .loop import Trainer
 
-__all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS"]
+__all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS", "steps_per_graph"]
 
-# Steps recorded into the chunk graph: enough to amortise a replay's six launches (two slot stacks, the
-# graph, three result copies) over many steps, few enough that capture stays short: capturing costs the
-# Python of every recorded step (a Tween step ~5 ms while capturing), and a graph's instantiation grows
-# with its nodes. At 64, a 59-batch epoch captured 59 steps (~0.5 s of a 4-epoch Tween run at batch
-# 1,024, H100); at 16 it captures at most 31 (16 + a tail of at most 15).
+# Steps recorded into the chunk graph, at most: enough to amortise a replay's six launches (two slot
+# stacks, the graph, three result copies) over many steps, few enough that capture stays short:
+# capturing costs the Python of every recorded step (~1 ms of host time a step on the H100 machine,
+# Tween's more), and a graph's instantiation grows with its nodes. At 64, a 59-batch epoch captured 59
+# steps (~0.5 s of a 4-epoch Tween run at batch 1,024, H100); at 16 it captures at most 31 (16 + a
+# tail of at most 15). Shorter runs record fewer (``steps_per_graph``).
 STEPS_PER_GRAPH = 16
+# A recorded step costs about as much host time as this many chunk replays (H100 machine: ~1 ms
+# against ~50 µs); it sets ``steps_per_graph``'s balance.
+_RECORD_VS_REPLAY = 20
+
+
+def steps_per_graph(steps_left: int) -> int:
+    """How many steps the chunk graph records for a run with ``steps_left`` steps still to go: the
+    power of two K in [2, STEPS_PER_GRAPH] nearest to the K that makes capture plus replays cheapest,
+    √(steps_left / _RECORD_VS_REPLAY). Capture records K + (fewer than K) steps once, and the replays
+    cost steps_left / K launches of the chunk graph: a 4-epoch run of 59 batches (236 steps) records
+    4 + 3 steps instead of 16 + 11, a 4-epoch run of 469 batches or more keeps 8 or 16. The steps are
+    the same steps whatever K: the numbers do not change with it."""
+    best = math.sqrt(max(steps_left, 1) / _RECORD_VS_REPLAY)
+    k = 2
+    while k < STEPS_PER_GRAPH and best >= k * math.sqrt(2):  # nearest power of two, on a log scale
+        k *= 2
+    return k
 
 
 _STATUS = {1: StepStatus.NAN_LOSS, 2: StepStatus.NAN_GRAD, 4: StepStatus.NAN_WEIGHTS}
@@ -166,7 +185,7 @@ class CudaRunner:
         first_capture = epoch > 0 or not self.eager_first_epoch
         if self.graphs is None and not self.capture_failed and first_capture and self.graph_eligible(source):
             try:
-                self._capture(source)
+                self._capture(source, steps_left=len(source) * max(t.epochs - epoch, 1))
             except RuntimeError as e:  # a layer or update that cannot be captured (a host read)
                 if t.training.cuda_graph:
                     raise
@@ -230,11 +249,11 @@ class CudaRunner:
                 scheduler.step()
         return torch.tensor(rows, dtype=torch.float32)
 
-    def _capture(self, source: BatchSource) -> None:
+    def _capture(self, source: BatchSource, steps_left: int) -> None:
         """Capture the epoch's steps in two CUDA graphs that share one memory pool, whatever the
         number of batches:
 
-        * the **chunk graph**: ``K = STEPS_PER_GRAPH`` steps reading their inputs from a static slot
+        * the **chunk graph**: ``K = steps_per_graph(steps_left)`` steps reading their inputs from a static slot
           buffer ``[K, batch, ...]`` (and their learning rates from ``K`` slot rows), writing their
           results into ``K`` slot rows. It serves every whole chunk of ``K`` equal-shaped batches:
           before each replay one ``torch.stack`` copies the chunk's batches into the slots, after it
@@ -258,7 +277,7 @@ class CudaRunner:
         same = 0
         while same < n and items[same][0].shape == x0.shape and items[same][1].shape == y0.shape:
             same += 1
-        k_steps = STEPS_PER_GRAPH
+        k_steps = steps_per_graph(steps_left)
         n_chunks = same // k_steps
         self._chunk = None
         if n_chunks:
@@ -358,14 +377,23 @@ class CudaRunner:
     def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
         """One host sync: the epoch's per-step losses, statuses and logs → an ``EpochOutcome``, with
         Loom's messages for skipped updates."""
-        # one transfer: losses, statuses, logs and the method's epoch-end tensors in one float64 buffer
+        # one sync: losses, statuses, logs and the method's epoch-end tensors copied as they are (no
+        # device kernel: a fresh process would load a conversion kernel for it, ~10 ms on the H100
+        # machine), converted to float64 on the host
         tensors_fn = getattr(self.t, "device_epoch_tensors", None)
         extras = list(tensors_fn()) if tensors_fn is not None else []
-        parts = [self.step_loss[:count, 0].double(), self.step_status[:count, 0].double()]
+        parts = [self.step_loss[:count], self.step_status[:count]]
         if self.n_logs:
-            parts.append(self.step_logs[:count, : self.n_logs].reshape(-1))
-        parts += [e.detach().reshape(-1).double() for e in extras]
-        flat = torch.cat(parts).cpu().tolist()
+            parts.append(self.step_logs[:count])
+        parts += [e.detach().reshape(-1) for e in extras]
+        on_device = self.t.device.type == "cuda"
+        host = [p.to("cpu", non_blocking=on_device) for p in parts]
+        if on_device:
+            torch.cuda.current_stream(self.t.device).synchronize()
+        host[0], host[1] = host[0][:, 0], host[1][:, 0]
+        if self.n_logs:
+            host[2] = host[2][:, : self.n_logs].reshape(-1)
+        flat = torch.cat([h.double() for h in host]).tolist()
         losses, statuses = flat[:count], [int(s) for s in flat[count : 2 * count]]
         at = 2 * count
         logs = None

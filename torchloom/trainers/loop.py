@@ -373,8 +373,8 @@ class Trainer:
         if not (y.is_floating_point() or y.dtype in _INT_DTYPES):
             raise TypeError(f"{where}target must be a floating tensor or integer class labels, got dtype {y.dtype}")
         out_shape = (x.shape[0], *self.output_shape(x, where))
-        x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else None, non_blocking=True)
-        y = y.to(self.device, dtype=torch.long if y.dtype in _INT_DTYPES else self.dtype, non_blocking=True)
+        x = _moved(x, self.device, self.dtype if x.is_floating_point() else x.dtype)
+        y = _moved(y, self.device, torch.long if y.dtype in _INT_DTYPES else self.dtype)
         return x, y, out_shape
 
     def output_shape(self, x: Tensor, where: str = "") -> tuple[int, ...]:
@@ -575,7 +575,7 @@ class Trainer:
             return None
         from ..kernels._preload import Preload
 
-        return Preload(self.device_kernel_modules())
+        return Preload(self.device_kernel_modules(), device=self.device)
 
     def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
@@ -810,6 +810,14 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _moved(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``t`` on ``device`` in ``dtype``, itself when it is already (no PyTorch call: each releases and
+    takes back the interpreter lock, a wait while the preload thread holds it)."""
+    if t.device == device and t.dtype == dtype:
+        return t
+    return t.to(device, dtype=dtype, non_blocking=True)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
