@@ -48,6 +48,26 @@ def test_preload_shortens_the_switch_interval_while_it_runs_and_restores_it(tmp_
         assert preload.started and sys.getswitchinterval() == pytest.approx(2e-4)
         preload.join()
         assert sys.getswitchinterval() == pytest.approx(0.004)
+        preload.join()  # a second join changes nothing
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_overlapping_preloads_put_the_process_s_interval_back_once_the_last_joins(tmp_path, monkeypatch):
+    for name in ("preload_first_mod", "preload_second_mod"):
+        (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(0.2)\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        first = Preload(["preload_first_mod"])
+        second = Preload(["preload_second_mod"])
+        first.join()
+        assert sys.getswitchinterval() == pytest.approx(2e-4)  # the second is still running
+        second.join()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
     finally:
         sys.setswitchinterval(before)
 

@@ -16,8 +16,8 @@ each module to one importer; Triton's runtime objects, such as its driver, are m
 thread alone). While the thread runs, Python's switch interval is 0.2 ms instead of 5 ms: every
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
-run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). ``join()`` puts the
-process's interval back. Nothing here raises: a module that fails to import is imported again by the
+run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
+comes back when the last running preload is joined. Nothing here raises: a module that fails to import is imported again by the
 code that needs it, which reports the error where it belongs. Once a process has imported the
 modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
 switches the thread off (every import then happens where it is first needed).
@@ -36,6 +36,25 @@ from typing import Any
 __all__ = ["Preload"]
 
 _SWITCH_INTERVAL = 2e-4  # seconds: Python's switch interval while the thread runs (default 5e-3)
+# preloads running at once (runs started from several threads): the first saves the process's
+# interval, the last to join puts it back
+_running = {"count": 0, "saved": 0.0}
+_running_lock = threading.Lock()
+
+
+def _shorten_switch_interval() -> None:
+    with _running_lock:
+        if _running["count"] == 0:
+            _running["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_running["saved"], _SWITCH_INTERVAL))
+        _running["count"] += 1
+
+
+def _restore_switch_interval() -> None:
+    with _running_lock:
+        _running["count"] -= 1
+        if _running["count"] == 0:
+            sys.setswitchinterval(_running["saved"])
 
 
 def _warm_triton() -> bool:
@@ -92,13 +111,11 @@ class Preload:
         if os.environ.get("TORCHLOOM_PRELOAD", "1") == "0":
             missing = []
         self._thread: threading.Thread | None = None
-        self._switch_interval: float | None = None
         if missing:
             self._thread = threading.Thread(target=self._run, args=(missing, device), name="torchloom-preload", daemon=True)
             # while both threads run Python, the run's thread takes the interpreter lock back within
             # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock)
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL))
+            _shorten_switch_interval()
             self._thread.start()
 
     @property
@@ -122,6 +139,4 @@ class Preload:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+            _restore_switch_interval()
