@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_close
 from torchloom import Dense, Network, TrainingConfig, train
-from torchloom.trainers.cuda_path import STEPS_PER_GRAPH, CudaRunner, steps_per_graph
+from torchloom.trainers.cuda_path import _RECORD_VS_REPLAY, STEPS_PER_GRAPH, CudaRunner, steps_per_graph
 from torchloom.trainers.backprop import BackpropTrainer
 
 
@@ -127,12 +127,13 @@ def test_gpu_equals_cpu(name, cuda_graph):
 
 def test_steps_per_graph_records_fewer_steps_in_short_runs():
     """The chunk graph's length: a power of two in [2, STEPS_PER_GRAPH], never shorter for a longer
-    run, the nearest power of two to sqrt(steps / 20) (capture once against replays per step)."""
+    run, the allowed length nearest to sqrt(steps / _RECORD_VS_REPLAY) on a log scale (recording once
+    against replays per step); 4 for the benchmark's 236-step run, 16 for a long one."""
     ks = [steps_per_graph(n) for n in range(1, 20001)]
     assert set(ks) == {2, 4, 8, STEPS_PER_GRAPH}
     assert all(a <= b for a, b in zip(ks, ks[1:]))
     for n in (1, 80, 236, 500, 1876, 7500, 10**6):
-        best = math.sqrt(n / 20)
+        best = math.sqrt(n / _RECORD_VS_REPLAY)
         k = steps_per_graph(n)
         # nearest on a log scale among the allowed lengths
         allowed = [2, 4, 8, 16]

@@ -55,8 +55,8 @@ def test_preload_shortens_the_switch_interval_while_it_runs_and_restores_it(tmp_
 
 
 def test_overlapping_preloads_put_the_process_s_interval_back_once_the_last_joins(tmp_path, monkeypatch):
-    for name in ("preload_first_mod", "preload_second_mod"):
-        (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(0.2)\n")
+    for name, seconds in (("preload_first_mod", 0.1), ("preload_second_mod", 1.0)):
+        (tmp_path / f"{name}.py").write_text(f"import time\ntime.sleep({seconds})\n")
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
     before = sys.getswitchinterval()
@@ -73,24 +73,56 @@ def test_overlapping_preloads_put_the_process_s_interval_back_once_the_last_join
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
-def test_warming_triton_s_tools_never_raises(monkeypatch):
-    """The subprocess answers Triton's first launch needs are asked on the thread; a missing function
-    or one that fails (another Triton layout, no ptxas) changes nothing."""
-    from torchloom.kernels import _preload
-
-    _preload._warm_tools(None)
-    _preload._warm_tools(torch.device("cpu"))  # no capability to ask for: skipped quietly
+def test_the_thread_asks_triton_s_remembered_questions_each_on_its_own(tmp_path, monkeypatch):
+    """After its imports the thread asks Triton's system questions (``_warm_tools``): a question that
+    fails leaves the next ones asked, torchloom's stored ``triton_key`` is asked but Triton's own
+    (a 0.4 s hash) is not, and nothing escapes the thread."""
     pytest.importorskip("triton")
-    try:
-        from triton.runtime import build
-    except ImportError:
-        pytest.skip("no triton.runtime.build in this Triton")
+    from triton.runtime import build, cache
 
-    def broken():
+    asked = []
+
+    def failing_platform_key():
+        asked.append("platform_key")
         raise OSError("no file(1) here")
 
-    monkeypatch.setattr(build, "platform_key", broken, raising=False)
-    _preload._warm_tools(None)
+    def stored_key():
+        asked.append("stored triton_key")
+        return "key"
+
+    stored_key.torchloom_cached = True
+    monkeypatch.setattr(build, "platform_key", failing_platform_key, raising=False)
+    monkeypatch.setattr(cache, "triton_key", stored_key)
+    (tmp_path / "preload_tools_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "preload_tools_mod", raising=False)
+    preload = Preload(["preload_tools_mod"], arch=90)
+    assert preload.started
+    preload.join()
+    assert asked == ["platform_key", "stored triton_key"]
+
+    def own_key():
+        asked.append("own triton_key")
+        return "key"
+
+    monkeypatch.setattr(cache, "triton_key", own_key)  # torchloom's key cache switched off
+    monkeypatch.delitem(sys.modules, "preload_tools_mod")
+    Preload(["preload_tools_mod"]).join()
+    assert asked == ["platform_key", "stored triton_key", "platform_key"]
+
+
+def test_the_switch_interval_comes_back_when_the_thread_ends_even_unjoined(tmp_path, monkeypatch):
+    (tmp_path / "preload_unjoined_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "preload_unjoined_mod", raising=False)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        preload = Preload(["preload_unjoined_mod"])
+        preload._thread.join()  # the thread ends; the Preload itself is never joined
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_preload_switched_off_by_the_environment(tmp_path, monkeypatch):
@@ -235,7 +267,7 @@ def test_no_preload_beside_dataloader_workers_or_off_cuda(monkeypatch):
     from torchloom.trainers.train import make_trainer
 
     started = []
-    monkeypatch.setattr(_preload, "Preload", lambda modules, device=None: started.append(list(modules)) or _StandIn([]))
+    monkeypatch.setattr(_preload, "Preload", lambda modules, arch=None: started.append(list(modules)) or _StandIn([]))
     data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.rand(8, 2))
     trainer = make_trainer(Network(Dense(3, 2)), TrainingConfig(method="tween", verbose=0))
     assert trainer._start_preload(_data()) is None and not started  # CPU: nothing to preload

@@ -8,7 +8,7 @@ all of it before the first step. Meanwhile the run's own thread spends much of i
 Python (copying batches to the GPU, loading cuBLAS's kernels on the first forward, reading label
 ranges), with the interpreter lock released: a helper thread can do Triton's imports then.
 
-``Preload(modules, device)``: the thread imports Triton's modules and then ``modules``, then asks
+``Preload(modules, arch)``: the thread imports Triton's modules and then ``modules``, then asks
 the questions Triton's first launch would ask of the system (``_warm_tools``: a few subprocesses and
 file stats whose answers Triton remembers); ``join()`` waits for it. It only imports and asks, so the
 run's thread may go on meanwhile, importing and launching what it needs (Python's module locks hand
@@ -17,7 +17,7 @@ thread alone). While the thread runs, Python's switch interval is 0.2 ms instead
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
 run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
-comes back when the last running preload is joined. Nothing here raises: a module that fails to import is imported again by the
+comes back when the last running preload thread ends. Nothing here raises: a module that fails to import is imported again by the
 code that needs it, which reports the error where it belongs. Once a process has imported the
 modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
 switches the thread off (every import then happens where it is first needed).
@@ -36,8 +36,8 @@ from typing import Any
 __all__ = ["Preload"]
 
 _SWITCH_INTERVAL = 2e-4  # seconds: Python's switch interval while the thread runs (default 5e-3)
-# preloads running at once (runs started from several threads): the first saves the process's
-# interval, the last to join puts it back
+# preload threads running at once (runs started from several threads): the first to start saves the
+# process's interval, the last to end puts it back
 _running = {"count": 0, "saved": 0.0}
 _running_lock = threading.Lock()
 
@@ -72,32 +72,33 @@ def _warm_triton() -> bool:
     return True
 
 
-def _warm_tools(device: Any) -> None:
+def _warm_tools(arch: int | None) -> None:
     """Ask now, on this thread, what Triton's first kernel launch would find out on the run's thread,
-    so that the remembered answers are ready: each is a pure function behind ``functools.lru_cache``
-    (with another Triton layout, whatever is missing is skipped). Measured on the H100 machine (Triton
-    3.6), ~45 ms of the run's start: ``file -b`` on the Python executable (``platform_key``, part of
-    every launcher's cache key, 10 ms), ``ldconfig -p`` (where ``libcuda`` is), ``ptxas --version``
-    twice (part of every kernel's cache key), and the installation stamp behind torchloom's stored
-    ``triton_key`` (``_key_cache``). The subprocesses wait with the interpreter lock released."""
-    with contextlib.suppress(Exception):  # the run's thread asks again and reports any error there
-        from triton.runtime import build, cache
+    so that the remembered answers are ready: each is a pure function behind ``functools.lru_cache``,
+    asked on its own (one that is missing or fails leaves the others to be asked). Measured on the
+    H100 machine (Triton 3.6), ~45 ms of the run's start: ``file -b`` on the Python executable
+    (``platform_key``, part of every launcher's cache key, 10 ms), ``ldconfig -p`` (where ``libcuda``
+    is), ``ptxas --version`` twice (part of every kernel's cache key, for the GPU's ``arch``, e.g. 90),
+    and the installation stamp behind torchloom's stored ``triton_key`` (``_key_cache``; Triton's own
+    key, a 0.4 s hash, is left to the first compile that needs it). The subprocesses wait with the
+    interpreter lock released."""
 
-        for warm in (getattr(build, "platform_key", None), getattr(cache, "triton_key", None)):
-            if warm is not None:
-                warm()
-    with contextlib.suppress(Exception):
-        from triton.backends.nvidia import compiler, driver
+    def ask(module: str, name: str, *args: Any) -> None:
+        with contextlib.suppress(Exception):  # the run's thread asks again and reports any error there
+            fn = getattr(importlib.import_module(module), name, None)
+            if fn is None or (name == "triton_key" and not getattr(fn, "torchloom_cached", False)):
+                return
+            try:
+                fn(*args)
+            except TypeError:  # an older Triton: get_ptxas_version() takes no architecture
+                if args:
+                    fn()
 
-        library_dirs = getattr(driver, "library_dirs", None)
-        if library_dirs is not None:
-            library_dirs()
-        ptxas_version = getattr(compiler, "get_ptxas_version", None)
-        if ptxas_version is not None and device is not None:
-            import torch
-
-            major, minor = torch.cuda.get_device_capability(device)
-            ptxas_version(10 * major + minor)  # the key Triton's CUDA backend asks for
+    ask("triton.runtime.build", "platform_key")
+    ask("triton.runtime.cache", "triton_key")
+    ask("triton.backends.nvidia.driver", "library_dirs")
+    if arch is not None:
+        ask("triton.backends.nvidia.compiler", "get_ptxas_version", arch)
 
 
 class Preload:
@@ -106,17 +107,23 @@ class Preload:
     No thread starts when every module is already in ``sys.modules`` (a later run in the same
     process)."""
 
-    def __init__(self, modules: Iterable[str], device: Any = None) -> None:
+    def __init__(self, modules: Iterable[str], arch: int | None = None) -> None:
         missing = [m for m in dict.fromkeys(modules) if m not in sys.modules]
         if os.environ.get("TORCHLOOM_PRELOAD", "1") == "0":
             missing = []
         self._thread: threading.Thread | None = None
         if missing:
-            self._thread = threading.Thread(target=self._run, args=(missing, device), name="torchloom-preload", daemon=True)
+            thread = threading.Thread(target=self._run, args=(missing, arch), name="torchloom-preload", daemon=True)
             # while both threads run Python, the run's thread takes the interpreter lock back within
-            # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock)
+            # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock); the
+            # thread puts the interval back as it ends, joined or not
             _shorten_switch_interval()
-            self._thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: the run imports what it needs itself
+                _restore_switch_interval()
+                return
+            self._thread = thread
 
     @property
     def started(self) -> bool:
@@ -124,19 +131,22 @@ class Preload:
         return self._thread is not None
 
     @staticmethod
-    def _run(modules: list[str], device: Any) -> None:
-        triton = _warm_triton()
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
-                pass
-        if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
-            _warm_tools(device)
+    def _run(modules: list[str], arch: int | None) -> None:
+        try:
+            triton = _warm_triton()
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
+                    pass
+            if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
+                _warm_tools(arch)
+        finally:
+            _restore_switch_interval()
 
     def join(self) -> None:
         """Wait for the thread (at once when none was started or it has finished)."""
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
             self._thread = None
-            _restore_switch_interval()

@@ -65,11 +65,11 @@ _RECORD_VS_REPLAY = 20
 
 def steps_per_graph(steps_left: int) -> int:
     """How many steps the chunk graph records for a run with ``steps_left`` steps still to go: the
-    power of two K in [2, STEPS_PER_GRAPH] nearest to the K that makes capture plus replays cheapest,
-    √(steps_left / _RECORD_VS_REPLAY). Capture records K + (fewer than K) steps once, and the replays
-    cost steps_left / K launches of the chunk graph: a 4-epoch run of 59 batches (236 steps) records
-    4 + 3 steps instead of 16 + 11, a 4-epoch run of 469 batches or more keeps 8 or 16. The steps are
-    the same steps whatever K: the numbers do not change with it."""
+    power of two K in [2, STEPS_PER_GRAPH] nearest (on a log scale) to √(steps_left /
+    _RECORD_VS_REPLAY), which balances recording K steps once against steps_left / K replays of the
+    chunk graph (the tail graph's steps, at most K more, are left out of the balance). A 4-epoch run of
+    59 batches (236 steps) records 4 + 3 steps instead of 16 + 11; a 4-epoch run of 469 batches or more
+    keeps 8 or 16. The steps are the same steps whatever K: the numbers do not change with it."""
     best = math.sqrt(max(steps_left, 1) / _RECORD_VS_REPLAY)
     k = 2
     while k < STEPS_PER_GRAPH and best >= k * math.sqrt(2):  # nearest power of two, on a log scale
@@ -258,7 +258,7 @@ class CudaRunner:
           results into ``K`` slot rows. It serves every whole chunk of ``K`` equal-shaped batches:
           before each replay one ``torch.stack`` copies the chunk's batches into the slots, after it
           one copy per result array moves the slot rows to the epoch's rows;
-        * the **tail graph**: the remaining steps (fewer than ``K``, a ragged last batch among them),
+        * the **tail graph**: the remaining steps (at most ``K``, a ragged last batch among them),
           captured over their own batches and rows.
 
         So capture costs at most ``2K`` recorded steps, not one per batch, and a replay costs one

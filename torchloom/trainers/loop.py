@@ -23,6 +23,7 @@ one implements that hook; per-layer events are the step's business
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import math
@@ -575,7 +576,11 @@ class Trainer:
             return None
         from ..kernels._preload import Preload
 
-        return Preload(self.device_kernel_modules(), device=self.device)
+        arch = None
+        with contextlib.suppress(Exception):  # Triton's key for the GPU, asked on this thread (e.g. 90)
+            major, minor = torch.cuda.get_device_capability(self.device)
+            arch = 10 * major + minor
+        return Preload(self.device_kernel_modules(), arch=arch)
 
     def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
