@@ -4,6 +4,7 @@ launches (``Trainer.device_kernel_modules``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,41 +36,46 @@ def test_preload_imports_the_modules_on_a_thread(tmp_path, monkeypatch):
     assert not any(t.name == "torchloom-preload" for t in threading.enumerate())
 
 
+def _probe_module(tmp_path, monkeypatch, name, source="X = 1\n"):
+    """A module ``name`` with ``source``, importable and not yet imported."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds):
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_preload_shortens_the_switch_interval_while_it_runs_and_restores_it(tmp_path, monkeypatch):
     """While the thread imports, the run's thread gets the interpreter lock back within 0.2 ms of
-    asking; the interval the process had comes back at ``join``."""
-    (tmp_path / "preload_slow_mod.py").write_text("import time\ntime.sleep(0.2)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "preload_slow_mod", raising=False)
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.004)
+    asking; the interval the process had comes back when the thread ends."""
+    _probe_module(tmp_path, monkeypatch, "preload_slow_mod", "import time\ntime.sleep(0.2)\n")
+    with _switch_interval(0.004):
         preload = Preload(["preload_slow_mod"])
         assert preload.started and sys.getswitchinterval() == pytest.approx(2e-4)
         preload.join()
         assert sys.getswitchinterval() == pytest.approx(0.004)
         preload.join()  # a second join changes nothing
         assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)
 
 
-def test_overlapping_preloads_put_the_process_s_interval_back_once_the_last_joins(tmp_path, monkeypatch):
-    for name, seconds in (("preload_first_mod", 0.1), ("preload_second_mod", 1.0)):
-        (tmp_path / f"{name}.py").write_text(f"import time\ntime.sleep({seconds})\n")
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.004)
+def test_overlapping_preloads_put_the_process_s_interval_back_once_the_last_ends(tmp_path, monkeypatch):
+    _probe_module(tmp_path, monkeypatch, "preload_first_mod", "import time\ntime.sleep(0.1)\n")
+    _probe_module(tmp_path, monkeypatch, "preload_second_mod", "import time\ntime.sleep(1.0)\n")
+    with _switch_interval(0.004):
         first = Preload(["preload_first_mod"])
         second = Preload(["preload_second_mod"])
         first.join()
         assert sys.getswitchinterval() == pytest.approx(2e-4)  # the second is still running
         second.join()
         assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -93,9 +99,7 @@ def test_the_thread_asks_triton_s_remembered_questions_each_on_its_own(tmp_path,
     stored_key.torchloom_cached = True
     monkeypatch.setattr(build, "platform_key", failing_platform_key, raising=False)
     monkeypatch.setattr(cache, "triton_key", stored_key)
-    (tmp_path / "preload_tools_mod.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "preload_tools_mod", raising=False)
+    _probe_module(tmp_path, monkeypatch, "preload_tools_mod")
     preload = Preload(["preload_tools_mod"], arch=90)
     assert preload.started
     preload.join()
@@ -112,17 +116,11 @@ def test_the_thread_asks_triton_s_remembered_questions_each_on_its_own(tmp_path,
 
 
 def test_the_switch_interval_comes_back_when_the_thread_ends_even_unjoined(tmp_path, monkeypatch):
-    (tmp_path / "preload_unjoined_mod.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "preload_unjoined_mod", raising=False)
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.004)
+    _probe_module(tmp_path, monkeypatch, "preload_unjoined_mod")
+    with _switch_interval(0.004):
         preload = Preload(["preload_unjoined_mod"])
         preload._thread.join()  # the thread ends; the Preload itself is never joined
         assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_preload_switched_off_by_the_environment(tmp_path, monkeypatch):
