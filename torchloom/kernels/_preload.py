@@ -17,9 +17,9 @@ thread alone). While the thread runs, Python's switch interval is 0.2 ms instead
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
 run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
-comes back when the last running preload thread ends. Nothing here raises: a module that fails to import is imported again by the
-code that needs it, which reports the error where it belongs. Once a process has imported the
-modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
+comes back when the last running preload thread ends. Nothing here raises: a module that fails to
+import is imported again by the code that needs it, which reports the error where it belongs. Once
+a process has imported the modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
 switches the thread off (every import then happens where it is first needed).
 """
 
