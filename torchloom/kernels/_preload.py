@@ -1,4 +1,4 @@
-"""Triton and a run's kernel modules, imported on a helper thread while the run gets ready.
+"""Triton and a run's kernel modules, imported on helper threads while the run gets ready.
 
 A fresh process pays Triton's start before its first kernel runs: importing Triton, creating every
 ``JITFunction`` of the kernel modules (parsing their sources), initialising Triton's CUDA driver
@@ -8,19 +8,19 @@ all of it before the first step. Meanwhile the run's own thread spends much of i
 Python (copying batches to the GPU, loading cuBLAS's kernels on the first forward, reading label
 ranges), with the interpreter lock released: a helper thread can do Triton's imports then.
 
-``Preload(modules, arch)``: the thread imports Triton's modules and then ``modules``, then asks
+``Preload(modules, arch)``: one thread imports Triton's modules and then ``modules``; a second asks
 the questions Triton's first launch would ask of the system (``_warm_tools``: a few subprocesses and
-file stats whose answers Triton remembers); ``join()`` waits for it. It only imports and asks, so the
+file stats whose answers Triton remembers); ``join()`` waits for both. It only imports and asks, so the
 run's thread may go on meanwhile, importing and launching what it needs (Python's module locks hand
 each module to one importer; Triton's runtime objects, such as its driver, are made by the run's
-thread alone). While the thread runs, Python's switch interval is 0.2 ms instead of 5 ms: every
+thread alone). While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
 run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
 comes back when the last running preload thread ends. Nothing here raises: a module that fails to
 import is imported again by the code that needs it, which reports the error where it belongs. Once
 a process has imported the modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
-switches the thread off (every import then happens where it is first needed).
+switches the threads off (every import then happens where it is first needed).
 """
 
 from __future__ import annotations
@@ -72,37 +72,39 @@ def _warm_triton() -> bool:
     return True
 
 
+def _ask(module: str, name: str, *args: Any) -> None:
+    """Ask Triton's ``module.name(*args)`` now, on this thread, so that its remembered answer is ready
+    (each question is a pure function behind ``functools.lru_cache``, asked on its own: one that is
+    missing or fails leaves the others to be asked; the run's thread asks again and reports any
+    error there). Of ``triton_key`` only torchloom's stored key is asked (``_key_cache``), never
+    Triton's own, a 0.4 s hash left to the first compile that needs it."""
+    with contextlib.suppress(Exception):
+        fn = getattr(importlib.import_module(module), name, None)
+        if fn is None or (name == "triton_key" and not getattr(fn, "torchloom_cached", False)):
+            return
+        try:
+            fn(*args)
+        except TypeError:  # an older Triton: get_ptxas_version() takes no architecture
+            if args:
+                fn()
+
+
 def _warm_tools(arch: int | None) -> None:
-    """Ask now, on this thread, what Triton's first kernel launch would find out on the run's thread,
-    so that the remembered answers are ready: each is a pure function behind ``functools.lru_cache``,
-    asked on its own (one that is missing or fails leaves the others to be asked). Measured on the
-    H100 machine (Triton 3.6), ~45 ms of the run's start: ``file -b`` on the Python executable
-    (``platform_key``, part of every launcher's cache key, 10 ms), ``ldconfig -p`` (where ``libcuda``
-    is), ``ptxas --version`` twice (part of every kernel's cache key, for the GPU's ``arch``, e.g. 90),
-    and the installation stamp behind torchloom's stored ``triton_key`` (``_key_cache``; Triton's own
-    key, a 0.4 s hash, is left to the first compile that needs it). The subprocesses wait with the
-    interpreter lock released."""
-
-    def ask(module: str, name: str, *args: Any) -> None:
-        with contextlib.suppress(Exception):  # the run's thread asks again and reports any error there
-            fn = getattr(importlib.import_module(module), name, None)
-            if fn is None or (name == "triton_key" and not getattr(fn, "torchloom_cached", False)):
-                return
-            try:
-                fn(*args)
-            except TypeError:  # an older Triton: get_ptxas_version() takes no architecture
-                if args:
-                    fn()
-
-    ask("triton.runtime.build", "platform_key")
-    ask("triton.runtime.cache", "triton_key")
-    ask("triton.backends.nvidia.driver", "library_dirs")
+    """Ask what Triton's first kernel launch would find out from the system on the run's thread.
+    Measured on the H100 machine (Triton 3.6), ~45 ms of the run's start: ``file -b`` on the Python
+    executable (``platform_key``, part of every launcher's cache key, 10 ms), ``ldconfig -p`` (where
+    ``libcuda`` is) and ``ptxas --version`` twice (part of every kernel's cache key, for the GPU's
+    ``arch``, e.g. 90). Subprocesses, waited for with the interpreter lock released: they run on a
+    thread of their own beside the imports (their modules wait for Triton's package, which the
+    importing thread is loading)."""
+    _ask("triton.runtime.build", "platform_key")
+    _ask("triton.backends.nvidia.driver", "library_dirs")
     if arch is not None:
-        ask("triton.backends.nvidia.compiler", "get_ptxas_version", arch)
+        _ask("triton.backends.nvidia.compiler", "get_ptxas_version", arch)
 
 
 class Preload:
-    """Imports ``modules`` (dotted names) and warms Triton on a daemon thread; ``join()`` waits for it.
+    """Imports ``modules`` (dotted names) and warms Triton on two daemon threads; ``join()`` waits.
 
     No thread starts when every module is already in ``sys.modules`` (a later run in the same
     process)."""
@@ -111,42 +113,48 @@ class Preload:
         missing = [m for m in dict.fromkeys(modules) if m not in sys.modules]
         if os.environ.get("TORCHLOOM_PRELOAD", "1") == "0":
             missing = []
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         if missing:
-            thread = threading.Thread(target=self._run, args=(missing, arch), name="torchloom-preload", daemon=True)
-            # while both threads run Python, the run's thread takes the interpreter lock back within
-            # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock); the
-            # thread puts the interval back as it ends, joined or not
-            _shorten_switch_interval()
-            try:
-                thread.start()
-            except RuntimeError:  # no thread to be had: the run imports what it needs itself
-                _restore_switch_interval()
-                return
-            self._thread = thread
+            # one thread imports, one asks the system's questions (waiting for Triton's package first)
+            jobs = [(self._imports, (missing,), "torchloom-preload"), (_warm_tools, (arch,), "torchloom-preload-tools")]
+            for target, args, name in jobs:
+                # while both threads run Python, the run's thread takes the interpreter lock back within
+                # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock);
+                # each thread puts its share of the interval back as it ends, joined or not
+                thread = threading.Thread(target=self._ended_after, args=(target, args), name=name, daemon=True)
+                _shorten_switch_interval()
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had: the run imports what it needs itself
+                    _restore_switch_interval()
+                    continue
+                self._threads.append(thread)
 
     @property
     def started(self) -> bool:
         """Whether a thread was started (False when everything was imported before)."""
-        return self._thread is not None
+        return bool(self._threads)
 
     @staticmethod
-    def _run(modules: list[str], arch: int | None) -> None:
+    def _ended_after(target: Any, args: tuple) -> None:
         try:
-            triton = _warm_triton()
-            for name in modules:
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
-                    pass
-            if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
-                _warm_tools(arch)
+            target(*args)
         finally:
             _restore_switch_interval()
 
+    @staticmethod
+    def _imports(modules: list[str]) -> None:
+        triton = _warm_triton()
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
+                pass
+        if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
+            _ask("triton.runtime.cache", "triton_key")
+
     def join(self) -> None:
-        """Wait for the thread (at once when none was started or it has finished)."""
-        thread = self._thread
-        if thread is not None:
+        """Wait for the threads (at once when none was started or they have finished)."""
+        threads, self._threads = self._threads, []
+        for thread in threads:
             thread.join()
-            self._thread = None

@@ -45,6 +45,7 @@ from torch import Tensor
 from ..layers.base import host_checks
 from .guards import UpdateGuard
 from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
+from .op_warm import recording
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -204,7 +205,9 @@ class CudaRunner:
         if self.graphs is not None:
             if t.scheduler is not None:
                 self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
-            self._replay(source)
+            with recording(t.op_recorder()):
+                self._replay(source)
+            t.finish_op_record()
             count = n
         else:
             count = 0
@@ -307,17 +310,19 @@ class CudaRunner:
                 for k, (x, y) in enumerate(items):
                     shapes.setdefault((tuple(x.shape), tuple(y.shape)), k)
                 warmups = [0, 0, *[k for k in shapes.values() if k != 0]]
-                for k in warmups:
-                    self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
-                    previous_mode = torch.cuda.get_sync_debug_mode()
-                    torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
-                    try:
-                        t.device_step(*items[k], k, self)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(previous_mode)
-                        self.dead.zero_()
-                    if epoch_begin is not None:  # state the warm-up created joins the layout
-                        epoch_begin(self, 1)
+                with recording(t.op_recorder()):  # a first run notes the kernels for the next (op_warm.py)
+                    for k in warmups:
+                        self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
+                        previous_mode = torch.cuda.get_sync_debug_mode()
+                        torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
+                        try:
+                            t.device_step(*items[k], k, self)
+                        finally:
+                            torch.cuda.set_sync_debug_mode(previous_mode)
+                            self.dead.zero_()
+                        if epoch_begin is not None:  # state the warm-up created joins the layout
+                            epoch_begin(self, 1)
+                t.join_op_warm()  # no helper thread launches anything while a graph is captured
                 torch.cuda.synchronize(t.device)
                 if self._chunk is not None:
                     c = self._chunk

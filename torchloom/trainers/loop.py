@@ -550,19 +550,25 @@ class Trainer:
         ``val_<metric>``), the training metrics, an epoch-interval or ``ReduceLROnPlateau``
         schedule, then the observers. With a streamed source (a ``DataLoader``), a batch that fails
         its check mid-epoch, or any error inside an epoch, puts the model and the trainer's state
-        back as they were at the start of that epoch before the error propagates. On CUDA, a helper
-        thread imports Triton and the device step's kernel modules meanwhile (``kernels/_preload.py``;
-        it has ended before the first step, or before ``fit`` returns or raises)."""
+        back as they were at the start of that epoch before the error propagates. On CUDA, helper
+        threads import Triton and the device step's kernel modules meanwhile (``kernels/_preload.py``;
+        the run goes on beside them, and they have ended before ``fit`` returns or raises), and load
+        the PyTorch kernels an earlier run of the same model, method and batch shapes noted
+        (``op_warm.py``; ended before the first CUDA graph capture)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
         self.preflight()
         preload = self._start_preload(batches)
+        self._start_op_warm(batches)
         try:
-            return self._fit(batches, epochs, cfg, preload, track_perf)
+            return self._fit(batches, epochs, cfg, track_perf)
         finally:
             if preload is not None:  # a run that failed before its runner leaves no thread behind
                 preload.join()
+            self.join_op_warm()
+            self._op_record_key = None  # a run that never replayed a graph keeps nothing
+            self.__dict__.pop("_op_specs", None)
 
     def _start_preload(self, batches: Any) -> Any:
         """On CUDA, with a device step: a ``kernels._preload.Preload`` importing Triton and the device
@@ -582,7 +588,64 @@ class Trainer:
             arch = 10 * major + minor
         return Preload(self.device_kernel_modules(), arch=arch)
 
-    def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
+    def _start_op_warm(self, batches: Any) -> None:
+        """On CUDA, with a device step over a list of batches: the PyTorch kernels an earlier run of
+        the same key noted (``op_warm.py``) loaded on helper threads from now on; without such a list,
+        this run notes its own (``op_recorder``)."""
+        from . import op_warm
+
+        self._op_warm = None
+        self._op_record_key = None
+        if self.device.type != "cuda" or not self.device_ready() or not op_warm.enabled():
+            return
+        data = _data_signature(batches, self.training)
+        if data is None:
+            return
+        cfg = self.training
+        settings = [getattr(cfg, name, None) for name in _OP_SETTINGS]
+        params = [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
+        key = op_warm.run_key([
+            torch.cuda.get_device_name(self.device), type(self).__qualname__, getattr(self, "config", None),
+            _describe(settings), repr(self.model), params, data,
+        ])
+        specs = op_warm.load(key)
+        if specs:
+            self._op_warm = op_warm.OpWarm(specs, self.device)
+        else:
+            self._op_record_key = key
+
+    def op_recorder(self) -> Any:
+        """An ``op_warm.OpRecorder`` to run the device path's first steps under when this run notes
+        its kernels for the next (``None`` otherwise); ``finish_op_record()`` keeps what it noted."""
+        key = getattr(self, "_op_record_key", None)
+        if key is None:
+            return None
+        from .op_warm import OpRecorder
+
+        specs = self.__dict__.setdefault("_op_specs", [])
+        return OpRecorder(self.device, specs)
+
+    def finish_op_record(self) -> None:
+        """Keep the noted kernels for the next run of this key (once; nothing raises)."""
+        key = getattr(self, "_op_record_key", None)
+        specs = self.__dict__.pop("_op_specs", None)
+        self._op_record_key = None
+        if key is not None and specs:
+            from .op_warm import save
+
+            save(key, specs)
+
+    def join_op_warm(self) -> None:
+        """Wait for the helper threads warming kernels, if any (before a CUDA graph capture)."""
+        warm = getattr(self, "_op_warm", None)
+        if warm is not None:
+            warm.join()
+            self._op_warm = None
+
+    def _get_ready(self, batches: Any, epochs: int, cfg: Any) -> tuple:
+        """Everything before the first epoch, in ``fit``'s order: the data converted and checked, the
+        checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, and
+        the device runner. Returns ``(source, validation, history, observers, first_epoch)``."""
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
         if self.dist is not None:
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
@@ -607,9 +670,14 @@ class Trainer:
         first_epoch = 0
         if resume is not None:
             first_epoch = self._restore_checkpoint(resume, history)
-        if preload is not None:
-            preload.join()
         self._build_runner()
+        return source, validation, history, observers, first_epoch
+
+    def _fit(self, batches: Any, epochs: int, cfg: Any, track_perf: bool) -> TrainingResult:
+        from .op_warm import recording
+
+        with recording(self.op_recorder()):  # a first run notes the kernels its start launches (op_warm.py)
+            source, validation, history, observers, first_epoch = self._get_ready(batches, epochs, cfg)
 
         perf: list[dict[str, float]] | None = [] if track_perf else None
         total_samples = 0
@@ -888,6 +956,44 @@ class RateHolder(torch.optim.Optimizer):
     def lr(self) -> Any:
         """The current rate (a float, or a 0-d device tensor inside a captured step)."""
         return self.param_groups[0]["lr"]
+
+
+# the settings of a TrainingConfig that change which kernels a step launches (with the method, the
+# model and the batches' shapes: ``Trainer._start_op_warm``'s key)
+_OP_SETTINGS = (
+    "loss_type", "gradient_clip", "clip_mode", "optimizer", "scheduler", "cuda_graph", "precision",
+    "scheduler_interval", "batch_size", "shuffle", "distributed",
+)
+
+
+def _describe(value: Any) -> Any:
+    """``value`` for a run key: objects by class name (an optimizer or a schedule, whose repr may
+    hold addresses), plain values and containers as they are."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    return type(value).__qualname__
+
+
+def _data_signature(batches: Any, cfg: Any) -> Any:
+    """The shapes and dtypes that decide a run's kernels: a list of ``(x, y)`` tensor batches by its
+    first and last batch; ``(X, Y)`` tensors by their row shapes, the batch size and the ragged
+    remainder; None for anything else (no kernel warming)."""
+    def shapes(pair: Any) -> Any:
+        if not isinstance(pair, (list, tuple)) or not pair or not all(isinstance(t, Tensor) for t in pair):
+            return None
+        return [(tuple(t.shape), t.dtype, t.device.type) for t in pair]
+
+    if not isinstance(batches, (list, tuple)) or not batches:
+        return None
+    if len(batches) == 2 and all(isinstance(t, Tensor) for t in batches):
+        from .data import DEFAULT_BATCH_SIZE
+
+        size = cfg.batch_size or DEFAULT_BATCH_SIZE
+        return ["tensors", [(tuple(t.shape[1:]), t.dtype, t.device.type) for t in batches], size, batches[0].shape[0] % size]
+    first, last = shapes(batches[0]), shapes(batches[-1])
+    return None if first is None or last is None else ["list", first, last]
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
