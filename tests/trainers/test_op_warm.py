@@ -72,10 +72,14 @@ def test_replay_runs_each_op_on_scratch_tensors_without_touching_the_random_stre
     calls = []
     real = torch.ops.aten.sigmoid.default
 
-    # the replayed op gets fresh tensors of the noted layout, not the recorded ones
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    class Spy:  # the replayed op gets fresh tensors of the noted layout, not the recorded ones
+        _schema, tags = real._schema, real.tags
+
+        def __call__(self, *args, **kwargs):
+            calls.append(args)
+            return real(*args, **kwargs)
+
+    spy = Spy()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(op_warm, "_resolve", lambda name: spy if name == "aten::sigmoid.default" else _real_resolve(name))
@@ -207,3 +211,62 @@ def test_workers_that_cannot_start_count_as_ended(monkeypatch):
     warm.join()
     assert warm.done == 4 and len(started) == 2
     assert sys.getswitchinterval() == before
+
+
+def test_replay_counts_outputs_and_keeps_to_what_a_recorder_would_note(monkeypatch):
+    cpu = torch.device("cpu")
+    x = torch.randn(3, 4)
+    (spec,) = _record(lambda: torch.exp(x))
+    assert spec["out_bytes"] == x.numel() * 4
+    assert op_warm.replay_one(spec, cpu)
+    assert not op_warm.replay_one(dict(spec, out_bytes=65 << 20), cpu)  # its output alone is over 64 MB
+    random_op = {"op": "aten::normal_.default", "args": {"l": [{"t": [[4], [1], "float32", 0]}]}, "kwargs": {}}
+    assert not op_warm.replay_one(random_op, cpu)  # a list from elsewhere cannot replay a random draw
+    not_a_dtype = {"op": "aten::relu.default", "args": {"l": [{"t": [[4], [1], "Tensor", 0]}]}}
+    assert not op_warm.replay_one(not_a_dtype, cpu)
+    w = torch.randn(2, 2, 3, 3)
+    (conv,) = [s for s in _record(lambda: torch.nn.functional.conv2d(torch.randn(1, 2, 5, 5), w)) if "convolution" in s["op"]]
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert not op_warm.replay_one(conv, cpu)  # cuDNN would time its algorithms under the helpers' load
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert op_warm.replay_one(conv, cpu)
+
+
+def test_the_cache_keeps_the_newest_lists(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(op_warm, "_MAX_LISTS", 3)
+    for i in range(5):
+        assert op_warm.save(f"k{i}", [])
+        os.utime(op_warm._path(f"k{i}"), (1000 + i, 1000 + i))
+    assert op_warm.save("k5", [])
+    assert sorted(p.stem for p in (tmp_path / "cache" / "ops").iterdir()) == ["k3", "k4", "k5"]
+
+
+def test_cancel_leaves_the_ops_not_yet_started(monkeypatch):
+    import time
+
+    monkeypatch.setattr(op_warm, "replay_one", lambda spec, device: time.sleep(0.01) or True)
+    warm = op_warm.OpWarm([{"op": "x"}] * 200, torch.device("cpu"))
+    warm.cancel()
+    warm.join()
+    assert warm.done < 200
+
+
+def test_run_keys_are_the_same_in_every_process_and_follow_what_changes_kernels():
+    from torchloom import TargetPropConfig
+    from torchloom.trainers.loop import _OP_SETTINGS, _describe
+
+    class Obs:
+        def on_epoch_end(self, *a):
+            pass
+
+    def described(**kw):
+        cfg = TrainingConfig(**kw)
+        return _describe([cfg.method, *[getattr(cfg, n) for n in _OP_SETTINGS]])
+
+    a = described(method=TargetPropConfig(learning_rate=0.01), observers=[Obs()], optimizer="sgd")
+    b = described(method=TargetPropConfig(learning_rate=0.05), observers=[Obs()], optimizer="sgd", epochs=7, seed=3)
+    assert a == b and "0x" not in repr(a)  # no address, no rate's size, no epochs or seed
+    assert described(method=TargetPropConfig(mode="pure")) != described(method=TargetPropConfig())
+    assert described(gradient_clip=1.0) != described() and described(gradient_clip=1.0) == described(gradient_clip=2.0)

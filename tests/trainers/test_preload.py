@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -241,16 +243,14 @@ def _data(bad=False):
 
 
 @pytest.mark.parametrize("method", ["backprop", "target_prop", "tween"])
-def test_fit_joins_the_preload_as_it_ends_and_after_a_failure(monkeypatch, method):
-    """The run goes on beside the preload threads (Python's import locks hand each module to one
-    importer) and joins them before ``fit`` returns or raises."""
+def test_fit_joins_the_preload_before_the_runner_and_after_a_failure(monkeypatch, method):
     from torchloom import Dense, Network, TrainingConfig, train
 
     cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type="mse")
     log = []
     _wired(monkeypatch, log)
     train(Network(Dense(3, 2)), _data(), cfg)
-    assert log == ["runner", "join"], log  # not waited for before the runner: joined as fit ends
+    assert log[:2] == ["join", "runner"], log  # joined first; the finally's join after it is a no-op
     monkeypatch.undo()
     with pytest.raises(ValueError) as plain:
         train(Network(Dense(3, 2)), _data(bad=True), cfg)
@@ -277,3 +277,32 @@ def test_no_preload_beside_dataloader_workers_or_off_cuda(monkeypatch):
     assert not started
     assert trainer._start_preload(torch.utils.data.DataLoader(data, batch_size=4)) is not None
     assert started == [trainer.device_kernel_modules()]
+
+
+def test_the_system_questions_wait_for_triton_s_package(tmp_path, monkeypatch):
+    """The questions' thread imports Triton's submodules only once the other thread has imported the
+    package (two threads importing into a half-imported package can each get a half-made module),
+    and asks nothing when Triton is missing."""
+    from torchloom.kernels import _preload
+
+    events = []
+
+    def slow_package():
+        events.append("package started")
+        time.sleep(0.2)
+        events.append("package imported")
+        return True
+
+    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    monkeypatch.setattr(_preload, "_warm_tools", lambda arch: events.append(f"questions {arch}"))
+    monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton") or types.ModuleType("triton"))
+    _probe_module(tmp_path, monkeypatch, "preload_order_mod")
+    Preload(["preload_order_mod"], arch=90).join()
+    assert events == ["package started", "package imported", "questions 90"]
+
+    events.clear()
+    monkeypatch.setattr(_preload, "_warm_triton", lambda: events.append("no package") or False)
+    monkeypatch.delitem(sys.modules, "triton")
+    _probe_module(tmp_path, monkeypatch, "preload_order_mod2")
+    Preload(["preload_order_mod2"], arch=90).join()
+    assert events == ["no package"]

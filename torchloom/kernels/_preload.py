@@ -8,12 +8,13 @@ all of it before the first step. Meanwhile the run's own thread spends much of i
 Python (copying batches to the GPU, loading cuBLAS's kernels on the first forward, reading label
 ranges), with the interpreter lock released: a helper thread can do Triton's imports then.
 
-``Preload(modules, arch)``: one thread imports Triton's modules and then ``modules``; a second asks
-the questions Triton's first launch would ask of the system (``_warm_tools``: a few subprocesses and
-file stats whose answers Triton remembers); ``join()`` waits for both. It only imports and asks, so the
-run's thread may go on meanwhile, importing and launching what it needs (Python's module locks hand
-each module to one importer; Triton's runtime objects, such as its driver, are made by the run's
-thread alone). While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
+``Preload(modules, arch)``: one thread imports Triton's modules and then ``modules``; once Triton's
+package is imported, a second asks the questions Triton's first launch would ask of the system
+(``_warm_tools``: a few subprocesses and file stats whose answers Triton remembers); ``join()`` waits
+for both. They only import and ask (Triton's runtime objects, such as its driver, are made by the
+run's thread alone). The engine joins them before it builds its device runner, that is before the
+run's thread imports or launches any Triton kernel itself: two threads importing into a package
+that is still being imported can each find the other's module half made. While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
 run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
@@ -95,8 +96,8 @@ def _warm_tools(arch: int | None) -> None:
     executable (``platform_key``, part of every launcher's cache key, 10 ms), ``ldconfig -p`` (where
     ``libcuda`` is) and ``ptxas --version`` twice (part of every kernel's cache key, for the GPU's
     ``arch``, e.g. 90). Subprocesses, waited for with the interpreter lock released: they run on a
-    thread of their own beside the imports (their modules wait for Triton's package, which the
-    importing thread is loading)."""
+    thread of their own, beside the imports of Triton's languages and of the kernel modules, once
+    Triton's package has been imported."""
     _ask("triton.runtime.build", "platform_key")
     _ask("triton.backends.nvidia.driver", "library_dirs")
     if arch is not None:
@@ -116,7 +117,11 @@ class Preload:
         self._threads: list[threading.Thread] = []
         if missing:
             # one thread imports, one asks the system's questions (waiting for Triton's package first)
-            jobs = [(self._imports, (missing,), "torchloom-preload"), (_warm_tools, (arch,), "torchloom-preload-tools")]
+            imported = threading.Event()  # set once Triton's package is imported, or found missing
+            jobs = [
+                (self._imports, (missing, imported), "torchloom-preload"),
+                (self._tools, (arch, imported), "torchloom-preload-tools"),
+            ]
             for target, args, name in jobs:
                 # while both threads run Python, the run's thread takes the interpreter lock back within
                 # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock);
@@ -143,8 +148,11 @@ class Preload:
             _restore_switch_interval()
 
     @staticmethod
-    def _imports(modules: list[str]) -> None:
-        triton = _warm_triton()
+    def _imports(modules: list[str], imported: threading.Event) -> None:
+        try:
+            triton = _warm_triton()
+        finally:
+            imported.set()
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -152,6 +160,14 @@ class Preload:
                 pass
         if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
             _ask("triton.runtime.cache", "triton_key")
+
+    @staticmethod
+    def _tools(arch: int | None, imported: threading.Event) -> None:
+        # Triton's submodules only once its package is whole: two threads importing into a package
+        # that is still being imported can each find the other's module half made
+        imported.wait()
+        if "triton" in sys.modules:
+            _warm_tools(arch)
 
     def join(self) -> None:
         """Wait for the threads (at once when none was started or they have finished)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import enum
 import math
 import os
@@ -552,21 +553,22 @@ class Trainer:
         its check mid-epoch, or any error inside an epoch, puts the model and the trainer's state
         back as they were at the start of that epoch before the error propagates. On CUDA, helper
         threads import Triton and the device step's kernel modules meanwhile (``kernels/_preload.py``;
-        the run goes on beside them, and they have ended before ``fit`` returns or raises), and load
-        the PyTorch kernels an earlier run of the same model, method and batch shapes noted
-        (``op_warm.py``; ended before the first CUDA graph capture)."""
+        they have ended before the device runner is built, or before ``fit`` raises), and load the
+        PyTorch kernels an earlier run of the same model, method and batch shapes noted
+        (``op_warm.py``; ended before the engine's first CUDA graph capture, or before ``fit``
+        returns or raises)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         cfg = self.training
         self.preflight()
         preload = self._start_preload(batches)
-        self._start_op_warm(batches)
         try:
-            return self._fit(batches, epochs, cfg, track_perf)
+            self._start_op_warm(batches)
+            return self._fit(batches, epochs, cfg, preload, track_perf)
         finally:
             if preload is not None:  # a run that failed before its runner leaves no thread behind
                 preload.join()
-            self.join_op_warm()
+            self.join_op_warm(cancel=True)
             self._op_record_key = None  # a run that never replayed a graph keeps nothing
             self.__dict__.pop("_op_specs", None)
 
@@ -598,17 +600,20 @@ class Trainer:
         self._op_record_key = None
         if self.device.type != "cuda" or not self.device_ready() or not op_warm.enabled():
             return
-        data = _data_signature(batches, self.training)
-        if data is None:
+        try:  # a hint: anything that goes wrong here means no warming, never a failed run
+            data = _data_signature(batches, self.training)
+            if data is None:
+                return
+            cfg = self.training
+            settings = [getattr(cfg, name, None) for name in _OP_SETTINGS]
+            params = [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
+            key = op_warm.run_key([
+                torch.cuda.get_device_name(self.device), type(self).__qualname__, _describe(cfg.method),
+                _describe(settings), repr(self.model), params, data,
+            ])
+            specs = op_warm.load(key)
+        except Exception:  # noqa: BLE001
             return
-        cfg = self.training
-        settings = [getattr(cfg, name, None) for name in _OP_SETTINGS]
-        params = [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
-        key = op_warm.run_key([
-            torch.cuda.get_device_name(self.device), type(self).__qualname__, getattr(self, "config", None),
-            _describe(settings), repr(self.model), params, data,
-        ])
-        specs = op_warm.load(key)
         if specs:
             self._op_warm = op_warm.OpWarm(specs, self.device)
         else:
@@ -635,17 +640,21 @@ class Trainer:
 
             save(key, specs)
 
-    def join_op_warm(self) -> None:
-        """Wait for the helper threads warming kernels, if any (before a CUDA graph capture)."""
+    def join_op_warm(self, cancel: bool = False) -> None:
+        """Wait for the helper threads warming kernels, if any (before a CUDA graph capture);
+        ``cancel``: the ops not yet started are left (the run is ending)."""
         warm = getattr(self, "_op_warm", None)
         if warm is not None:
+            if cancel:
+                warm.cancel()
             warm.join()
             self._op_warm = None
 
-    def _get_ready(self, batches: Any, epochs: int, cfg: Any) -> tuple:
+    def _get_ready(self, batches: Any, epochs: int, cfg: Any, preload: Any) -> tuple:
         """Everything before the first epoch, in ``fit``'s order: the data converted and checked, the
-        checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, and
-        the device runner. Returns ``(source, validation, history, observers, first_epoch)``."""
+        checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, the
+        preload threads joined, and the device runner. Returns ``(source, validation, history,
+        observers, first_epoch)``."""
         source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
         if self.dist is not None:
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
@@ -670,14 +679,16 @@ class Trainer:
         first_epoch = 0
         if resume is not None:
             first_epoch = self._restore_checkpoint(resume, history)
+        if preload is not None:  # the runner imports and launches Triton's kernels on this thread
+            preload.join()
         self._build_runner()
         return source, validation, history, observers, first_epoch
 
-    def _fit(self, batches: Any, epochs: int, cfg: Any, track_perf: bool) -> TrainingResult:
+    def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
         from .op_warm import recording
 
         with recording(self.op_recorder()):  # a first run notes the kernels its start launches (op_warm.py)
-            source, validation, history, observers, first_epoch = self._get_ready(batches, epochs, cfg)
+            source, validation, history, observers, first_epoch = self._get_ready(batches, epochs, cfg, preload)
 
         perf: list[dict[str, float]] | None = [] if track_perf else None
         total_samples = 0
@@ -887,7 +898,7 @@ def user_stacklevel() -> int:
 
 def _moved(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     """``t`` on ``device`` in ``dtype``, itself when it is already (no PyTorch call: each releases and
-    takes back the interpreter lock, a wait while the preload thread holds it)."""
+    takes back the interpreter lock, a wait while a helper thread holds it)."""
     if t.device == device and t.dtype == dtype:
         return t
     return t.to(device, dtype=dtype, non_blocking=True)
@@ -967,12 +978,18 @@ _OP_SETTINGS = (
 
 
 def _describe(value: Any) -> Any:
-    """``value`` for a run key: objects by class name (an optimizer or a schedule, whose repr may
-    hold addresses), plain values and containers as they are."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """``value`` for a run key, the same in every process: objects by class name (an optimizer or a
+    schedule, whose repr may hold addresses), a method's config field by field, a float by whether
+    it is zero (a rate's or a clip's size launches no other kernel), other plain values and
+    containers as they are."""
+    if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, float):
+        return value != 0.0
     if isinstance(value, (list, tuple)):
         return [_describe(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [type(value).__qualname__, *[(f.name, _describe(getattr(value, f.name))) for f in dataclasses.fields(value)]]
     return type(value).__qualname__
 
 

@@ -8,26 +8,30 @@ first products 25–35 ms, ``relu`` 14 ms, the float64 copy 9 ms, the comparison
 6 ms, ``stack`` 5 ms, ...) and ~40 ms when each is loaded on a thread of its own: a short run's
 start. Which kernels a step launches is known only once a step has run, so the engine remembers it:
 
-* ``OpRecorder``: a ``TorchDispatchMode`` over the masked warm-up steps and the first replay of a
-  graph-captured run. It notes every aten op on the run's CUDA device with the shapes, strides and
-  dtypes of its tensors; it keeps no tensor. Only ops whose kernels read no value as an index or a
-  count are noted: pointwise ops, reductions, matrix products, copies, concatenation, the norms',
+* ``OpRecorder``: a ``TorchDispatchMode`` over the run's start (the batches' conversion and checks,
+  the device state's layout: ``Trainer._get_ready``), its masked warm-up steps and its first replay.
+  It notes every aten op on the run's CUDA device with the shapes, strides and dtypes of its tensors
+  and the bytes it returned; it keeps no tensor. Only ops whose kernels read no value as an index or
+  a count are noted: pointwise ops, reductions, matrix products, copies, concatenation, the norms',
   softmaxes' and convolutions' own kernels (``_warmable``); ops drawing random numbers never (a
   replay must not move the run's random stream).
-* ``save(key, specs)`` / ``load(key)``: one small JSON file per run key (``run_key``: PyTorch's and
-  CUDA's versions, the GPU, the method, the model, the batches' shapes, the settings that change the
-  step's ops) in torchloom's cache directory (``cache_dir``), written atomically.
+* ``save(key, specs)`` / ``load(key)``: one small JSON file per run key (``run_key``: torchloom's,
+  PyTorch's and CUDA's versions, the GPU, the method, the model, the batches' shapes, the settings
+  that change the step's ops) in torchloom's cache directory (``cache_dir``), written atomically; the
+  64 most recently written are kept.
 * ``OpWarm(specs, device)``: up to 8 daemon threads run every noted op once on scratch tensors of
-  the noted layout, never on the run's tensors; ``join()`` waits for them.
-  The engine starts them as ``fit`` starts, when the key has a file, and joins them before its
-  first CUDA graph capture and before ``fit`` returns. The run's thread meanwhile converts and checks
-  the data, loads Triton's kernels and runs its warm-up steps; a kernel a helper is loading is waited
-  for, not loaded twice.
+  the noted layout, never on the run's tensors; ``join()`` waits for them. The engine starts them as
+  ``fit`` starts, when the key has a file, and joins them before its first CUDA graph capture (and,
+  leaving the ops not yet started, as ``fit`` returns or raises). The run's thread meanwhile converts
+  and checks the data and runs its first steps; a kernel a helper is loading is waited for, not
+  loaded twice.
 
 A list is a hint: a stale one (a changed step) warms kernels nobody uses and misses some that the
-run's thread then loads itself, and an op that fails on scratch tensors is skipped. Scratch tensors
-of one op are at most 64 MB. ``TORCHLOOM_WARM_OPS=0`` in the environment switches recording and
-warming off.
+run's thread then loads itself, and an op that fails on scratch tensors is skipped. A replay keeps to
+what a recorder would note, and to 64 MB of scratch inputs and outputs per op; with
+``torch.backends.cudnn.benchmark`` on, convolutions are left to the run (cuDNN would time its
+algorithms under the helpers' load and keep its pick). ``TORCHLOOM_WARM_OPS=0`` in the environment
+switches recording and warming off.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["OpRecorder", "OpWarm", "cache_dir", "enabled", "load", "run_key", "save"]
 
 _THREADS = 8
-_MAX_SCRATCH_BYTES = 64 << 20
+_MAX_SCRATCH_BYTES = 64 << 20  # one op's scratch inputs and outputs
+_MAX_LISTS = 64  # lists kept in the cache directory (the most recently written)
 _FORMAT = 1  # bumped when the file's layout changes
 
 # ops (by name, whatever the overload) whose kernels read no tensor value as an index, a count or a
@@ -62,6 +67,7 @@ _ALLOWED = frozenset({
     "convolution", "convolution_backward", "cudnn_convolution", "mse_loss", "mse_loss_backward",
     "sum", "mean", "amax", "amin", "aminmax", "norm", "linalg_vector_norm", "all", "any",
 })
+_CONVOLUTIONS = frozenset({"convolution", "convolution_backward", "cudnn_convolution"})
 _UNSAFE_TAGS = ("nondeterministic_seeded", "data_dependent_output", "dynamic_output_shape")
 
 
@@ -106,7 +112,7 @@ def _encode(a: Any, device: torch.device) -> Any:
     if isinstance(a, torch.dtype):
         return {"dtype": str(a).removeprefix("torch.")}
     if isinstance(a, torch.device):
-        if a.type != device.type:
+        if a.type != device.type or (a.index is not None and a.index != device.index):
             raise _Unwarmable
         return {"device": True}
     if isinstance(a, (torch.memory_format, torch.layout)):
@@ -132,7 +138,8 @@ class OpRecorder(TorchDispatchMode):
         if _warmable(func):
             try:
                 spec = {"op": f"{func._schema.name}.{func._overloadname}", "args": _encode(list(args), self.device),
-                        "kwargs": {k: _encode(v, self.device) for k, v in kwargs.items()}}
+                        "kwargs": {k: _encode(v, self.device) for k, v in kwargs.items()},
+                        "out_bytes": _bytes_of(out)}
             except _Unwarmable:
                 return out
             if not _touches(spec["args"]) and not _touches(list(spec["kwargs"].values())):
@@ -142,6 +149,15 @@ class OpRecorder(TorchDispatchMode):
                 self._seen.add(text)
                 self.specs.append(spec)
         return out
+
+
+def _bytes_of(out: Any) -> int:
+    """Bytes of the tensors an op returned (what a replay of it allocates beside its inputs)."""
+    if isinstance(out, Tensor):
+        return out.untyped_storage().nbytes() if out.layout == torch.strided else 0
+    if isinstance(out, (list, tuple)):
+        return sum(_bytes_of(o) for o in out)
+    return 0
 
 
 def _touches(encoded: Any) -> bool:
@@ -181,15 +197,20 @@ def load(key: str) -> list[dict] | None:
 
 
 def save(key: str, specs: list[dict]) -> bool:
-    """Keep ``specs`` for ``key`` (atomically: a reader sees the old file or the new one). False when
-    the cache directory cannot be written; nothing raises."""
+    """Keep ``specs`` for ``key`` (atomically: a reader sees the old file or the new one), and only the
+    64 most recently written lists. False when the cache directory cannot be written; nothing
+    raises."""
     from ..kernels._key_cache import _write_atomically
 
     try:
         _write_atomically(_path(key), json.dumps({"format": _FORMAT, "ops": specs}))
-        return True
     except (OSError, TypeError, ValueError):
         return False
+    with contextlib.suppress(OSError):  # the newest lists stay: one per model, method and shapes run lately
+        lists = sorted(_path(key).parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in lists[_MAX_LISTS:]:
+            old.unlink()
+    return True
 
 
 # ------------------------------------------------------------------------------------ the replay
@@ -199,11 +220,18 @@ def _resolve(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+def _torch_attr(name: Any, kind: Any) -> Any:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, kind):
+        raise _Unwarmable
+    return value
+
+
 def _decode(e: Any, device: torch.device, budget: list[int]) -> Any:
     if isinstance(e, dict):
         if "t" in e:
             shape, stride, dtype_name, misalign = e["t"]
-            dtype = getattr(torch, dtype_name)
+            dtype = _torch_attr(dtype_name, torch.dtype)
             extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
             size = extent + misalign
             budget[0] -= size * dtype.itemsize
@@ -215,11 +243,11 @@ def _decode(e: Any, device: torch.device, budget: list[int]) -> Any:
         if "l" in e:
             return [_decode(v, device, budget) for v in e["l"]]
         if "dtype" in e:
-            return getattr(torch, e["dtype"])
+            return _torch_attr(e["dtype"], torch.dtype)
         if "device" in e:
             return device
         if "enum" in e:
-            return getattr(torch, e["enum"])
+            return _torch_attr(e["enum"], (torch.memory_format, torch.layout))
         raise _Unwarmable
     return e
 
@@ -229,7 +257,13 @@ def replay_one(spec: dict, device: torch.device) -> bool:
     raises)."""
     try:
         func = _resolve(spec["op"])
-        budget = [_MAX_SCRATCH_BYTES]
+        if not _warmable(func):  # a list from elsewhere, or an older torchloom: only what a recorder keeps
+            return False
+        if _CONVOLUTIONS & {func._schema.name.split("::")[-1]} and torch.backends.cudnn.benchmark:
+            return False  # cuDNN would time its algorithms here, under the helpers' load, and keep its pick
+        budget = [_MAX_SCRATCH_BYTES - int(spec.get("out_bytes", 0))]
+        if budget[0] < 0:
+            return False
         args = _decode(spec["args"], device, budget)
         kwargs = {k: _decode(v, device, budget) for k, v in spec.get("kwargs", {}).items()}
         with torch.no_grad():
@@ -271,7 +305,7 @@ class OpWarm:
         try:
             thread.start()
             return True
-        except RuntimeError:  # no more threads to be had: those started do the work
+        except Exception:  # noqa: BLE001 - no more threads to be had: those started do the work
             with self._lock:
                 self._threads.remove(thread)
             for _ in range(i, self._planned):
@@ -304,6 +338,11 @@ class OpWarm:
                         self.done += 1
         finally:
             self._thread_ended()
+
+    def cancel(self) -> None:
+        """Leave the ops not yet started (a run that ends or fails needs none of them)."""
+        with self._lock:
+            self._next = len(self._queue)
 
     def join(self) -> None:
         """Wait for every thread (at once when none was started or all have ended)."""
