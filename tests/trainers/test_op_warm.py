@@ -270,3 +270,15 @@ def test_run_keys_are_the_same_in_every_process_and_follow_what_changes_kernels(
     assert a == b and "0x" not in repr(a)  # no address, no rate's size, no epochs or seed
     assert described(method=TargetPropConfig(mode="pure")) != described(method=TargetPropConfig())
     assert described(gradient_clip=1.0) != described() and described(gradient_clip=1.0) == described(gradient_clip=2.0)
+
+
+def test_noting_never_fails_the_op_it_watches(monkeypatch):
+    def broken(func):
+        raise AttributeError("an operator without a schema")
+
+    monkeypatch.setattr(op_warm, "_warmable", broken)
+    x = torch.randn(3)
+    rec = op_warm.OpRecorder(torch.device("cpu"))
+    with rec:
+        y = torch.exp(x)
+    assert torch.equal(y, torch.exp(x)) and rec.specs == []

@@ -306,3 +306,28 @@ def test_the_system_questions_wait_for_triton_s_package(tmp_path, monkeypatch):
     _probe_module(tmp_path, monkeypatch, "preload_order_mod2")
     Preload(["preload_order_mod2"], arch=90).join()
     assert events == ["no package"]
+
+
+def test_a_launch_on_another_thread_waits_for_the_imports(tmp_path, monkeypatch):
+    """``use_triton`` answering yes (a launch follows, which imports Triton's modules lazily) waits for
+    a preload thread still importing; answering no never waits."""
+    pytest.importorskip("triton")
+    from torchloom.kernels import _preload
+    from torchloom.kernels._triton import use_triton
+
+    done = []
+
+    def slow_package():
+        time.sleep(0.3)
+        done.append(True)
+        return False
+
+    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that a CPU tensor may take the Triton path
+    _probe_module(tmp_path, monkeypatch, "preload_wait_mod")
+    preload = Preload(["preload_wait_mod"])
+    assert not use_triton(torch.zeros(2), "reference") and not done  # the reference: no wait
+    assert use_triton(torch.zeros(2), "triton")
+    assert done  # returned only once the imports had ended
+    preload.join()
+    assert not _preload._importing

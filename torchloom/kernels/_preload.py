@@ -12,9 +12,11 @@ ranges), with the interpreter lock released: a helper thread can do Triton's imp
 package is imported, a second asks the questions Triton's first launch would ask of the system
 (``_warm_tools``: a few subprocesses and file stats whose answers Triton remembers); ``join()`` waits
 for both. They only import and ask (Triton's runtime objects, such as its driver, are made by the
-run's thread alone). The engine joins them before it builds its device runner, that is before the
-run's thread imports or launches any Triton kernel itself: two threads importing into a package
-that is still being imported can each find the other's module half made. While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
+run's thread alone). Two threads importing into a package that is still being imported can each
+find the other's module half made, so a thread about to launch a Triton kernel first waits for the
+importing thread (``wait_for_imports``, asked by ``_triton.use_triton``: a layer's forward that
+checks the batches may launch one), and the engine joins both before it builds its device runner.
+While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
 PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
 the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
 run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
@@ -34,13 +36,25 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Preload"]
+__all__ = ["Preload", "wait_for_imports"]
 
 _SWITCH_INTERVAL = 2e-4  # seconds: Python's switch interval while the thread runs (default 5e-3)
 # preload threads running at once (runs started from several threads): the first to start saves the
 # process's interval, the last to end puts it back
 _running = {"count": 0, "saved": 0.0}
 _running_lock = threading.Lock()
+# import threads running now: another thread's first Triton launch waits for them (``wait_for_imports``)
+_importing: list[threading.Thread] = []
+
+
+def wait_for_imports() -> None:
+    """Wait for every preload thread still importing Triton's modules (none: at once). Called before
+    a thread's Triton launch (``_triton.use_triton``): a launch imports Triton's modules lazily (Triton
+    3.6's ``triton.experimental.gluon``), and a submodule imported while another thread is still
+    importing its package can come out half made."""
+    for thread in list(_importing):
+        if thread is not threading.current_thread():
+            thread.join()
 
 
 def _shorten_switch_interval() -> None:
@@ -128,10 +142,16 @@ class Preload:
                 # each thread puts its share of the interval back as it ends, joined or not
                 thread = threading.Thread(target=self._ended_after, args=(target, args), name=name, daemon=True)
                 _shorten_switch_interval()
+                if target is self._imports:
+                    _importing.append(thread)
                 try:
                     thread.start()
                 except RuntimeError:  # no thread to be had: the run imports what it needs itself
                     _restore_switch_interval()
+                    with contextlib.suppress(ValueError):
+                        _importing.remove(thread)
+                    if target is self._imports:
+                        imported.set()  # the questions' thread must not wait for it
                     continue
                 self._threads.append(thread)
 
@@ -150,16 +170,20 @@ class Preload:
     @staticmethod
     def _imports(modules: list[str], imported: threading.Event) -> None:
         try:
-            triton = _warm_triton()
-        finally:
-            imported.set()
-        for name in modules:
             try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
-                pass
-        if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
-            _ask("triton.runtime.cache", "triton_key")
+                triton = _warm_triton()
+            finally:
+                imported.set()
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
+                    pass
+            if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
+                _ask("triton.runtime.cache", "triton_key")
+        finally:
+            with contextlib.suppress(ValueError):
+                _importing.remove(threading.current_thread())
 
     @staticmethod
     def _tools(arch: int | None, imported: threading.Event) -> None:

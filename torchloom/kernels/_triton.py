@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from . import _preload
+
 __all__ = [
     "BACKENDS",
     "KERNEL_DTYPES",
@@ -68,7 +70,10 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[t
         return False
     dtype_ok = dtypes is None or tensor.dtype in dtypes
     if backend is None:
-        return tensor.is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
+        chosen = tensor.is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
+        if chosen and _preload._importing:  # a launch follows: Triton's modules must be whole first
+            _preload.wait_for_imports()
+        return chosen
     if not triton_available():
         raise RuntimeError("backend='triton' was requested but the triton package is not installed")
     if not tensor.is_cuda and not interpreter_enabled():
@@ -78,6 +83,8 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[t
         )
     if not dtype_ok:
         raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {tensor.dtype}; use backend=None or 'reference'")
+    if _preload._importing:
+        _preload.wait_for_imports()
     return True
 
 

@@ -135,20 +135,25 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _warmable(func):
-            try:
-                spec = {"op": f"{func._schema.name}.{func._overloadname}", "args": _encode(list(args), self.device),
-                        "kwargs": {k: _encode(v, self.device) for k, v in kwargs.items()},
-                        "out_bytes": _bytes_of(out)}
-            except _Unwarmable:
-                return out
-            if not _touches(spec["args"]) and not _touches(list(spec["kwargs"].values())):
-                return out  # factory ops with no device tensor in or out are noted through their fill
-            text = json.dumps(spec, sort_keys=True)
-            if text not in self._seen:
-                self._seen.add(text)
-                self.specs.append(spec)
+        with contextlib.suppress(Exception):  # noting is a hint: it never fails the op it watches
+            self._note(func, args, kwargs, out)
         return out
+
+    def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not _warmable(func):
+            return
+        try:
+            spec = {"op": f"{func._schema.name}.{func._overloadname}", "args": _encode(list(args), self.device),
+                    "kwargs": {k: _encode(v, self.device) for k, v in kwargs.items()},
+                    "out_bytes": _bytes_of(out)}
+        except _Unwarmable:
+            return
+        if not _touches(spec["args"]) and not _touches(list(spec["kwargs"].values())):
+            return  # no tensor on the device in or out (a factory op for another device)
+        text = json.dumps(spec, sort_keys=True)
+        if text not in self._seen:
+            self._seen.add(text)
+            self.specs.append(spec)
 
 
 def _bytes_of(out: Any) -> int:
