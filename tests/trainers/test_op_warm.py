@@ -253,23 +253,55 @@ def test_cancel_leaves_the_ops_not_yet_started(monkeypatch):
     assert warm.done < 200
 
 
-def test_run_keys_are_the_same_in_every_process_and_follow_what_changes_kernels():
+def _key_of(monkeypatch, data, **cfg):
+    """The run key ``Trainer._start_op_warm`` asks the cache for (the decision made as on a GPU)."""
+    from torchloom.trainers.train import make_trainer
+
+    asked = []
+    monkeypatch.setattr(op_warm, "load", lambda key: asked.append(key))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    torch.manual_seed(0)
+    trainer = make_trainer(Network(Dense(3, 4, "relu"), Dense(4, 2)), TrainingConfig(verbose=0, **cfg))
+    trainer.device = torch.device("cuda", 0)  # only the decision is exercised: no CUDA call is made
+    monkeypatch.setattr(type(trainer), "device_ready", lambda self: True)
+    trainer._start_op_warm(data)
+    assert len(asked) == 1 and trainer._op_record_key == asked[0]
+    return asked[0]
+
+
+def test_run_keys_are_the_same_in_every_process_and_follow_what_changes_kernels(monkeypatch):
     from torchloom import TargetPropConfig
-    from torchloom.trainers.loop import _OP_SETTINGS, _describe
+    from torchloom.trainers.schedules import linear_decay
 
     class Obs:
         def on_epoch_end(self, *a):
             pass
 
-    def described(**kw):
-        cfg = TrainingConfig(**kw)
-        return _describe([cfg.method, *[getattr(cfg, n) for n in _OP_SETTINGS]])
+    data = [(torch.randn(4, 3), torch.rand(4, 2)) for _ in range(3)]
+    a = _key_of(monkeypatch, data, method=TargetPropConfig(learning_rate=0.01), observers=[Obs()], scheduler=linear_decay(0.1, 0.01, 100))
+    b = _key_of(monkeypatch, data, method=TargetPropConfig(learning_rate=0.05), observers=[Obs(), Obs()],
+                scheduler=linear_decay(0.2, 0.02, 500), epochs=7, seed=3)
+    assert a == b  # no address, no rate's size, no epochs or seed in the key
+    assert _key_of(monkeypatch, data, method=TargetPropConfig(mode="pure")) != _key_of(monkeypatch, data, method=TargetPropConfig())
+    clip = _key_of(monkeypatch, data, gradient_clip=1)
+    assert clip == _key_of(monkeypatch, data, gradient_clip=2.5) != _key_of(monkeypatch, data)
+    assert _key_of(monkeypatch, data, loss_type="cross_entropy", method="backprop") != _key_of(monkeypatch, data, method="backprop")
+    assert _key_of(monkeypatch, data[:2]) != _key_of(monkeypatch, [*data[:2], (torch.randn(1, 3), torch.rand(1, 2))])
 
-    a = described(method=TargetPropConfig(learning_rate=0.01), observers=[Obs()], optimizer="sgd")
-    b = described(method=TargetPropConfig(learning_rate=0.05), observers=[Obs()], optimizer="sgd", epochs=7, seed=3)
-    assert a == b and "0x" not in repr(a)  # no address, no rate's size, no epochs or seed
-    assert described(method=TargetPropConfig(mode="pure")) != described(method=TargetPropConfig())
-    assert described(gradient_clip=1.0) != described() and described(gradient_clip=1.0) == described(gradient_clip=2.0)
+
+def test_an_in_place_op_on_a_view_of_a_big_buffer_is_not_charged_the_buffer():
+    buf = torch.zeros(1 << 24)  # 64 MB
+    view, src = buf[:1024], torch.ones(1024)
+    specs = _record(lambda: (view.copy_(src), view.add_(src), torch.exp(view)))
+    assert [s["out_bytes"] for s in specs] == [0, 0, 4096]
+    assert all(op_warm.replay_one(s, torch.device("cpu")) for s in specs)
+
+
+def test_torch_attributes_are_checked_for_their_kind():
+    assert op_warm._torch_attr("float32", torch.dtype) is torch.float32
+    for name, kind in (("manual_seed", torch.dtype), ("float32", torch.memory_format), (3, torch.dtype)):
+        with pytest.raises(op_warm._Unwarmable):
+            op_warm._torch_attr(name, kind)
 
 
 def test_noting_never_fails_the_op_it_watches(monkeypatch):

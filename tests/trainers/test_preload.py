@@ -331,3 +331,48 @@ def test_a_launch_on_another_thread_waits_for_the_imports(tmp_path, monkeypatch)
     assert done  # returned only once the imports had ended
     preload.join()
     assert not _preload._importing
+
+
+def test_the_default_backend_waits_too_and_never_raises_while_preloads_start(tmp_path, monkeypatch):
+    """``use_triton(t)`` (the default backend, what the layers ask) waits for the imports when it picks
+    Triton; a thread asking while preloads are being started (runs started from several threads) never
+    gets an error, whatever the moment."""
+    from types import SimpleNamespace
+
+    from torchloom.kernels import _preload, _triton
+
+    done = []
+
+    def slow_package():
+        time.sleep(0.2)
+        done.append(True)
+        return False
+
+    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    monkeypatch.setattr(_triton, "triton_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    on_gpu = SimpleNamespace(is_cuda=True, dtype=torch.float32)  # only the decision is exercised
+    _probe_module(tmp_path, monkeypatch, "preload_default_mod")
+    preload = Preload(["preload_default_mod"])
+    assert _triton.use_triton(on_gpu) and done
+    preload.join()
+
+    monkeypatch.setattr(_preload, "_warm_triton", lambda: False)
+    errors, stop = [], threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            try:
+                _preload.wait_for_imports()
+            except Exception as e:  # noqa: BLE001 - what the test looks for
+                errors.append(e)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        for _ in range(300):
+            Preload(["torchloom_no_such_module_xyz"]).join()
+    finally:
+        stop.set()
+        asker.join()
+    assert errors == [] and not _preload._importing

@@ -43,18 +43,28 @@ _SWITCH_INTERVAL = 2e-4  # seconds: Python's switch interval while the thread ru
 # process's interval, the last to end puts it back
 _running = {"count": 0, "saved": 0.0}
 _running_lock = threading.Lock()
-# import threads running now: another thread's first Triton launch waits for them (``wait_for_imports``)
-_importing: list[threading.Thread] = []
+# one Event per import thread not yet ended (set when it ends, or fails to start): another thread's
+# first Triton launch waits for them (``wait_for_imports``); an import thread never waits
+_importing: list[threading.Event] = []
+_this_thread = threading.local()
 
 
 def wait_for_imports() -> None:
     """Wait for every preload thread still importing Triton's modules (none: at once). Called before
     a thread's Triton launch (``_triton.use_triton``): a launch imports Triton's modules lazily (Triton
     3.6's ``triton.experimental.gluon``), and a submodule imported while another thread is still
-    importing its package can come out half made."""
-    for thread in list(_importing):
-        if thread is not threading.current_thread():
-            thread.join()
+    importing its package can come out half made. Never raises (a thread not yet started is waited
+    for through its Event)."""
+    if getattr(_this_thread, "imports", False):
+        return
+    for ended in list(_importing):
+        ended.wait()
+
+
+def _imports_ended(ended: threading.Event) -> None:
+    ended.set()
+    with contextlib.suppress(ValueError):
+        _importing.remove(ended)
 
 
 def _shorten_switch_interval() -> None:
@@ -130,30 +140,31 @@ class Preload:
             missing = []
         self._threads: list[threading.Thread] = []
         if missing:
-            # one thread imports, one asks the system's questions (waiting for Triton's package first)
+            # one thread imports; one asks the system's questions, once Triton's package is imported
             imported = threading.Event()  # set once Triton's package is imported, or found missing
-            jobs = [
-                (self._imports, (missing, imported), "torchloom-preload"),
-                (self._tools, (arch, imported), "torchloom-preload-tools"),
-            ]
-            for target, args, name in jobs:
-                # while both threads run Python, the run's thread takes the interpreter lock back within
-                # 0.2 ms of asking, not 5: it asks after every PyTorch call (each releases the lock);
-                # each thread puts its share of the interval back as it ends, joined or not
-                thread = threading.Thread(target=self._ended_after, args=(target, args), name=name, daemon=True)
-                _shorten_switch_interval()
-                if target is self._imports:
-                    _importing.append(thread)
-                try:
-                    thread.start()
-                except RuntimeError:  # no thread to be had: the run imports what it needs itself
-                    _restore_switch_interval()
-                    with contextlib.suppress(ValueError):
-                        _importing.remove(thread)
-                    if target is self._imports:
-                        imported.set()  # the questions' thread must not wait for it
-                    continue
-                self._threads.append(thread)
+            ended = threading.Event()
+            _importing.append(ended)
+            importer = threading.Thread(target=self._ended_after, args=(self._imports, (missing, imported, ended)),
+                                        name="torchloom-preload", daemon=True)
+            if not self._start(importer):
+                _imports_ended(ended)
+                imported.set()  # the questions' thread must not wait for it
+            asker = threading.Thread(target=self._ended_after, args=(self._tools, (arch, imported)),
+                                     name="torchloom-preload-tools", daemon=True)
+            self._start(asker)
+
+    def _start(self, thread: threading.Thread) -> bool:
+        # while the threads run Python, the run's thread takes the interpreter lock back within 0.2 ms
+        # of asking, not 5: it asks after every PyTorch call (each releases the lock); each thread
+        # puts its share of the interval back as it ends, joined or not
+        _shorten_switch_interval()
+        try:
+            thread.start()
+        except Exception:  # noqa: BLE001 - no thread to be had: the run imports what it needs itself
+            _restore_switch_interval()
+            return False
+        self._threads.append(thread)
+        return True
 
     @property
     def started(self) -> bool:
@@ -168,7 +179,8 @@ class Preload:
             _restore_switch_interval()
 
     @staticmethod
-    def _imports(modules: list[str], imported: threading.Event) -> None:
+    def _imports(modules: list[str], imported: threading.Event, ended: threading.Event) -> None:
+        _this_thread.imports = True
         try:
             try:
                 triton = _warm_triton()
@@ -182,8 +194,7 @@ class Preload:
             if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
                 _ask("triton.runtime.cache", "triton_key")
         finally:
-            with contextlib.suppress(ValueError):
-                _importing.remove(threading.current_thread())
+            _imports_ended(ended)
 
     @staticmethod
     def _tools(arch: int | None, imported: threading.Event) -> None:

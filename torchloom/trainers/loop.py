@@ -606,9 +606,10 @@ class Trainer:
                 return
             cfg = self.training
             settings = [getattr(cfg, name, None) for name in _OP_SETTINGS]
+            settings[_OP_SETTINGS.index("gradient_clip")] = bool(cfg.gradient_clip)  # on or off, not its size
             params = [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
             key = op_warm.run_key([
-                torch.cuda.get_device_name(self.device), type(self).__qualname__, _describe(cfg.method),
+                torch.cuda.get_device_name(self.device), type(self).__qualname__, _describe_method(cfg.method),
                 _describe(settings), repr(self.model), params, data,
             ])
             specs = op_warm.load(key)
@@ -979,18 +980,25 @@ _OP_SETTINGS = (
 
 def _describe(value: Any) -> Any:
     """``value`` for a run key, the same in every process: objects by class name (an optimizer or a
-    schedule, whose repr may hold addresses), a method's config field by field, a float by whether
-    it is zero (a rate's or a clip's size launches no other kernel), other plain values and
-    containers as they are."""
-    if value is None or isinstance(value, (bool, int, str)):
+    schedule, whose repr may hold addresses), plain values and containers as they are."""
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, float):
-        return value != 0.0
     if isinstance(value, (list, tuple)):
         return [_describe(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [type(value).__qualname__, *[(f.name, _describe(getattr(value, f.name))) for f in dataclasses.fields(value)]]
     return type(value).__qualname__
+
+
+def _describe_method(method: Any) -> Any:
+    """``TrainingConfig.method`` for a run key: a name as it is; a config by class and field by field,
+    each number by whether it is zero (a rate's size launches no other kernel, a switched-off rule
+    may), other fields as ``_describe``."""
+    if not dataclasses.is_dataclass(method) or isinstance(method, type):
+        return _describe(method)
+    fields = []
+    for f in dataclasses.fields(method):
+        v = getattr(method, f.name)
+        fields.append((f.name, v != 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else _describe(v)))
+    return [type(method).__qualname__, *fields]
 
 
 def _data_signature(batches: Any, cfg: Any) -> Any:

@@ -18,7 +18,7 @@ start. Which kernels a step launches is known only once a step has run, so the e
 * ``save(key, specs)`` / ``load(key)``: one small JSON file per run key (``run_key``: torchloom's,
   PyTorch's and CUDA's versions, the GPU, the method, the model, the batches' shapes, the settings
   that change the step's ops) in torchloom's cache directory (``cache_dir``), written atomically; the
-  64 most recently written are kept.
+  64 most recently written or read are kept.
 * ``OpWarm(specs, device)``: up to 8 daemon threads run every noted op once on scratch tensors of
   the noted layout, never on the run's tensors; ``join()`` waits for them. The engine starts them as
   ``fit`` starts, when the key has a file, and joins them before its first CUDA graph capture (and,
@@ -145,7 +145,7 @@ class OpRecorder(TorchDispatchMode):
         try:
             spec = {"op": f"{func._schema.name}.{func._overloadname}", "args": _encode(list(args), self.device),
                     "kwargs": {k: _encode(v, self.device) for k, v in kwargs.items()},
-                    "out_bytes": _bytes_of(out)}
+                    "out_bytes": _bytes_of(func, out)}
         except _Unwarmable:
             return
         if not _touches(spec["args"]) and not _touches(list(spec["kwargs"].values())):
@@ -156,13 +156,23 @@ class OpRecorder(TorchDispatchMode):
             self.specs.append(spec)
 
 
-def _bytes_of(out: Any) -> int:
-    """Bytes of the tensors an op returned (what a replay of it allocates beside its inputs)."""
-    if isinstance(out, Tensor):
-        return out.untyped_storage().nbytes() if out.layout == torch.strided else 0
-    if isinstance(out, (list, tuple)):
-        return sum(_bytes_of(o) for o in out)
-    return 0
+def _bytes_of(func: Any, out: Any) -> int:
+    """Bytes a replay of ``func`` allocates for what it returns, beside its inputs: none for an op
+    that returns (views of) its inputs (in-place and ``out=`` ops), else each returned tensor's
+    extent."""
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return 0
+
+    def extent(t: Any) -> int:
+        if isinstance(t, Tensor):
+            if t.layout != torch.strided or any(n == 0 for n in t.shape):
+                return 0
+            return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        if isinstance(t, (list, tuple)):
+            return sum(extent(o) for o in t)
+        return 0
+
+    return extent(out)
 
 
 def _touches(encoded: Any) -> bool:
@@ -192,18 +202,21 @@ def _path(key: str) -> Path:
 
 def load(key: str) -> list[dict] | None:
     """The noted ops of ``key``'s runs, or None (no file, or one that cannot be read)."""
+    path = _path(key)
     try:
-        data = json.loads(_path(key).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("ops"), list):
         return None
+    with contextlib.suppress(OSError):  # in use: among the newest, so ``save`` keeps it
+        os.utime(path)
     return data["ops"]
 
 
 def save(key: str, specs: list[dict]) -> bool:
     """Keep ``specs`` for ``key`` (atomically: a reader sees the old file or the new one), and only the
-    64 most recently written lists. False when the cache directory cannot be written; nothing
+    64 most recently written or read lists. False when the cache directory cannot be written; nothing
     raises."""
     from ..kernels._key_cache import _write_atomically
 
