@@ -308,6 +308,22 @@ def test_the_system_questions_wait_for_triton_s_package(tmp_path, monkeypatch):
     assert events == ["no package"]
 
 
+def _slow_package(monkeypatch, seconds=0.25):
+    """The preload's import of Triton's package made to take ``seconds``; the list returned gets an
+    entry when it has ended."""
+    from torchloom.kernels import _preload
+
+    done = []
+
+    def slow_package():
+        time.sleep(seconds)
+        done.append(True)
+        return False
+
+    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    return done
+
+
 def test_a_launch_on_another_thread_waits_for_the_imports(tmp_path, monkeypatch):
     """``use_triton`` answering yes (a launch follows, which imports Triton's modules lazily) waits for
     a preload thread still importing; answering no never waits."""
@@ -315,14 +331,7 @@ def test_a_launch_on_another_thread_waits_for_the_imports(tmp_path, monkeypatch)
     from torchloom.kernels import _preload
     from torchloom.kernels._triton import use_triton
 
-    done = []
-
-    def slow_package():
-        time.sleep(0.3)
-        done.append(True)
-        return False
-
-    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    done = _slow_package(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that a CPU tensor may take the Triton path
     _probe_module(tmp_path, monkeypatch, "preload_wait_mod")
     preload = Preload(["preload_wait_mod"])
@@ -341,14 +350,7 @@ def test_the_default_backend_waits_too_and_never_raises_while_preloads_start(tmp
 
     from torchloom.kernels import _preload, _triton
 
-    done = []
-
-    def slow_package():
-        time.sleep(0.2)
-        done.append(True)
-        return False
-
-    monkeypatch.setattr(_preload, "_warm_triton", slow_package)
+    done = _slow_package(monkeypatch)
     monkeypatch.setattr(_triton, "triton_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     on_gpu = SimpleNamespace(is_cuda=True, dtype=torch.float32)  # only the decision is exercised
