@@ -71,21 +71,20 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[t
     dtype_ok = dtypes is None or tensor.dtype in dtypes
     if backend is None:
         chosen = tensor.is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
-        if chosen and _preload._importing:  # a launch follows: Triton's modules must be whole first
-            _preload.wait_for_imports()
-        return chosen
-    if not triton_available():
-        raise RuntimeError("backend='triton' was requested but the triton package is not installed")
-    if not tensor.is_cuda and not interpreter_enabled():
-        raise RuntimeError(
-            "backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before importing torchloom's kernels"
-        )
-    if not dtype_ok:
-        raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {tensor.dtype}; use backend=None or 'reference'")
-    if _preload._importing:
+    else:
+        if not triton_available():
+            raise RuntimeError("backend='triton' was requested but the triton package is not installed")
+        if not tensor.is_cuda and not interpreter_enabled():
+            raise RuntimeError(
+                "backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before importing torchloom's kernels"
+            )
+        if not dtype_ok:
+            raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {tensor.dtype}; use backend=None or 'reference'")
+        chosen = True
+    if chosen and _preload._importing:  # a launch follows: Triton's modules must be whole first
         _preload.wait_for_imports()
-    return True
+    return chosen
 
 
 # ------------------------------------------------------------------------------- launch settings

@@ -45,7 +45,6 @@ from torch import Tensor
 from ..layers.base import host_checks
 from .guards import UpdateGuard
 from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
-from .op_warm import recording
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -205,7 +204,7 @@ class CudaRunner:
         if self.graphs is not None:
             if t.scheduler is not None:
                 self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
-            with recording(t.op_recorder()):
+            with t.op_recorder():
                 self._replay(source)
             t.finish_op_record()
             count = n
@@ -310,7 +309,7 @@ class CudaRunner:
                 for k, (x, y) in enumerate(items):
                     shapes.setdefault((tuple(x.shape), tuple(y.shape)), k)
                 warmups = [0, 0, *[k for k in shapes.values() if k != 0]]
-                with recording(t.op_recorder()):  # a first run notes the kernels for the next (op_warm.py)
+                with t.op_recorder():  # a first run notes the kernels for the next (op_warm.py)
                     for k in warmups:
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
                         previous_mode = torch.cuda.get_sync_debug_mode()

@@ -514,7 +514,7 @@ class Trainer:
         call, after ``setup`` and a resume's restore (graphs captured over an earlier fit's batches
         must never replay over this fit's, and the device state is laid out from the trainer's state
         as it is now, restored state included)."""
-        if self.device.type == "cuda" and self.device_ready():
+        if self._on_device_path():
             from .cuda_path import CudaRunner
 
             self._runner = None  # the old runner's graphs and buffers go before the new ones are made
@@ -572,12 +572,17 @@ class Trainer:
             self._op_record_key = None  # a run that never replayed a graph keeps nothing
             self.__dict__.pop("_op_specs", None)
 
+    def _on_device_path(self) -> bool:
+        """Whether this run's steps run on the CUDA device path (a CUDA device and a method with a
+        device step)."""
+        return self.device.type == "cuda" and self.device_ready()
+
     def _start_preload(self, batches: Any) -> Any:
         """On CUDA, with a device step: a ``kernels._preload.Preload`` importing Triton and the device
         step's kernel modules while the data is converted and checked; ``None`` otherwise, and when a
         ``DataLoader`` with worker processes is about to start them (workers forked beside a thread
         that is importing could inherit a half-imported module)."""
-        if self.device.type != "cuda" or not self.device_ready():
+        if not self._on_device_path():
             return None
         loaders = (batches, getattr(self.training, "validation_data", None))
         if any(isinstance(d, torch.utils.data.DataLoader) and d.num_workers > 0 for d in loaders):
@@ -598,15 +603,14 @@ class Trainer:
 
         self._op_warm = None
         self._op_record_key = None
-        if self.device.type != "cuda" or not self.device_ready() or not op_warm.enabled():
+        if not self._on_device_path() or not op_warm.enabled():
             return
         try:  # a hint: anything that goes wrong here means no warming, never a failed run
             data = _data_signature(batches, self.training)
             if data is None:
                 return
             cfg = self.training
-            settings = [getattr(cfg, name, None) for name in _OP_SETTINGS]
-            settings[_OP_SETTINGS.index("gradient_clip")] = bool(cfg.gradient_clip)  # on or off, not its size
+            settings = [*(getattr(cfg, name, None) for name in _OP_SETTINGS), bool(cfg.gradient_clip)]  # a clip: on or off
             params = [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
             key = op_warm.run_key([
                 torch.cuda.get_device_name(self.device), type(self).__qualname__, _describe_method(cfg.method),
@@ -620,12 +624,13 @@ class Trainer:
         else:
             self._op_record_key = key
 
-    def op_recorder(self) -> Any:
-        """An ``op_warm.OpRecorder`` to run the device path's first steps under when this run notes
-        its kernels for the next (``None`` otherwise); ``finish_op_record()`` keeps what it noted."""
+    def op_recorder(self) -> contextlib.AbstractContextManager:
+        """A context to run the start and the device path's first steps in: an ``op_warm.OpRecorder``
+        when this run notes its kernels for the next, else one that does nothing;
+        ``finish_op_record()`` keeps what was noted."""
         key = getattr(self, "_op_record_key", None)
         if key is None:
-            return None
+            return contextlib.nullcontext()
         from .op_warm import OpRecorder
 
         specs = self.__dict__.setdefault("_op_specs", [])
@@ -686,9 +691,7 @@ class Trainer:
         return source, validation, history, observers, first_epoch
 
     def _fit(self, batches: Any, epochs: int, cfg: Any, preload: Any, track_perf: bool) -> TrainingResult:
-        from .op_warm import recording
-
-        with recording(self.op_recorder()):  # a first run notes the kernels its start launches (op_warm.py)
+        with self.op_recorder():  # a first run notes the kernels its start launches (op_warm.py)
             source, validation, history, observers, first_epoch = self._get_ready(batches, epochs, cfg, preload)
 
         perf: list[dict[str, float]] | None = [] if track_perf else None
@@ -971,9 +974,9 @@ class RateHolder(torch.optim.Optimizer):
 
 
 # the settings of a TrainingConfig that change which kernels a step launches (with the method, the
-# model and the batches' shapes: ``Trainer._start_op_warm``'s key)
+# model, the batches' shapes and whether gradients are clipped: ``Trainer._start_op_warm``'s key)
 _OP_SETTINGS = (
-    "loss_type", "gradient_clip", "clip_mode", "optimizer", "scheduler", "cuda_graph", "precision",
+    "loss_type", "clip_mode", "optimizer", "scheduler", "cuda_graph", "precision",
     "scheduler_interval", "batch_size", "shuffle", "distributed",
 )
 

@@ -41,7 +41,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -373,13 +373,3 @@ class OpWarm:
             with self._lock:
                 if self._threads and self._threads[0] is thread:
                     self._threads.pop(0)
-
-
-@contextlib.contextmanager
-def recording(recorder: OpRecorder | None) -> Iterator[None]:
-    """``recorder`` active within the block, or nothing when it is None."""
-    if recorder is None:
-        yield
-        return
-    with recorder:
-        yield
