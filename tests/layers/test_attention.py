@@ -140,6 +140,47 @@ def test_rope_positions_start_at_zero_in_every_sample():
     assert_close(layer(x)[1:2], layer(seq), name="slot 1 vs alone", rtol=1e-13, atol=1e-13)
 
 
+def test_rope_tables_are_kept_per_key_and_equal_fresh_ones(monkeypatch):
+    """The kept tables are rope_tables' own (made once per S, D, θ, device, dtype), plain tensors even
+    when first made under inference mode, and the store drops its oldest tables past its byte budget."""
+    from torchloom.layers import attention as A
+
+    monkeypatch.setattr(A, "_ROPE_CACHE", {})
+    dev = torch.device("cpu")
+    with torch.inference_mode():
+        cos, sin = A._rope_tables_kept(7, 4, 100.0, dev, torch.float32)
+    ref_cos, ref_sin = A.rope_tables(7, 4, 100.0, dev, torch.float32)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert not cos.is_inference() and not sin.is_inference()
+    assert A._rope_tables_kept(7, 4, 100.0, dev, torch.float32)[0] is cos  # kept
+    other = A._rope_tables_kept(7, 4, 100.0, dev, torch.float64)  # another dtype: other tables
+    assert other[0].dtype == torch.float64 and other[0] is not cos
+    assert A._rope_tables_kept(7, 4, 50.0, dev, torch.float32)[0] is not cos  # another θ
+    # a budget for two [7, 2] float32 pairs (2·14·4 bytes each): the oldest goes first
+    monkeypatch.setattr(A, "_ROPE_CACHE", {})
+    monkeypatch.setattr(A, "_ROPE_CACHE_BYTES", 2 * 2 * 14 * 4)
+    first = A._rope_tables_kept(7, 4, 1.0, dev, torch.float32)[0]
+    A._rope_tables_kept(7, 4, 2.0, dev, torch.float32)
+    A._rope_tables_kept(7, 4, 3.0, dev, torch.float32)
+    assert len(A._ROPE_CACHE) == 2 and A._rope_tables_kept(7, 4, 1.0, dev, torch.float32)[0] is not first
+    big = A._rope_tables_kept(100, 4, 1.0, dev, torch.float32)  # larger than the whole budget: never kept
+    assert all(c is not big[0] for c, _ in A._ROPE_CACHE.values())
+
+
+@pytest.mark.cuda
+def test_rope_tables_made_during_a_capture_are_not_kept(monkeypatch):
+    from torchloom.layers import attention as A
+
+    monkeypatch.setattr(A, "_ROPE_CACHE", {})
+    dev = torch.device("cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        A._rope_tables_kept(9, 4, 10.0, dev, torch.float32)
+    assert A._ROPE_CACHE == {}
+    cos, _ = A._rope_tables_kept(9, 4, 10.0, dev, torch.float32)
+    assert torch.equal(cos, A.rope_tables(9, 4, 10.0, dev, torch.float32)[0]) and len(A._ROPE_CACHE) == 1
+
+
 def test_functional_matches_module_and_rejects_partial_biases():
     layer = _layer((2, 5, 12, 6, 3, True, True, True))
     x = torch.randn(2, 5, 12, dtype=torch.float64)

@@ -45,6 +45,7 @@ softmax runs in the fused kernels of ``torchloom.kernels.softmax`` on CUDA.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -94,6 +95,35 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     angle = torch.arange(seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+_ROPE_CACHE: dict[tuple, tuple[Tensor, Tensor]] = {}  # (S, D, θ, device, dtype, stream) → (cos, sin)
+_ROPE_CACHE_BYTES = 64 << 20  # the tables kept, in all (oldest dropped first)
+_ROPE_LOCK = threading.Lock()
+
+
+def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``rope_tables``, made once per ``(S, D, θ, device, dtype)`` and current CUDA stream, then kept
+    (64 MB of tables in all, the oldest dropped first): a step's forward and backward each need them,
+    and making them is ~9 small kernels of host launch time per call. Never kept when made during a
+    CUDA graph capture (their kernels would only run at replay), and read only on the stream that made
+    them (their kernels are ordered before every later use). The tables are never written."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (seq_len, head_dim, theta, device, dtype, stream)
+    kept = _ROPE_CACHE.get(key)
+    if kept is not None:
+        return kept
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever the caller's mode
+        tables = rope_tables(seq_len, head_dim, theta, device, dtype)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return tables
+    size = 2 * tables[0].numel() * tables[0].element_size()
+    with _ROPE_LOCK:
+        while _ROPE_CACHE and size + sum(2 * c.numel() * c.element_size() for c, _ in _ROPE_CACHE.values()) > _ROPE_CACHE_BYTES:
+            _ROPE_CACHE.pop(next(iter(_ROPE_CACHE)))
+        if size <= _ROPE_CACHE_BYTES:
+            _ROPE_CACHE[key] = tables
+    return tables
 
 
 def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -184,7 +214,7 @@ def attention_forward(
     k = _linear(x2, k_weight, k_bias).view(b, s, kv, hd).transpose(1, 2)  # [B,K,S,D]
     v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd).transpose(1, 2).contiguous()
     if spec.rope:
-        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, x.dtype)
+        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, x.dtype)
         q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
     q = q.reshape(b, kv, g * s, hd)  # query heads h = kv·G + j → group kv, rows j·S … j·S+S−1
     k = k.contiguous()
@@ -223,7 +253,7 @@ def attention_backward(
     d_q = torch.matmul(d_scores, k).view(b, h, s, hd)
     d_k = torch.matmul(d_scores.transpose(-1, -2), q)  # [B,K,S,D], summed over the group's heads
     if spec.rope:
-        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, x.dtype)
+        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, x.dtype)
         d_q, d_k = rope_rotate_inverse(d_q, cos, sin), rope_rotate_inverse(d_k, cos, sin)
     d_q = d_q.transpose(1, 2).reshape(b * s, d)
     d_k = d_k.transpose(1, 2).reshape(b * s, kv * hd)
@@ -267,7 +297,7 @@ def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_
     qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
     heads = qkv.view(b, s, h + 2 * kv, hd)
     if spec.rope:
-        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, torch.float32)
+        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
         _flash().rope_(heads[:, :, : h + kv], cos, sin, inverse=False, backend=spec.backend)
     q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
     o, lse = _flash().flash_attention(q, k, v, spec.causal, backend=spec.backend)
@@ -295,7 +325,7 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     )
     del d_o, q, k, v, heads
     if spec.rope:
-        cos, sin = rope_tables(s, hd, spec.rope_theta, x.device, torch.float32)
+        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
         _flash().rope_(d_heads[:, :, : h + kv], cos, sin, inverse=True, backend=spec.backend)
     d_w = torch.mm(d_qkv.t(), x2)  # [(H+2K)·D, d]: dW_q | dW_k | dW_v
     kd = kv * hd
