@@ -7,10 +7,17 @@ the GPU before the timer, after ``bench_trainers``' process warm-up):
   Triton kernel is loaded and every cache warm: the difference is the per-process start);
 * every Triton kernel's first launch in the process (host time of the call that compiled or loaded
   it) against its later launches;
-* the ``cProfile`` functions with the most cumulative time (``--profile``).
+* the ``cProfile`` functions with the most cumulative time (``--profile``);
+* the first run's timeline (``--phases``): when each step of the start began on which thread and how
+  long it took (getting ready, converting the batches, the output-shape probe, the preload threads,
+  the masked warm-ups and captures, each epoch), timed by wrapping those functions, with none of
+  ``cProfile``'s overhead.
 
-Run: ``PYTHONPATH=. python bench/profile_start.py --method tween --batch 1024 [--profile]`` on a
-CUDA machine; each invocation is a fresh process.
+Run: ``PYTHONPATH=. python bench/profile_start.py --method tween --batch 1024 [--profile | --phases]``
+on a CUDA machine; each invocation is a fresh process. Run it once first (a priming run: Triton's
+kernel cache and torchloom's noted kernel lists), and keep Python's bytecode cache on
+(``PYTHONPYCACHEPREFIX=/tmp/pyc``, ``PYTHONDONTWRITEBYTECODE`` unset), as ``bench_trainers.py``'s
+whole runs do: otherwise every lazily imported module is compiled inside the timed run.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import collections
 import cProfile
 import io
 import pstats
+import importlib
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +59,54 @@ def _trace_triton() -> dict[str, list[float]]:
     return calls
 
 
+# The steps of a run's start that --phases times: (module, class, methods)
+_PHASES = (
+    ("torchloom.trainers.loop", "Trainer", ("_get_ready", "_build_runner", "output_shape", "join_op_warm")),
+    ("torchloom.trainers.loop", "BatchSource", ("__init__",)),
+    ("torchloom.kernels._preload", "Preload", ("join", "_imports", "_tools")),
+    ("torchloom.trainers.cuda_path", "CudaRunner", ("_capture", "_replay", "run_epoch")),
+    ("torchloom.trainers.backprop", "BackpropTrainer", ("device_step",)),
+    ("torchloom.trainers.target_prop", "TargetPropTrainer", ("device_step",)),
+    ("torchloom.trainers.tween", "TweenTrainer", ("device_step",)),
+)
+
+
+def _trace_phases() -> list[tuple[str, str, float, float]]:
+    """Wrap the functions of ``_PHASES``: every call appends ``(name, thread, start, end)``."""
+    events: list[tuple[str, str, float, float]] = []
+    for module, cls, methods in _PHASES:
+        owner = getattr(importlib.import_module(module), cls)
+        for method in methods:
+            raw = owner.__dict__.get(method)
+            if raw is None:
+                continue
+            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+            def timed(*args, _fn=fn, _name=f"{cls}.{method}", **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    events.append((_name, threading.current_thread().name, t, time.perf_counter()))
+
+            setattr(owner, method, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+    return events
+
+
+def _print_phases(events, t0: float, t1: float, shown_ms: float = 0.5) -> None:
+    """The calls between ``t0`` and ``t1`` by start time; calls under ``shown_ms`` are counted per name."""
+    print(f"{'start ms':>9} {'took ms':>8}  {'thread':<18} step")
+    small: dict[str, list[float]] = collections.defaultdict(list)
+    for name, thread, start, end in sorted(e for e in events if t0 <= e[2] and e[3] <= t1):
+        if (end - start) * 1e3 < shown_ms:
+            small[name].append(end - start)
+            continue
+        print(f"{(start - t0) * 1e3:>9.1f} {(end - start) * 1e3:>8.1f}  {thread[:18]:<18} {name}")
+    print(f"{(t1 - t0) * 1e3:>9.1f}           (the run ends)")
+    for name, took in small.items():
+        print(f"  and {len(took)} calls of {name} under {shown_ms} ms each, {sum(took) * 1e3:.1f} ms in all")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", default="backprop", choices=list(bt.METHODS))
@@ -57,12 +114,14 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=60000)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="cProfile the first run")
+    ap.add_argument("--phases", action="store_true", help="print the first run's timeline of its start")
     ap.add_argument("--callers", action="append", default=[], help="with --profile: print who called functions matching this")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = bt._data(args.samples, args.batch, dev)
     bt._warm_process(dev)
     calls = _trace_triton()
+    events = _trace_phases() if args.phases else None
     prof = cProfile.Profile() if args.profile else None
     walls = []
     for run in range(2):
@@ -77,6 +136,7 @@ def main(argv=None) -> int:
             prof.disable()
         walls.append(time.perf_counter() - t)
         if run == 0:
+            span = (t, t + walls[0])
             first_calls = {k: list(v) for k, v in calls.items()}
             epochs = list(result.epoch_times)
             losses = list(result.loss_history)
@@ -89,6 +149,8 @@ def main(argv=None) -> int:
         total_first += times[0]
         print(f"{name:<34} {len(times):>8} {times[0] * 1e3:>9.2f} {later[len(later) // 2] * 1e6 if later else float('nan'):>9.1f}")
     print(f"first launches: {len(first_calls)} kernels, {total_first:.3f} s of host time")
+    if events is not None:
+        _print_phases(events, *span)
     if prof is not None:
         s = io.StringIO()
         stats = pstats.Stats(prof, stream=s).sort_stats("cumulative")

@@ -22,3 +22,21 @@ def test_dry_run_prints_both_tables(capsys):
     for method in ("backprop", "tp chain", "tp pure", "tween"):
         assert f"| 4 | {method} |" in out
     assert "| 32 | backprop |" in out and "| 32 | tween |" in out
+
+
+def test_profile_start_phases_runs_and_times_the_start():
+    """bench/profile_start.py --phases (in a process of its own: it wraps torchloom's functions) prints
+    the first run's timeline with the batches' conversion in it, and the run still trains."""
+    import os
+    import subprocess
+
+    script = BENCH.parent / "profile_start.py"
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1]), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, str(script), "--method", "tween", "--batch", "64", "--samples", "256", "--epochs", "2", "--phases"],
+        capture_output=True, text=True, timeout=300, env=env, check=True,
+    ).stdout
+    assert "start ms" in out and "(the run ends)" in out
+    assert "BatchSource.__init__" in out and "Trainer._get_ready" in out
+    losses = [float(v) for v in out.split("losses ")[1].splitlines()[0].split(", ")]
+    assert len(losses) == 2 and all(v == v for v in losses)
