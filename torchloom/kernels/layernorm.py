@@ -131,8 +131,7 @@ def _norm_forward_kernel(
 @jit
 def _norm_backward_kernel(
     dx_ptr,  # [R, n] out, x's dtype
-    dw_partial_ptr,  # [programs, n] out, float32: this program's share of dw
-    db_partial_ptr,  # [programs, n] out, float32 (unused without HAS_BIAS)
+    partial_ptr,  # [programs, 1 + HAS_BIAS, n] out, float32: this program's share of dw (and of db)
     g_ptr,  # [R, n] upstream gradient, rows contiguous
     x_ptr,  # [R, n], rows contiguous
     w_ptr,  # [n]
@@ -176,9 +175,11 @@ def _norm_backward_kernel(
         dw += tl.sum(g * x_hat, axis=0)
         if HAS_BIAS:
             db += tl.sum(g, axis=0)
-    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cmask)
-    if HAS_BIAS:
-        tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=cmask)
+    if HAS_BIAS:  # dw's and db's rows side by side: one sum of the partials makes both
+        tl.store(partial_ptr + pid * 2 * n_cols + cols, dw, mask=cmask)
+        tl.store(partial_ptr + pid * 2 * n_cols + n_cols + cols, db, mask=cmask)
+    else:
+        tl.store(partial_ptr + pid * n_cols + cols, dw, mask=cmask)
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -266,20 +267,17 @@ def tiled_backward(
     rows, block, num_warps = _settings(n, x2.is_cuda)
     programs, tiles_per_program = _backward_grid(n_rows, n, x2.element_size(), _device_index(x2))
     dx = torch.empty_like(x2)
-    dw_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32)
-    db_partial = torch.empty(programs, n, device=x.device, dtype=torch.float32) if has_bias else dw_partial
+    partial = torch.empty(programs, 2 if has_bias else 1, n, device=x.device, dtype=torch.float32)
     rstd2 = _dense(rstd if rstd.dtype == torch.float32 else rstd.to(torch.float32))
     mean2 = rstd2 if mean is None else _dense(mean if mean.dtype == torch.float32 else mean.to(torch.float32))
     _norm_backward_kernel[(programs,)](
-        dx, dw_partial, db_partial, g2, x2, _dense(weight), mean2, rstd2, n_rows, n, tiles_per_program,
+        dx, partial, g2, x2, _dense(weight), mean2, rstd2, n_rows, n, tiles_per_program,
         RMS=mean is None, HAS_BIAS=has_bias, ROWS=rows, BLOCK=block, num_warps=num_warps,
     )
-    dw = dw_partial.sum(0)
-    db = db_partial.sum(0) if has_bias else None
-    if dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-        db = db.to(weight.dtype) if db is not None else None
-    return dx, dw, db
+    sums = partial.sum(0)  # [1 or 2, n]: dw (and db), one reduction and at most one cast for both
+    if sums.dtype != weight.dtype:
+        sums = sums.to(weight.dtype)
+    return dx, sums[0], (sums[1] if has_bias else None)
 
 
 def layernorm(
