@@ -97,7 +97,7 @@ def _print_phases(events, t0: float, t1: float, shown_ms: float = 0.5) -> None:
     """The calls between ``t0`` and ``t1`` by start time; calls under ``shown_ms`` are counted per name."""
     print(f"{'start ms':>9} {'took ms':>8}  {'thread':<18} step")
     small: dict[str, list[float]] = collections.defaultdict(list)
-    for name, thread, start, end in sorted(e for e in events if t0 <= e[2] and e[3] <= t1):
+    for name, thread, start, end in sorted((e for e in events if t0 <= e[2] and e[3] <= t1), key=lambda e: e[2]):
         if (end - start) * 1e3 < shown_ms:
             small[name].append(end - start)
             continue
