@@ -163,8 +163,27 @@ def test_rope_tables_are_kept_per_key_and_equal_fresh_ones(monkeypatch):
     A._rope_tables_kept(7, 4, 2.0, dev, torch.float32)
     A._rope_tables_kept(7, 4, 3.0, dev, torch.float32)
     assert len(A._ROPE_CACHE) == 2 and A._rope_tables_kept(7, 4, 1.0, dev, torch.float32)[0] is not first
-    big = A._rope_tables_kept(100, 4, 1.0, dev, torch.float32)  # larger than the whole budget: never kept
-    assert all(c is not big[0] for c, _ in A._ROPE_CACHE.values())
+    kept = dict(A._ROPE_CACHE)
+    big = A._rope_tables_kept(100, 4, 1.0, dev, torch.float32)  # larger than the whole budget: never kept,
+    assert torch.equal(big[0], A.rope_tables(100, 4, 1.0, dev, torch.float32)[0])
+    assert A._ROPE_CACHE == kept  # and the kept tables stay
+
+
+def test_rope_tables_under_a_dispatch_mode_are_neither_kept_nor_read(monkeypatch):
+    """Fake-tensor tracing (a TorchDispatchMode) gets tables of its own mode, and leaves the store alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchloom.layers import attention as A
+
+    monkeypatch.setattr(A, "_ROPE_CACHE", {})
+    dev = torch.device("cpu")
+    real = A._rope_tables_kept(6, 4, 10.0, dev, torch.float32)[0]
+    with FakeTensorMode():
+        fake = A._rope_tables_kept(6, 4, 10.0, dev, torch.float32)[0]
+        fresh = A._rope_tables_kept(5, 4, 10.0, dev, torch.float32)[0]
+    assert fake is not real and type(fake) is not torch.Tensor and type(fresh) is not torch.Tensor
+    assert list(A._ROPE_CACHE) == [(6, 4, 10.0, dev, torch.float32, None)]
+    assert A._rope_tables_kept(6, 4, 10.0, dev, torch.float32)[0] is real
 
 
 @pytest.mark.cuda
@@ -179,6 +198,16 @@ def test_rope_tables_made_during_a_capture_are_not_kept(monkeypatch):
     assert A._ROPE_CACHE == {}
     cos, _ = A._rope_tables_kept(9, 4, 10.0, dev, torch.float32)
     assert torch.equal(cos, A.rope_tables(9, 4, 10.0, dev, torch.float32)[0]) and len(A._ROPE_CACHE) == 1
+    # nor read: a capture on the very stream that made kept tables gets tables from its own pool (the
+    # graph must not hold the address of tables a later drop from the store frees)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        kept, _ = A._rope_tables_kept(7, 4, 10.0, dev, torch.float32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured, _ = A._rope_tables_kept(7, 4, 10.0, dev, torch.float32)
+    assert captured is not kept
 
 
 def test_functional_matches_module_and_rejects_partial_biases():

@@ -105,9 +105,13 @@ _ROPE_LOCK = threading.Lock()
 def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``rope_tables``, made once per ``(S, D, θ, device, dtype)`` and current CUDA stream, then kept
     (64 MB of tables in all, the oldest dropped first): a step's forward and backward each need them,
-    and making them is ~9 small kernels of host launch time per call. Never kept when made during a
-    CUDA graph capture (their kernels would only run at replay), and read only on the stream that made
-    them (their kernels are ordered before every later use). The tables are never written."""
+    and making them is ~9 small kernels of host launch time per call. Read only on the stream that made
+    them (their kernels are ordered before every later use) and never written. The store is neither
+    read nor filled during a CUDA graph capture (a captured graph would hold the address of kept tables
+    that a later drop frees; tables made in the capture come from the graph's own pool) nor under a
+    ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are not real ones)."""
+    if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or _dispatch_mode_active():
+        return rope_tables(seq_len, head_dim, theta, device, dtype)
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
     key = (seq_len, head_dim, theta, device, dtype, stream)
     kept = _ROPE_CACHE.get(key)
@@ -115,15 +119,21 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
         return kept
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever the caller's mode
         tables = rope_tables(seq_len, head_dim, theta, device, dtype)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return tables
     size = 2 * tables[0].numel() * tables[0].element_size()
+    if size > _ROPE_CACHE_BYTES:  # larger than the whole store: made each time, the kept ones stay
+        return tables
     with _ROPE_LOCK:
         while _ROPE_CACHE and size + sum(2 * c.numel() * c.element_size() for c, _ in _ROPE_CACHE.values()) > _ROPE_CACHE_BYTES:
             _ROPE_CACHE.pop(next(iter(_ROPE_CACHE)))
-        if size <= _ROPE_CACHE_BYTES:
-            _ROPE_CACHE[key] = tables
+        _ROPE_CACHE[key] = tables
     return tables
+
+
+def _dispatch_mode_active() -> bool:
+    from torch.utils import _python_dispatch
+
+    active = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
+    return bool(active()) if active is not None else False
 
 
 def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
