@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import importlib
 import io
 import pstats
-import importlib
 import sys
 import threading
 import time
