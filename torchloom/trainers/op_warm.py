@@ -165,14 +165,19 @@ def _bytes_of(func: Any, out: Any) -> int:
 
     def extent(t: Any) -> int:
         if isinstance(t, Tensor):
-            if t.layout != torch.strided or any(n == 0 for n in t.shape):
-                return 0
-            return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+            return _elements(t.shape, t.stride()) * t.element_size() if t.layout == torch.strided else 0
         if isinstance(t, (list, tuple)):
             return sum(extent(o) for o in t)
         return 0
 
     return extent(out)
+
+
+def _elements(shape: Any, stride: Any) -> int:
+    """Elements a strided layout spans, from its first to its last (0 when it is empty)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 def _touches(encoded: Any) -> bool:
@@ -250,8 +255,7 @@ def _decode(e: Any, device: torch.device, budget: list[int]) -> Any:
         if "t" in e:
             shape, stride, dtype_name, misalign = e["t"]
             dtype = _torch_attr(dtype_name, torch.dtype)
-            extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
-            size = extent + misalign
+            size = _elements(shape, stride) + misalign
             budget[0] -= size * dtype.itemsize
             if budget[0] < 0:
                 raise _Unwarmable
