@@ -119,14 +119,18 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
         return kept
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever the caller's mode
         tables = rope_tables(seq_len, head_dim, theta, device, dtype)
-    size = 2 * tables[0].numel() * tables[0].element_size()
+    size = _nbytes(tables)
     if size > _ROPE_CACHE_BYTES:  # larger than the whole store: made each time, the kept ones stay
         return tables
     with _ROPE_LOCK:
-        while _ROPE_CACHE and size + sum(2 * c.numel() * c.element_size() for c, _ in _ROPE_CACHE.values()) > _ROPE_CACHE_BYTES:
+        while _ROPE_CACHE and size + sum(map(_nbytes, _ROPE_CACHE.values())) > _ROPE_CACHE_BYTES:
             _ROPE_CACHE.pop(next(iter(_ROPE_CACHE)))
         _ROPE_CACHE[key] = tables
     return tables
+
+
+def _nbytes(tables: tuple[Tensor, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tables)
 
 
 def _dispatch_mode_active() -> bool:
