@@ -15,18 +15,39 @@ same: ``triton.runtime.cache.triton_key = lambda: key``). The key is the one Tri
 on-disk kernel cache is shared with plain Triton; any change to the installation changes the stamp and
 the key is computed afresh. ``TORCHLOOM_TRITON_KEY_CACHE=0`` switches this off. Any failure (an
 unexpected Triton layout, an unwritable directory) leaves Triton as it is.
+
+**Each kernel's key, too** (``KernelKeys``). Before a kernel's first launch in a process Triton
+computes its ``JITFunction.cache_key``: a walk over the kernel's syntax tree and those of the kernels
+it calls, hashing their sources and the global values they use. Measured on the H200 machine (Triton
+3.6): ~1–2 ms a kernel, 26 of the 61 ms that a TargetProp run's first launches of seven kernels took
+(profiled). ``_tl.jit`` hands every kernel of ``torchloom/kernels/`` to the process's ``KernelKeys``,
+which gives it the key an earlier process stored for it (``hash``, the attribute Triton's
+``cache_key`` returns once set), and ``remember()`` (called after a run's warm-up and at exit) stores
+the keys Triton computed in this one. The store is one small JSON file per stamp of the Triton
+installation, of Python's version and of every ``.py`` file of ``torchloom/kernels/`` (path, size,
+modification and change times, inode): change a kernel's source, or any file it could read a global
+from, and every key is computed afresh. A kernel given its key skips one check Triton makes at every
+launch: that the module globals the kernel reads still have the values they had when it was
+compiled (torchloom's kernels read none that change). Kernels made inside a function (a closure) are
+left to Triton. The same switch, ``TORCHLOOM_TRITON_KEY_CACHE=0``, turns this off.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
+import json
 import os
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["install", "installation_stamp", "key_file"]
+__all__ = ["install", "installation_stamp", "key_file", "KernelKeys", "kernel_keys", "remember_kernel_keys", "sources_stamp"]
+
+KERNEL_DIR = Path(__file__).resolve().parent  # torchloom's kernel sources: a change here is a new store
 
 
 def installation_stamp(triton: Any) -> str:
@@ -110,3 +131,116 @@ def install(triton: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001 - never let it break a kernel module's import
         return False
+
+
+# ------------------------------------------------------------------------------ each kernel's key
+def sources_stamp(folder: Path) -> str:
+    """Hex digest of every ``.py`` file directly in ``folder``: name, size, modification and change
+    times and inode."""
+    h = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        st = path.stat()
+        h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
+
+
+def _is_key(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+class KernelKeys:
+    """The ``cache_key`` of each kernel, kept in ``path`` (a JSON object, kernel name to key) across
+    processes. ``adopt(kernel)`` gives a new ``JITFunction`` its stored key; ``remember()`` stores the
+    keys Triton computed since. Thread-safe; nothing here raises (a store that cannot be read or
+    written is no store)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._stored: dict[str, str] | None = None  # read on the first adopt
+        self._kernels: dict[str, Any] = {}  # every adopted kernel, by name
+
+    def _read(self) -> dict[str, str]:
+        if self._stored is None:
+            try:
+                data = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                data = {}
+            self._stored = {k: v for k, v in data.items() if _is_key(v)} if isinstance(data, dict) else {}
+        return self._stored
+
+    def adopt(self, kernel: Any) -> bool:
+        """Give ``kernel`` (a ``JITFunction`` of torchloom's kernel folder) its stored key, if there
+        is one; True when it got one. Other objects (the interpreter's functions, closures, kernels
+        from elsewhere) are left alone."""
+        fn = getattr(kernel, "fn", None)
+        code = getattr(fn, "__code__", None)
+        if code is None or getattr(fn, "__closure__", None) is not None or "<locals>" in fn.__qualname__:
+            return False
+        if Path(code.co_filename).resolve().parent != KERNEL_DIR or not hasattr(kernel, "hash"):
+            return False
+        name = f"{fn.__module__}.{fn.__qualname__}"
+        with self._lock:
+            self._kernels[name] = kernel
+            key = self._read().get(name)
+            if key is None or kernel.hash is not None:
+                return False
+            kernel.hash = key  # what Triton's cache_key returns from now on
+        return True
+
+    def remember(self) -> int:
+        """Store the keys Triton computed for adopted kernels since the store was read (one atomic
+        write, only when there is something new). Returns how many were new."""
+        try:
+            with self._lock:
+                stored = self._read()
+                new = {name: k.hash for name, k in self._kernels.items() if _is_key(k.hash) and stored.get(name) != k.hash}
+                if not new:
+                    return 0
+                stored.update(new)
+                _write_atomically(self.path, json.dumps(stored, sort_keys=True, indent=0))
+            return len(new)
+        except Exception:  # noqa: BLE001 - an optimisation: the next process computes them again
+            return 0
+
+
+_stores: dict[str, KernelKeys | None] = {}  # per Triton installation (its folder)
+_stores_lock = threading.Lock()
+
+
+def _supports_stored_keys() -> bool:
+    """Whether this Triton's ``cache_key`` is the one this file knows: a property that returns the
+    instance's ``hash`` once set."""
+    from triton.runtime.jit import JITFunction
+
+    prop = getattr(JITFunction, "cache_key", None)
+    fget = getattr(prop, "fget", None)
+    return isinstance(prop, property) and fget is not None and "hash" in fget.__code__.co_names
+
+
+def kernel_keys(triton: Any) -> KernelKeys | None:
+    """The process's store of kernel keys for this Triton installation (made on the first call),
+    or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when Triton's interpreter runs the
+    kernels, or when this Triton keeps its keys in another way."""
+    if os.environ.get("TORCHLOOM_TRITON_KEY_CACHE", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    with _stores_lock:
+        root = os.path.dirname(os.path.abspath(triton.__file__))
+        if root not in _stores:
+            store = None
+            try:
+                if _supports_stored_keys():
+                    h = hashlib.sha256(f"{sys.version}\0{installation_stamp(triton)}\0{sources_stamp(KERNEL_DIR)}".encode())
+                    store = KernelKeys(_cache_dir(triton) / "torchloom" / f"kernel_keys-{h.hexdigest()[:40]}.json")
+                    atexit.register(store.remember)
+            except Exception:  # noqa: BLE001 - an optimisation: Triton computes every key itself
+                store = None
+            _stores[root] = store
+        return _stores[root]
+
+
+def remember_kernel_keys() -> None:
+    """Store the kernel keys this process computed (for every Triton installation it used)."""
+    for store in list(_stores.values()):
+        if store is not None:
+            store.remember()

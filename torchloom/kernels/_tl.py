@@ -14,19 +14,28 @@ from typing import Any, Callable
 try:
     import triton
     import triton.language as tl
-
-    jit: Callable[[Callable[..., Any]], Any] = triton.jit
 except ImportError:  # Triton is an optional dependency
     triton = None
     tl = None
 
-    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn
-
-
-if triton is not None:  # Triton's installation key from the last process, not hashed again (_key_cache)
+_keys: Any = None
+if triton is not None:  # Triton's keys from the last process, not hashed again (_key_cache)
     from ._key_cache import install as _install_key_cache
+    from ._key_cache import kernel_keys as _kernel_keys
 
     _install_key_cache(triton)
+    _keys = _kernel_keys(triton)
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit(fn)``, given the ``cache_key`` an earlier process stored for it (``_key_cache``);
+    without Triton, ``fn`` itself (never launched)."""
+    if triton is None:
+        return fn
+    kernel = triton.jit(fn)
+    if _keys is not None:
+        _keys.adopt(kernel)
+    return kernel
+
 
 __all__ = ["triton", "tl", "jit"]

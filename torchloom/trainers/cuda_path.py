@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..kernels._key_cache import remember_kernel_keys
 from ..layers.base import host_checks
 from .guards import UpdateGuard
 from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
@@ -322,6 +323,7 @@ class CudaRunner:
                         if epoch_begin is not None:  # state the warm-up created joins the layout
                             epoch_begin(self, 1)
                 t.join_op_warm()  # no helper thread launches anything while a graph is captured
+                remember_kernel_keys()  # every kernel of the step has its key now: kept for the next process
                 torch.cuda.synchronize(t.device)
                 if self._chunk is not None:
                     c = self._chunk
