@@ -162,74 +162,118 @@ def test_every_kernels_stored_key_is_the_one_triton_computes(tmp_path):
     assert json.loads(store.read_text()) == own["keys"]  # the lost half stored again
 
 
-def _kernel_like(tmp_path, name="k"):
-    """A Triton kernel of torchloom's kernel folder, not yet asked for its key."""
-    from torchloom.kernels import _key_cache
-
-    source = f"def {name}(x_ptr):\n    pass\n"
-    code = compile(source, str(_key_cache.KERNEL_DIR / "sgd.py"), "exec")  # as if written there
-    scope: dict = {"__name__": "torchloom.kernels.sgd"}
-    exec(code, scope)
-    fn = scope[name]
-    kernel = type("K", (), {})()  # stands in for a JITFunction: what adopt reads and sets
+def _kernel_like(folder, name="k", body="pass", closure=None):
+    """A stand-in for a ``JITFunction`` (what ``adopt`` reads and sets: ``fn``, ``hash``) whose
+    function is defined in ``folder/kern.py`` (module ``pkg.kern``), not yet asked for its key."""
+    if closure is None:
+        source = f"def {name}(x_ptr):\n    {body}\n"
+    else:  # a kernel made inside a function: a closure over closure's value
+        source = f"def outer(v):\n    def {name}(x_ptr):\n        return v\n    return {name}\n"
+    scope: dict = {"__name__": "pkg.kern"}
+    exec(compile(source, str(folder / "kern.py"), "exec"), scope)
+    fn = scope[name] if closure is None else scope["outer"](closure)
+    kernel = type("K", (), {})()
     kernel.fn, kernel.hash = fn, None
     return kernel
 
 
-def test_a_kernel_gets_its_stored_key_and_computed_keys_are_stored(tmp_path):
+@pytest.fixture
+def folder(tmp_path):
+    """A kernel folder with one file, ``kern.py`` (its kernels made by ``_kernel_like``)."""
+    d = tmp_path / "kernels"
+    d.mkdir()
+    (d / "kern.py").write_text("# kernels\n")
+    return d.resolve()
+
+
+def test_a_kernel_gets_its_stored_key_and_computed_keys_are_stored(tmp_path, folder):
     from torchloom.kernels import _key_cache
 
     path = tmp_path / "keys.json"
-    store = _key_cache.KernelKeys(path)
-    kernel = _kernel_like(tmp_path)
+    store = _key_cache.KernelKeys(path, folder)
+    kernel = _kernel_like(folder)
     assert not store.adopt(kernel) and kernel.hash is None  # nothing stored yet
     kernel.hash = "ab" * 32  # Triton computed it
     assert store.remember() == 1 and store.remember() == 0  # written once
-    again = _key_cache.KernelKeys(path)  # a later process
-    fresh = _kernel_like(tmp_path)
+    again = _key_cache.KernelKeys(path, folder)  # a later process
+    fresh = _kernel_like(folder)
     assert again.adopt(fresh) and fresh.hash == "ab" * 32
-    done = _kernel_like(tmp_path)
+    done = _kernel_like(folder)
     done.hash = "cd" * 32  # a key already computed is never replaced
     assert not again.adopt(done) and done.hash == "cd" * 32
 
 
-def test_kernels_from_elsewhere_and_closures_are_left_to_triton(tmp_path):
+def test_a_folder_changed_while_the_process_runs_gets_no_stored_key(tmp_path, folder):
+    """A file edited after the store was stamped, before its kernels are defined (a lazily imported
+    module) or before they are defined again (a reload): no stored key given, none kept."""
     from torchloom.kernels import _key_cache
 
     path = tmp_path / "keys.json"
-    path.write_text('{"tests.kernels.test_key_cache.k": "%s", "torchloom.kernels.sgd.outer.<locals>.k": "%s"}' % ("ab" * 32, "ab" * 32))
-    store = _key_cache.KernelKeys(path)
+    first = _key_cache.KernelKeys(path, folder)
+    kernel = _kernel_like(folder)
+    first.adopt(kernel)
+    kernel.hash = "ab" * 32
+    first.remember()
+    # a later process: its store stamped, then another file of the folder edited before this
+    # file's first kernel is defined (one of its kernels may call into the edited file)
+    late = _key_cache.KernelKeys(path, folder)
+    (folder / "other.py").write_text("# edited\n")
+    kernel = _kernel_like(folder)
+    assert not late.adopt(kernel) and kernel.hash is None and late.stale
+    kernel.hash = "cd" * 32
+    assert late.remember() == 0 and '"' + "ab" * 32 + '"' in path.read_text()
+    # a reload: the file's kernels were given their keys, then the folder changes and they are
+    # defined again
+    first = _key_cache.KernelKeys(path, folder)  # stamped as the folder is now
+    kernel = _kernel_like(folder)
+    kernel.hash = "ef" * 32
+    first.adopt(kernel)
+    first.remember()
+    again = _key_cache.KernelKeys(path, folder)
+    kernel = _kernel_like(folder)
+    assert again.adopt(kernel) and kernel.hash == "ef" * 32
+    (folder / "kern.py").write_text("# kernels, edited\n")
+    reloaded = _kernel_like(folder)
+    assert not again.adopt(reloaded) and reloaded.hash is None
+
+
+def test_kernels_from_elsewhere_and_closures_are_left_to_triton(tmp_path, folder):
+    from torchloom.kernels import _key_cache
+
+    path = tmp_path / "keys.json"
+    keys = {"tests.kernels.test_key_cache.k": "ab" * 32, "pkg.kern.outer.<locals>.k": "ab" * 32, "pkg.kern.k": "ab" * 32}
+    path.write_text(__import__("json").dumps(keys))
+    store = _key_cache.KernelKeys(path, folder)
 
     def k(x_ptr):
         pass
 
     elsewhere = type("K", (), {})()
-    elsewhere.fn, elsewhere.hash = k, None
+    elsewhere.fn, elsewhere.hash = k, None  # defined in this test file, outside the folder
     assert not store.adopt(elsewhere) and elsewhere.hash is None
-    y = 1
-
-    def closure(x_ptr):
-        return y
-
-    inner = type("K", (), {})()
-    inner.fn, inner.hash = closure, None
+    inner = _kernel_like(folder, closure=3)  # in the folder, but a closure: its key depends on 3
     assert not store.adopt(inner) and inner.hash is None
+    plain = _kernel_like(folder)  # in the folder, no closure: the store answers (the test can fail)
+    assert store.adopt(plain) and plain.hash == "ab" * 32
 
 
-def test_a_corrupt_or_unwritable_kernel_store_changes_nothing(tmp_path):
+def test_a_corrupt_or_unwritable_kernel_store_changes_nothing(tmp_path, folder):
     from torchloom.kernels import _key_cache
 
     path = tmp_path / "keys.json"
     path.write_text("not json")
-    store = _key_cache.KernelKeys(path)
-    kernel = _kernel_like(tmp_path)
+    store = _key_cache.KernelKeys(path, folder)
+    kernel = _kernel_like(folder)
     assert not store.adopt(kernel) and kernel.hash is None
-    path.write_text('{"torchloom.kernels.sgd.k": "short"}')  # not a key: ignored
-    kernel = _kernel_like(tmp_path)
-    assert not _key_cache.KernelKeys(path).adopt(kernel) and kernel.hash is None
+    path.write_text('{"pkg.kern.k": "short"}')  # not a key: ignored
+    kernel = _kernel_like(folder)
+    assert not _key_cache.KernelKeys(path, folder).adopt(kernel) and kernel.hash is None
+    path.write_text("[" * 100000 + "]" * 100000)  # too deep for the JSON reader
+    kernel = _kernel_like(folder)
+    assert not _key_cache.KernelKeys(path, folder).adopt(kernel) and kernel.hash is None
     (tmp_path / "file").write_text("")
-    unwritable = _key_cache.KernelKeys(tmp_path / "file" / "keys.json")  # its folder is a file
-    kernel = _kernel_like(tmp_path)
+    unwritable = _key_cache.KernelKeys(tmp_path / "file" / "keys.json", folder)  # its folder is a file
+    kernel = _kernel_like(folder)
     unwritable.adopt(kernel)
     kernel.hash = "ab" * 32
     assert unwritable.remember() == 0
@@ -248,20 +292,52 @@ def test_the_sources_stamp_sees_a_changed_kernel_file(tmp_path):
     assert _key_cache.sources_stamp(tmp_path) != changed
 
 
-def test_no_kernel_store_when_switched_off_or_interpreted(monkeypatch, tmp_path):
-    import triton
+@pytest.fixture
+def no_stores(monkeypatch, tmp_path):
+    """The process's stores as if none were made yet, in a cache folder of the test's own, and no
+    handler left at exit."""
+    import atexit
 
     from torchloom.kernels import _key_cache
 
     monkeypatch.setattr(_key_cache, "_stores", {})
-    monkeypatch.setattr(_key_cache, "_cache_dir", lambda triton: tmp_path)
+    monkeypatch.setattr(_key_cache, "_cache_dir", lambda triton: tmp_path / "cache")
+    monkeypatch.setattr(atexit, "register", lambda fn: fn)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("TORCHLOOM_TRITON_KEY_CACHE", "1")
+    return _key_cache
+
+
+def test_the_store_is_named_after_the_installation_python_and_kernel_sources(no_stores, monkeypatch, tmp_path):
+    import triton
+
+    _key_cache = no_stores
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(_key_cache, "KERNEL_DIR", folder)
     store = _key_cache.kernel_keys(triton)
-    assert store is not None and store.path.parent == tmp_path / "torchloom"
+    assert store is not None and store.path.parent == tmp_path / "cache" / "torchloom" and store.folder == folder
+    names = {store.path.name}
+    (folder / "a.py").write_text("x = 22\n")  # a kernel source changes
     monkeypatch.setattr(_key_cache, "_stores", {})
-    monkeypatch.setenv("TORCHLOOM_TRITON_KEY_CACHE", "0")
-    assert _key_cache.kernel_keys(triton) is None
-    monkeypatch.setenv("TORCHLOOM_TRITON_KEY_CACHE", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter's functions have no cache_key
+    names.add(_key_cache.kernel_keys(triton).path.name)
+    monkeypatch.setattr(_key_cache, "installation_stamp", lambda triton: "another installation")
+    monkeypatch.setattr(_key_cache, "_stores", {})
+    names.add(_key_cache.kernel_keys(triton).path.name)
+    monkeypatch.setattr(_key_cache.sys, "version", "another python")
+    monkeypatch.setattr(_key_cache, "_stores", {})
+    names.add(_key_cache.kernel_keys(triton).path.name)
+    assert len(names) == 4
+
+
+@pytest.mark.parametrize("env", [{"TORCHLOOM_TRITON_KEY_CACHE": "0"}, {"TRITON_INTERPRET": "1"}, {"TRITON_INTERPRET": "true"}])
+def test_no_kernel_store_when_switched_off_or_interpreted(no_stores, monkeypatch, env):
+    import triton
+
+    _key_cache = no_stores
+    assert _key_cache.kernel_keys(triton) is not None  # on by default (the test can fail)
+    monkeypatch.setattr(_key_cache, "_stores", {})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     assert _key_cache.kernel_keys(triton) is None

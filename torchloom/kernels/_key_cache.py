@@ -19,14 +19,16 @@ unexpected Triton layout, an unwritable directory) leaves Triton as it is.
 **Each kernel's key, too** (``KernelKeys``). Before a kernel's first launch in a process Triton
 computes its ``JITFunction.cache_key``: a walk over the kernel's syntax tree and those of the kernels
 it calls, hashing their sources and the global values they use. Measured on the H200 machine (Triton
-3.6): ~1–2 ms a kernel, 26 of the 61 ms that a TargetProp run's first launches of seven kernels took
-(profiled). ``_tl.jit`` hands every kernel of ``torchloom/kernels/`` to the process's ``KernelKeys``,
-which gives it the key an earlier process stored for it (``hash``, the attribute Triton's
-``cache_key`` returns once set), and ``remember()`` (called after a run's warm-up and at exit) stores
-the keys Triton computed in this one. The store is one small JSON file per stamp of the Triton
-installation, of Python's version and of every ``.py`` file of ``torchloom/kernels/`` (path, size,
+3.6): 0.3–2 ms a kernel timed alone, 26 of the 61 ms that a TargetProp run's first launches of seven
+kernels took (profiled). ``_tl.jit`` hands every kernel of ``torchloom/kernels/`` to the process's
+``KernelKeys``, which gives it the key an earlier process stored for it (``hash``, the attribute
+Triton's ``cache_key`` returns once set), and ``remember()`` (called after a run's warm-up and at
+exit) stores the keys Triton computed in this one. The store is one small JSON file per stamp of the Triton
+installation, of Python's version and of every ``.py`` file of ``torchloom/kernels/`` (name, size,
 modification and change times, inode): change a kernel's source, or any file it could read a global
-from, and every key is computed afresh. A kernel given its key skips one check Triton makes at every
+from, and every key is computed afresh (in a running process too: the folder is stamped again
+before the first kernel of each file, and before a kernel defined again by a reload, and the store
+is no longer used once it differs). A kernel given its key skips one check Triton makes at every
 launch: that the module globals the kernel reads still have the values they had when it was
 compiled (torchloom's kernels read none that change). Kernels made inside a function (a closure) are
 left to Triton. The same switch, ``TORCHLOOM_TRITON_KEY_CACHE=0``, turns this off.
@@ -149,50 +151,78 @@ def _is_key(value: Any) -> bool:
 
 
 class KernelKeys:
-    """The ``cache_key`` of each kernel, kept in ``path`` (a JSON object, kernel name to key) across
-    processes. ``adopt(kernel)`` gives a new ``JITFunction`` its stored key; ``remember()`` stores the
-    keys Triton computed since. Thread-safe; nothing here raises (a store that cannot be read or
-    written is no store)."""
+    """The ``cache_key`` of each kernel of ``folder``, kept in ``path`` (a JSON object, kernel name
+    to key) across processes; ``sources`` is the ``sources_stamp(folder)`` the store belongs to
+    (taken now when not given). ``adopt(kernel)`` gives a new ``JITFunction`` its stored key;
+    ``remember()`` stores the keys Triton computed since.
 
-    def __init__(self, path: Path) -> None:
+    The folder's files can change while the process runs (an edit before a kernel module's first
+    import, a module reloaded after an edit, of its own file or of one its kernels call into): the
+    first kernel of each file, and any kernel defined again, first has the folder stamped anew; from
+    the first difference on the store neither gives nor keeps a key in this process. Thread-safe;
+    nothing here raises (a store that cannot be read or written is no store)."""
+
+    def __init__(self, path: Path, folder: Path = KERNEL_DIR, sources: str | None = None) -> None:
         self.path = path
+        self.folder = folder
+        self.sources = sources_stamp(folder) if sources is None else sources
         self._lock = threading.Lock()
         self._stored: dict[str, str] | None = None  # read on the first adopt
         self._kernels: dict[str, Any] = {}  # every adopted kernel, by name
+        self._files: set[str] = set()  # files whose first kernel found the folder as stamped
+        self.stale = False  # a file of the folder changed since the stamp: no key given or kept
 
     def _read(self) -> dict[str, str]:
         if self._stored is None:
             try:
                 data = json.loads(self.path.read_text())
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - unreadable, not JSON, too deeply nested: no store
                 data = {}
             self._stored = {k: v for k, v in data.items() if _is_key(v)} if isinstance(data, dict) else {}
         return self._stored
 
+    def _as_stamped(self, file: str, name: str) -> bool:
+        """Whether the folder is still as stamped; checked again for a new file or a kernel defined
+        again (a reload). Called under the lock."""
+        if not self.stale and (file not in self._files or name in self._kernels):
+            try:
+                self.stale = sources_stamp(self.folder) != self.sources
+            except OSError:
+                self.stale = True
+            self._files.add(file)
+        return not self.stale
+
     def adopt(self, kernel: Any) -> bool:
-        """Give ``kernel`` (a ``JITFunction`` of torchloom's kernel folder) its stored key, if there
-        is one; True when it got one. Other objects (the interpreter's functions, closures, kernels
-        from elsewhere) are left alone."""
-        fn = getattr(kernel, "fn", None)
-        code = getattr(fn, "__code__", None)
-        if code is None or getattr(fn, "__closure__", None) is not None or "<locals>" in fn.__qualname__:
-            return False
-        if Path(code.co_filename).resolve().parent != KERNEL_DIR or not hasattr(kernel, "hash"):
-            return False
-        name = f"{fn.__module__}.{fn.__qualname__}"
-        with self._lock:
-            self._kernels[name] = kernel
-            key = self._read().get(name)
-            if key is None or kernel.hash is not None:
+        """Give ``kernel`` (a ``JITFunction`` of the folder) its stored key, if there is one; True
+        when it got one. Other objects (the interpreter's functions, closures, kernels from
+        elsewhere) are left alone."""
+        try:
+            fn = kernel.fn
+            file = str(Path(fn.__code__.co_filename).resolve())
+            if fn.__closure__ is not None or "<locals>" in fn.__qualname__ or not hasattr(kernel, "hash"):
                 return False
-            kernel.hash = key  # what Triton's cache_key returns from now on
-        return True
+            if Path(file).parent != self.folder:
+                return False
+            name = f"{fn.__module__}.{fn.__qualname__}"
+            with self._lock:
+                fresh = self._as_stamped(file, name)
+                self._kernels[name] = kernel
+                key = self._read().get(name) if fresh else None
+                if key is None or kernel.hash is not None:
+                    return False
+                kernel.hash = key  # what Triton's cache_key returns from now on
+            return True
+        except Exception:  # noqa: BLE001 - an optimisation: Triton computes the key itself
+            return False
 
     def remember(self) -> int:
         """Store the keys Triton computed for adopted kernels since the store was read (one atomic
-        write, only when there is something new). Returns how many were new."""
+        write, only when there is something new; none once the folder changed). Returns how many
+        were new."""
         try:
             with self._lock:
+                if self.stale:
+                    return 0
                 stored = self._read()
                 new = {name: k.hash for name, k in self._kernels.items() if _is_key(k.hash) and stored.get(name) != k.hash}
                 if not new:
@@ -206,6 +236,7 @@ class KernelKeys:
 
 _stores: dict[str, KernelKeys | None] = {}  # per Triton installation (its folder)
 _stores_lock = threading.Lock()
+_TRUE = ("1", "true", "on", "yes")  # what Triton reads as on in TRITON_INTERPRET
 
 
 def _supports_stored_keys() -> bool:
@@ -219,10 +250,11 @@ def _supports_stored_keys() -> bool:
 
 
 def kernel_keys(triton: Any) -> KernelKeys | None:
-    """The process's store of kernel keys for this Triton installation (made on the first call),
-    or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when Triton's interpreter runs the
-    kernels, or when this Triton keeps its keys in another way."""
-    if os.environ.get("TORCHLOOM_TRITON_KEY_CACHE", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """The process's store of kernel keys for this Triton installation (made on the first call; its
+    keys kept at exit too), or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when
+    Triton's interpreter runs the kernels, or when this Triton keeps its keys in another way. The
+    store's file is named after the installation's stamp, Python's version and ``KERNEL_DIR``'s."""
+    if os.environ.get("TORCHLOOM_TRITON_KEY_CACHE", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE:
         return None
     with _stores_lock:
         root = os.path.dirname(os.path.abspath(triton.__file__))
@@ -230,9 +262,11 @@ def kernel_keys(triton: Any) -> KernelKeys | None:
             store = None
             try:
                 if _supports_stored_keys():
-                    h = hashlib.sha256(f"{sys.version}\0{installation_stamp(triton)}\0{sources_stamp(KERNEL_DIR)}".encode())
-                    store = KernelKeys(_cache_dir(triton) / "torchloom" / f"kernel_keys-{h.hexdigest()[:40]}.json")
-                    atexit.register(store.remember)
+                    sources = sources_stamp(KERNEL_DIR)
+                    h = hashlib.sha256(f"{sys.version}\0{installation_stamp(triton)}\0{sources}".encode())
+                    store = KernelKeys(_cache_dir(triton) / "torchloom" / f"kernel_keys-{h.hexdigest()[:40]}.json", KERNEL_DIR, sources)
+                    if not _stores:  # once per process: every store's new keys kept at exit
+                        atexit.register(remember_kernel_keys)
             except Exception:  # noqa: BLE001 - an optimisation: Triton computes every key itself
                 store = None
             _stores[root] = store
