@@ -116,13 +116,16 @@ def test_the_stamp_sees_files_in_symlinked_folders(tmp_path):
 
 # ------------------------------------------------------------------------------ each kernel's key
 _KEYS_OF_EVERY_KERNEL = r"""
-import importlib, json, pkgutil, sys
+import hashlib, importlib, json, pkgutil, sys
+import triton.runtime.jit as jit_module
 import torchloom.kernels as K
 from triton.runtime.jit import JITFunction
 mods = [importlib.import_module(f"torchloom.kernels.{m.name}") for m in pkgutil.iter_modules(K.__path__)]
 kernels = {f"{v.fn.__module__}.{v.fn.__qualname__}": v for m in mods for v in vars(m).values() if isinstance(v, JITFunction)}
 given = sorted(n for n, k in kernels.items() if k.hash is not None)  # keys handed over before any launch
-json.dump({"given": given, "keys": {n: k.cache_key for n, k in kernels.items()}}, sys.stdout)
+sources = {n: [k.starting_line_number, hashlib.sha256("".join(k.raw_src).encode()).hexdigest()] for n, k in kernels.items()}
+json.dump({"given": given, "keys": {n: k.cache_key for n, k in kernels.items()}, "sources": sources,
+           "inspect": type(jit_module.inspect).__name__}, sys.stdout)
 """
 
 
@@ -140,26 +143,30 @@ def _every_kernels_key(cache_dir, stored: bool) -> dict:
     return json.loads(out.stdout)
 
 
-def test_every_kernels_stored_key_is_the_one_triton_computes(tmp_path):
-    """Triton's own keys (store off) against: a first process (computes, stores at exit), a second
-    (every key from the store, none computed), and one whose store lost half its keys (those are
-    computed again, beside callee kernels that got theirs from the store): the same keys each time."""
+def test_every_kernels_stored_key_and_source_are_the_ones_triton_finds(tmp_path):
+    """Triton's own keys and kernel sources (store off) against: a first process (computes, stores
+    at exit), a second (every key and source block from the store, nothing computed), and one whose
+    store lost half of each (those are computed again, beside callee kernels that got theirs from
+    the store): the same keys, the same source lines and first line numbers each time."""
     import json
 
     own = _every_kernels_key(tmp_path, stored=False)
-    assert own["given"] == [] and len(own["keys"]) > 40
+    assert own["given"] == [] and len(own["keys"]) > 40 and own["inspect"] == "module"
     assert not (tmp_path / "torchloom").exists()  # switched off: nothing stored
     first = _every_kernels_key(tmp_path, stored=True)
-    assert first["given"] == [] and first["keys"] == own["keys"]
+    assert first["given"] == [] and first["keys"] == own["keys"] and first["sources"] == own["sources"]
+    assert first["inspect"] == "TritonInspect"
     (store,) = (tmp_path / "torchloom").glob("kernel_keys-*.json")
-    assert json.loads(store.read_text()) == own["keys"]
+    stored = json.loads(store.read_text())
+    assert stored["keys"] == own["keys"] and set(stored["spans"]) == set(own["keys"])
     second = _every_kernels_key(tmp_path, stored=True)
-    assert second["given"] == sorted(own["keys"]) and second["keys"] == own["keys"]
-    kept = {n: k for i, (n, k) in enumerate(sorted(own["keys"].items())) if i % 2}
+    assert second["given"] == sorted(own["keys"]) and second["keys"] == own["keys"] and second["sources"] == own["sources"]
+    half = lambda d: {n: v for i, (n, v) in enumerate(sorted(d.items())) if i % 2}  # noqa: E731
+    kept = {"keys": half(stored["keys"]), "spans": half(stored["spans"])}
     store.write_text(json.dumps(kept))
     mixed = _every_kernels_key(tmp_path, stored=True)
-    assert mixed["given"] == sorted(kept) and mixed["keys"] == own["keys"]
-    assert json.loads(store.read_text()) == own["keys"]  # the lost half stored again
+    assert mixed["given"] == sorted(kept["keys"]) and mixed["keys"] == own["keys"] and mixed["sources"] == own["sources"]
+    assert json.loads(store.read_text()) == stored  # the lost halves stored again
 
 
 def _kernel_like(folder, name="k", body="pass", closure=None):
@@ -242,7 +249,7 @@ def test_kernels_from_elsewhere_and_closures_are_left_to_triton(tmp_path, folder
 
     path = tmp_path / "keys.json"
     keys = {"tests.kernels.test_key_cache.k": "ab" * 32, "pkg.kern.outer.<locals>.k": "ab" * 32, "pkg.kern.k": "ab" * 32}
-    path.write_text(__import__("json").dumps(keys))
+    path.write_text(__import__("json").dumps({"keys": keys}))
     store = _key_cache.KernelKeys(path, folder)
 
     def k(x_ptr):
@@ -265,7 +272,7 @@ def test_a_corrupt_or_unwritable_kernel_store_changes_nothing(tmp_path, folder):
     store = _key_cache.KernelKeys(path, folder)
     kernel = _kernel_like(folder)
     assert not store.adopt(kernel) and kernel.hash is None
-    path.write_text('{"pkg.kern.k": "short"}')  # not a key: ignored
+    path.write_text('{"keys": {"pkg.kern.k": "short"}}')  # not a key: ignored
     kernel = _kernel_like(folder)
     assert not _key_cache.KernelKeys(path, folder).adopt(kernel) and kernel.hash is None
     path.write_text("[" * 100000 + "]" * 100000)  # too deep for the JSON reader
@@ -341,3 +348,62 @@ def test_no_kernel_store_when_switched_off_or_interpreted(no_stores, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert _key_cache.kernel_keys(triton) is None
+
+
+def test_source_lines_come_from_the_store_only_while_they_match(tmp_path, folder):
+    """A kernel's source block (what ``inspect.getsourcelines`` finds) kept by one process and given
+    by the next, equal to inspect's; not given when its lines changed or the folder was restamped
+    different; foreign functions always go to ``inspect``."""
+    import inspect
+    import linecache
+
+    from torchloom.kernels import _key_cache
+
+    (folder / "kern.py").write_text("import os\n\n\ndef k(x_ptr):\n    y = x_ptr\n    return y\n\n# after\n")
+    path = tmp_path / "keys.json"
+
+    def load():
+        scope: dict = {"__name__": "pkg.kern"}
+        exec(compile((folder / "kern.py").read_text(), str(folder / "kern.py"), "exec"), scope)
+        linecache.checkcache()
+        return scope["k"]
+
+    first = _key_cache.KernelKeys(path, folder)
+    view = _key_cache.TritonInspect(first)
+    fn = load()
+    assert first.source_lines(fn) is None  # nothing stored
+    truth = inspect.getsourcelines(fn)
+    assert view.getsourcelines(fn) == truth and first.remember() == 1
+    again = _key_cache.KernelKeys(path, folder)
+    assert again.source_lines(load()) == truth  # the next process: from the store, equal to inspect's
+    assert _key_cache.TritonInspect(again).signature is inspect.signature  # everything else is inspect's
+    outside = _key_cache.TritonInspect(again)
+    assert outside.getsourcelines(test_source_lines_come_from_the_store_only_while_they_match) == inspect.getsourcelines(
+        test_source_lines_come_from_the_store_only_while_they_match)
+    # the same span, other lines (an edit the stamp would also see): the digest refuses them
+    other = _key_cache.KernelKeys(path, folder)
+    other.sources = _key_cache.sources_stamp(folder)
+    (folder / "kern.py").write_text("import os\n\n\ndef k(x_ptr):\n    z = x_ptr\n    return z\n\n# after\n")
+    other.sources = _key_cache.sources_stamp(folder)  # as if stamped after the edit: only the digest differs
+    assert other.source_lines(load()) is None
+    # the folder restamped different: nothing given
+    stale = _key_cache.KernelKeys(path, folder)
+    (folder / "extra.py").write_text("")
+    assert stale.source_lines(load()) is None and stale.stale
+
+
+def test_the_inspect_view_goes_only_where_triton_uses_the_inspect_module(monkeypatch, tmp_path, folder):
+    import inspect
+
+    import triton.runtime.jit as jit_module
+
+    from torchloom.kernels import _key_cache
+
+    store = _key_cache.KernelKeys(tmp_path / "keys.json", folder)
+    monkeypatch.setattr(jit_module, "inspect", inspect)
+    _key_cache._install_inspect(store)
+    assert isinstance(jit_module.inspect, _key_cache.TritonInspect)
+    elsewhere = object()
+    monkeypatch.setattr(jit_module, "inspect", elsewhere)  # a Triton that names something else so
+    _key_cache._install_inspect(store)
+    assert jit_module.inspect is elsewhere
