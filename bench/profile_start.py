@@ -107,6 +107,17 @@ def _print_phases(events, t0: float, t1: float, shown_ms: float = 0.5) -> None:
         print(f"  and {len(took)} calls of {name} under {shown_ms} ms each, {sum(took) * 1e3:.1f} ms in all")
 
 
+def _print_launches(first_calls: dict[str, list[float]]) -> None:
+    """Every Triton kernel's first launch (host ms) against its later launches (median µs)."""
+    print(f"{'kernel':<34} {'launches':>8} {'first ms':>9} {'later µs':>9}")
+    total_first = 0.0
+    for name, times in sorted(first_calls.items(), key=lambda kv: -kv[1][0]):
+        later = sorted(times[1:])
+        total_first += times[0]
+        print(f"{name:<34} {len(times):>8} {times[0] * 1e3:>9.2f} {later[len(later) // 2] * 1e6 if later else float('nan'):>9.1f}")
+    print(f"first launches: {len(first_calls)} kernels, {total_first:.3f} s of host time")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", default="backprop", choices=list(bt.METHODS))
@@ -115,12 +126,15 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="cProfile the first run")
     ap.add_argument("--phases", action="store_true", help="print the first run's timeline of its start")
+    ap.add_argument("--no-launch-table", action="store_true",
+                    help="leave Triton alone: no first-launch table, so Triton is first imported inside the run (as in "
+                         "bench_trainers.py's whole runs) and the timeline shows that import's true cost")
     ap.add_argument("--callers", action="append", default=[], help="with --profile: print who called functions matching this")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = bt._data(args.samples, args.batch, dev)
     bt._warm_process(dev)
-    calls = _trace_triton()
+    calls = {} if args.no_launch_table else _trace_triton()
     events = _trace_phases() if args.phases else None
     prof = cProfile.Profile() if args.profile else None
     walls = []
@@ -142,13 +156,8 @@ def main(argv=None) -> int:
             losses = list(result.loss_history)
     print(f"{args.method} batch {args.batch}: first run {walls[0]:.3f} s (epochs {', '.join(f'{e:.3f}' for e in epochs)}), "
           f"second run {walls[1]:.3f} s, per-process start {walls[0] - walls[1]:.3f} s; losses {', '.join(f'{x:.4g}' for x in losses)}")
-    print(f"{'kernel':<34} {'launches':>8} {'first ms':>9} {'later µs':>9}")
-    total_first = 0.0
-    for name, times in sorted(first_calls.items(), key=lambda kv: -kv[1][0]):
-        later = sorted(times[1:])
-        total_first += times[0]
-        print(f"{name:<34} {len(times):>8} {times[0] * 1e3:>9.2f} {later[len(later) // 2] * 1e6 if later else float('nan'):>9.1f}")
-    print(f"first launches: {len(first_calls)} kernels, {total_first:.3f} s of host time")
+    if not args.no_launch_table:
+        _print_launches(first_calls)
     if events is not None:
         _print_phases(events, *span)
     if prof is not None:

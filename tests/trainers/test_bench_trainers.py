@@ -40,3 +40,10 @@ def test_profile_start_phases_runs_and_times_the_start():
     assert "BatchSource.__init__" in out and "Trainer._get_ready" in out
     losses = [float(v) for v in out.split("losses ")[1].splitlines()[0].split(", ")]
     assert len(losses) == 2 and all(v == v for v in losses)
+    assert "first launches:" in out  # the launch table (Triton traced)
+    quiet = subprocess.run(
+        [sys.executable, str(script), "--method", "tween", "--batch", "64", "--samples", "256", "--epochs", "2", "--phases",
+         "--no-launch-table"],
+        capture_output=True, text=True, timeout=300, env=env, check=True,
+    ).stdout
+    assert "(the run ends)" in quiet and "first launches:" not in quiet
