@@ -116,7 +116,14 @@ def test_the_stamp_sees_files_in_symlinked_folders(tmp_path):
 
 # ------------------------------------------------------------------------------ each kernel's key
 _KEYS_OF_EVERY_KERNEL = r"""
-import hashlib, importlib, json, pkgutil, sys
+import hashlib, importlib, inspect, json, pkgutil, sys
+tokenized = []  # functions whose source inspect itself looked up (the store did not answer)
+real = inspect.getsourcelines
+def counted(obj):
+    if str(getattr(obj, "__module__", "")).startswith("torchloom.kernels"):
+        tokenized.append(obj.__qualname__)
+    return real(obj)
+inspect.getsourcelines = counted
 import triton.runtime.jit as jit_module
 import torchloom.kernels as K
 from triton.runtime.jit import JITFunction
@@ -125,7 +132,7 @@ kernels = {f"{v.fn.__module__}.{v.fn.__qualname__}": v for m in mods for v in va
 given = sorted(n for n, k in kernels.items() if k.hash is not None)  # keys handed over before any launch
 sources = {n: [k.starting_line_number, hashlib.sha256("".join(k.raw_src).encode()).hexdigest()] for n, k in kernels.items()}
 json.dump({"given": given, "keys": {n: k.cache_key for n, k in kernels.items()}, "sources": sources,
-           "inspect": type(jit_module.inspect).__name__}, sys.stdout)
+           "inspect": type(jit_module.inspect).__name__, "tokenized": len(tokenized)}, sys.stdout)
 """
 
 
@@ -152,20 +159,23 @@ def test_every_kernels_stored_key_and_source_are_the_ones_triton_finds(tmp_path)
 
     own = _every_kernels_key(tmp_path, stored=False)
     assert own["given"] == [] and len(own["keys"]) > 40 and own["inspect"] == "module"
+    assert own["tokenized"] >= len(own["keys"])
     assert not (tmp_path / "torchloom").exists()  # switched off: nothing stored
     first = _every_kernels_key(tmp_path, stored=True)
     assert first["given"] == [] and first["keys"] == own["keys"] and first["sources"] == own["sources"]
-    assert first["inspect"] == "TritonInspect"
+    assert first["inspect"] == "TritonInspect" and first["tokenized"] >= len(own["keys"])
     (store,) = (tmp_path / "torchloom").glob("kernel_keys-*.json")
     stored = json.loads(store.read_text())
     assert stored["keys"] == own["keys"] and set(stored["spans"]) == set(own["keys"])
     second = _every_kernels_key(tmp_path, stored=True)
     assert second["given"] == sorted(own["keys"]) and second["keys"] == own["keys"] and second["sources"] == own["sources"]
+    assert second["tokenized"] == 0  # every kernel's source block from the store
     half = lambda d: {n: v for i, (n, v) in enumerate(sorted(d.items())) if i % 2}  # noqa: E731
     kept = {"keys": half(stored["keys"]), "spans": half(stored["spans"])}
     store.write_text(json.dumps(kept))
     mixed = _every_kernels_key(tmp_path, stored=True)
     assert mixed["given"] == sorted(kept["keys"]) and mixed["keys"] == own["keys"] and mixed["sources"] == own["sources"]
+    assert mixed["tokenized"] == len(own["keys"]) - len(kept["spans"])
     assert json.loads(store.read_text()) == stored  # the lost halves stored again
 
 
@@ -307,7 +317,10 @@ def no_stores(monkeypatch, tmp_path):
 
     from torchloom.kernels import _key_cache
 
+    import triton.runtime.jit as jit_module
+
     monkeypatch.setattr(_key_cache, "_stores", {})
+    monkeypatch.setattr(jit_module, "inspect", jit_module.inspect)  # put back whatever view is installed now
     monkeypatch.setattr(_key_cache, "_cache_dir", lambda triton: tmp_path / "cache")
     monkeypatch.setattr(atexit, "register", lambda fn: fn)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -365,7 +378,6 @@ def test_source_lines_come_from_the_store_only_while_they_match(tmp_path, folder
     def load():
         scope: dict = {"__name__": "pkg.kern"}
         exec(compile((folder / "kern.py").read_text(), str(folder / "kern.py"), "exec"), scope)
-        linecache.checkcache()
         return scope["k"]
 
     first = _key_cache.KernelKeys(path, folder)
@@ -382,7 +394,7 @@ def test_source_lines_come_from_the_store_only_while_they_match(tmp_path, folder
         test_source_lines_come_from_the_store_only_while_they_match)
     # the same span, other lines (an edit the stamp would also see): the digest refuses them
     other = _key_cache.KernelKeys(path, folder)
-    other.sources = _key_cache.sources_stamp(folder)
+    assert linecache.getlines(str(folder / "kern.py"))  # cached: the view must look again
     (folder / "kern.py").write_text("import os\n\n\ndef k(x_ptr):\n    z = x_ptr\n    return z\n\n# after\n")
     other.sources = _key_cache.sources_stamp(folder)  # as if stamped after the edit: only the digest differs
     assert other.source_lines(load()) is None

@@ -31,7 +31,15 @@ before the first kernel of each file, and before a kernel defined again by a rel
 is no longer used once it differs). A kernel given its key skips one check Triton makes at every
 launch: that the module globals the kernel reads still have the values they had when it was
 compiled (torchloom's kernels read none that change). Kernels made inside a function (a closure) are
-left to Triton. The same switch, ``TORCHLOOM_TRITON_KEY_CACHE=0``, turns this off.
+left to Triton.
+
+**And each kernel's source block** (``TritonInspect``). Making a kernel's ``JITFunction`` (at its
+module's import) asks ``inspect.getsourcelines``, which tokenizes the file from the kernel's first
+line to its end: 33 of the 58 ms of importing a TargetProp run's kernel modules (H200 machine,
+``cProfile``). The store keeps each block's length and digest; Triton's ``jit`` module gets a view of
+``inspect`` (``TritonInspect``) that answers torchloom's kernels from it (the file's lines from the
+kernel's first line, checked against the digest) and asks ``inspect`` for everything else. The same
+switch, ``TORCHLOOM_TRITON_KEY_CACHE=0``, turns all three off.
 """
 
 from __future__ import annotations
@@ -155,7 +163,8 @@ def _is_key(value: Any) -> bool:
 
 
 def _is_span(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and value[0] > 0 and isinstance(value[1], str)
+    return (isinstance(value, list) and len(value) == 2 and type(value[0]) is int and value[0] > 0
+            and isinstance(value[1], str))
 
 
 def _digest(lines: list[str]) -> str:
@@ -164,7 +173,7 @@ def _digest(lines: list[str]) -> str:
 
 class KernelKeys:
     """Per kernel of ``folder``, what Triton works out anew in every process, kept in ``path``
-    across processes: its ``cache_key``, and the length of its source block (what
+    across processes: its ``cache_key``, and the length and a digest of its source block (what
     ``inspect.getsourcelines`` finds by tokenizing the file from the kernel's first line). ``sources``
     is the ``sources_stamp(folder)`` the store belongs to (taken now when not given).
     ``adopt(kernel)`` gives a new ``JITFunction`` its stored key, ``source_lines(fn)`` answers for
@@ -306,8 +315,10 @@ class TritonInspect:
     ``getsourcelines`` answers torchloom's kernels from ``store`` (``KernelKeys.source_lines``) and
     asks ``inspect`` for anything else (noting what it found for a kernel of the store's folder).
     Measured on the H200 machine (Triton 3.6, Python 3.12): 33 of the 58 ms that importing a
-    TargetProp run's kernel modules took (profiled) was ``inspect.getsourcelines`` tokenizing the
-    kernels' sources, one by one, in every process."""
+    TargetProp run's kernel modules took under ``cProfile`` was ``inspect.getsourcelines`` tokenizing
+    the kernels' sources, one by one, in every process. Every kernel Triton makes in the process
+    (torch.compile's, a user's) passes through ``getsourcelines`` here; only torchloom's are answered
+    from the store."""
 
     def __init__(self, store: KernelKeys) -> None:
         self._store = store
@@ -349,8 +360,9 @@ def _supports_stored_keys() -> bool:
 
 
 def kernel_keys(triton: Any) -> KernelKeys | None:
-    """The process's store of kernel keys for this Triton installation (made on the first call; its
-    keys kept at exit too), or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when
+    """The process's store of kernel keys and source blocks for this Triton installation (made on
+    the first call, with ``TritonInspect`` installed over it; what it learns is kept at exit too),
+    or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when
     Triton's interpreter runs the kernels, or when this Triton keeps its keys in another way. The
     store's file is named after the installation's stamp, Python's version and ``KERNEL_DIR``'s."""
     if os.environ.get("TORCHLOOM_TRITON_KEY_CACHE", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE:
@@ -374,7 +386,8 @@ def kernel_keys(triton: Any) -> KernelKeys | None:
 
 
 def remember_kernel_keys() -> None:
-    """Store the kernel keys this process computed (for every Triton installation it used)."""
+    """Store the kernel keys and source blocks this process worked out (every Triton installation it
+    used)."""
     for store in list(_stores.values()):
         if store is not None:
             store.remember()
