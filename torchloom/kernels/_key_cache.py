@@ -23,10 +23,10 @@ it calls, hashing their sources and the global values they use. Measured on the 
 kernels took (profiled). ``_tl.jit`` hands every kernel of ``torchloom/kernels/`` to the process's
 ``KernelKeys``, which gives it the key an earlier process stored for it (``hash``, the attribute
 Triton's ``cache_key`` returns once set), and ``remember()`` (called after a run's warm-up and at
-exit) stores the keys Triton computed in this one. The store is one small JSON file per stamp of the Triton
-installation, of Python's version and of every ``.py`` file of ``torchloom/kernels/`` (name, size,
-modification and change times, inode): change a kernel's source, or any file it could read a global
-from, and every key is computed afresh (in a running process too: the folder is stamped again
+exit) stores the keys Triton computed in this one. The store is one small JSON file per stamp of the
+Triton installation, of Python's version and of every ``.py`` file of ``torchloom/kernels/`` (name,
+size, modification and change times, inode): change a kernel's source, or any file it could read a
+global from, and every key is computed afresh (in a running process too: the folder is stamped again
 before the first kernel of each file, and before a kernel defined again by a reload, and the store
 is no longer used once it differs). A kernel given its key skips one check Triton makes at every
 launch: that the module globals the kernel reads still have the values they had when it was
@@ -194,7 +194,7 @@ class KernelKeys:
         self._lock = threading.Lock()
         self._stored: dict[str, dict[str, Any]] | None = None  # read on first use: {"keys": …, "spans": …}
         self._kernels: dict[str, Any] = {}  # every adopted kernel, by name
-        self._spans: dict[str, list] = {}  # source blocks inspect found in this process: name → [lines, digest]
+        self._spans: dict[str, list] = {}  # source blocks inspect found in this process: name → [line count, digest]
         self._files: set[str] = set()  # files whose first kernel found the folder as stamped
         self.stale = False  # a file of the folder changed since the stamp: nothing given or kept
 
@@ -362,9 +362,9 @@ def _supports_stored_keys() -> bool:
 def kernel_keys(triton: Any) -> KernelKeys | None:
     """The process's store of kernel keys and source blocks for this Triton installation (made on
     the first call, with ``TritonInspect`` installed over it; what it learns is kept at exit too),
-    or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when
-    Triton's interpreter runs the kernels, or when this Triton keeps its keys in another way. The
-    store's file is named after the installation's stamp, Python's version and ``KERNEL_DIR``'s."""
+    or None when switched off (``TORCHLOOM_TRITON_KEY_CACHE=0``), when Triton's interpreter runs
+    the kernels, or when this Triton keeps its keys in another way. The store's file is named after
+    the installation's stamp, Python's version and ``KERNEL_DIR``'s."""
     if os.environ.get("TORCHLOOM_TRITON_KEY_CACHE", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE:
         return None
     with _stores_lock:

@@ -28,8 +28,8 @@ if triton is not None:  # Triton's keys from the last process, not hashed again 
 
 
 def jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit(fn)``, given the ``cache_key`` an earlier process stored for it (``_key_cache``);
-    without Triton, ``fn`` itself (never launched)."""
+    """``triton.jit(fn)``, given the ``cache_key`` an earlier process stored for it (its source block
+    too, through ``_key_cache.TritonInspect``); without Triton, ``fn`` itself (never launched)."""
     if triton is None:
         return fn
     kernel = triton.jit(fn)
