@@ -62,6 +62,11 @@ __all__ = ["install", "installation_stamp", "key_file", "KernelKeys", "kernel_ke
 KERNEL_DIR = Path(__file__).resolve().parent  # torchloom's kernel sources: a change here is a new store
 
 
+def _stat_line(name: str, st: os.stat_result) -> bytes:
+    """One file's line of a stamp: its name, size, modification and change times and inode."""
+    return f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode()
+
+
 def installation_stamp(triton: Any) -> str:
     """Hex digest of Triton's version and each ``.py``/``.so`` file's relative path, size, modification
     and change times and inode (symlinked folders followed: an editable install links its backends)."""
@@ -73,7 +78,7 @@ def installation_stamp(triton: Any) -> str:
             if name.endswith((".py", ".so")):
                 path = os.path.join(dirpath, name)
                 st = os.stat(path)
-                h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+                h.update(_stat_line(os.path.relpath(path, root), st))
     return h.hexdigest()
 
 
@@ -154,7 +159,7 @@ def sources_stamp(folder: Path) -> str:
         files = sorted((e.name, e) for e in entries if e.name.endswith(".py"))
     for name, entry in files:
         st = entry.stat()
-        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+        h.update(_stat_line(name, st))
     return h.hexdigest()
 
 
