@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchloom.layers.dense import Dense  # noqa: E402
 from torchloom.layers.network import Network  # noqa: E402
-from torchloom.trainers.tween import TweenConfig, TweenState  # noqa: E402
+from torchloom.methods.tween import TweenConfig, TweenState  # noqa: E402
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")

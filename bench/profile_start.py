@@ -61,13 +61,13 @@ def _trace_triton() -> dict[str, list[float]]:
 
 # The steps of a run's start that --phases times: (module, class, methods)
 _PHASES = (
-    ("torchloom.trainers.loop", "Trainer", ("_get_ready", "_build_runner", "output_shape", "join_op_warm")),
-    ("torchloom.trainers.loop", "BatchSource", ("__init__",)),
+    ("torchloom.engine.loop", "Trainer", ("_get_ready", "_build_runner", "output_shape", "join_op_warm")),
+    ("torchloom.engine.loop", "BatchSource", ("__init__",)),
     ("torchloom.kernels._preload", "Preload", ("join", "_imports", "_tools")),
-    ("torchloom.trainers.cuda_path", "CudaRunner", ("_capture", "_replay", "run_epoch")),
-    ("torchloom.trainers.backprop", "BackpropTrainer", ("device_step",)),
-    ("torchloom.trainers.target_prop", "TargetPropTrainer", ("device_step",)),
-    ("torchloom.trainers.tween", "TweenTrainer", ("device_step",)),
+    ("torchloom.engine.cuda_path", "CudaRunner", ("_capture", "_replay", "run_epoch")),
+    ("torchloom.methods.backprop", "BackpropTrainer", ("device_step",)),
+    ("torchloom.methods.target_prop", "TargetPropTrainer", ("device_step",)),
+    ("torchloom.methods.tween", "TweenTrainer", ("device_step",)),
 )
 
 

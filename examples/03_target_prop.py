@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.target_prop import TargetPropConfig, TargetPropTrainer
-from torchloom.trainers.train import train
+from torchloom.methods.target_prop import TargetPropConfig, TargetPropTrainer
+from torchloom.engine.train import train
 
 
 def load_digits_split(batch_size: int = 32):

@@ -64,37 +64,46 @@ from .observers import (
     TensorBoardLogger,
     print_gradient_stats,
 )
-from .trainers import (
+from .engine import (
     LOSS_TYPES,
-    BackpropTrainer,
     DivergenceWarning,
     GraphedStep,
+    Method,
+    MetricSet,
+    RateHolder,
     StepOutput,
     StepStatus,
-    TargetPropConfig,
-    TargetPropState,
-    TargetPropTrainer,
     Trainer,
     TrainingBatch,
     TrainingConfig,
     TrainingResult,
-    TweenConfig,
-    TweenState,
-    TweenTrainer,
-    apply_target_prop_gaps,
-    MetricSet,
     compute_loss,
     evaluate,
     loss_and_grad,
     loss_gradient,
     make_graphed_step,
+    method_names,
     predict,
-    target_prop_backward,
-    target_prop_forward,
+    register_method,
     train,
 )
+from .methods import (
+    Backprop,
+    BackpropTrainer,
+    TargetProp,
+    TargetPropConfig,
+    TargetPropState,
+    TargetPropTrainer,
+    Tween,
+    TweenConfig,
+    TweenState,
+    TweenTrainer,
+    apply_target_prop_gaps,
+    target_prop_backward,
+    target_prop_forward,
+)
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "__version__",
@@ -152,6 +161,14 @@ __all__ = [
     "DivergenceWarning",
     "make_graphed_step",
     "GraphedStep",
+    # methods as plug-ins
+    "Method",
+    "RateHolder",
+    "register_method",
+    "method_names",
+    "Backprop",
+    "TargetProp",
+    "Tween",
     # TargetProp
     "TargetPropConfig",
     "TargetPropState",

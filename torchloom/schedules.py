@@ -1,8 +1,10 @@
 """``torchloom.schedules``: Loom's learning-rate schedules (constant, decays, warm restarts, warm-up) as
-``get_lr(step)`` objects, and
-``ScheduleLR``, which applies one to any torch optimizer."""
+``get_lr(step)`` objects, and ``ScheduleLR``, which applies one to any torch optimizer.
 
-from .trainers.schedules import (
+The schedules live in ``torchloom.optim.schedules`` (with the optimizers they drive); this name is
+the same module's public face, kept because ``torchloom.schedules`` is where users look."""
+
+from .optim.schedules import (
     SCHEDULES,
     Schedule,
     ScheduleLR,

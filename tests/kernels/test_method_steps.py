@@ -12,8 +12,8 @@ import torch
 
 from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
 from torchloom.kernels._triton import triton_available
-from torchloom.trainers.cuda_path import CudaRunner
-from torchloom.trainers.train import make_trainer
+from torchloom.engine.cuda_path import CudaRunner
+from torchloom.engine.train import make_trainer
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="the fused steps are Triton kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,7 +112,7 @@ def test_tp_rule_matches_reference(status, clip, labels):
 @pytest.mark.parametrize("clip", [False, True])
 def test_tween_rule_matches_its_references(found_inf, clip):
     from torchloom.kernels.explosion_rule import STATE_FIELDS, explosion_rule_ref_, rule_constants
-    from torchloom.trainers.tween import EXPLOSION_RULE, _TensorOps
+    from torchloom.methods.tween import EXPLOSION_RULE, _TensorOps
 
     ms = _ms()
     f64 = dict(dtype=torch.float64, device=DEVICE)
@@ -229,7 +229,7 @@ def test_fused_pure_target_prop_without_biases_and_with_a_dead_input_unit():
 
 @pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 17), (16, 33, 70), (17, 33, 5), (300, 65, 40)])  # ≤ 16 rows: product in-kernel
 def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
-    from torchloom.trainers import target_prop as tp
+    from torchloom.methods import target_prop as tp
 
     ms = _ms()
     assert ms.MIN_CONNECTION == tp._MIN_CONNECTION

@@ -24,7 +24,7 @@ def test_import_torchloom_does_not_import_triton():
         """
         import sys
         import torchloom
-        import torchloom.optim, torchloom.trainers.optim, torchloom.trainers.schedules, torchloom.trainers.losses
+        import torchloom.optim, torchloom.optim.optimizers, torchloom.optim.schedules, torchloom.engine.losses
         assert "triton" not in sys.modules, sorted(m for m in sys.modules if m.startswith("triton"))
         print("ok")
         """
@@ -42,8 +42,8 @@ def test_everything_runs_on_references_without_triton():
         import torchloom
         from torchloom.kernels import _triton
         from torchloom.kernels.grad_norm import clip_grad_norm_
-        from torchloom.trainers.losses import loss_and_grad
-        from torchloom.trainers.optim import SGD, AdamW, RMSprop
+        from torchloom.engine.losses import loss_and_grad
+        from torchloom.optim.optimizers import SGD, AdamW, RMSprop
         from torchloom.layers.dense import Dense
         from torchloom.layers.network import Network
 

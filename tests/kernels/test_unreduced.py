@@ -5,7 +5,7 @@ import torch
 
 from torchloom.kernels._triton import interpreter_enabled, triton_available
 from torchloom.kernels.grad_norm import grad_norm_ref, grad_sq_partials
-from torchloom.trainers.losses import loss_and_grad
+from torchloom.engine.losses import loss_and_grad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference"] + (["triton"] if triton_available() and (DEVICE == "cuda" or interpreter_enabled()) else [])

@@ -46,7 +46,7 @@ def test_flag_is_never_lowered():
 def test_update_guard_restores_memory_seen_through_new_view_objects():
     """A flat buffer's view is a new object at every call: the guard must treat it as the memory it
     saved (restore it), never as state the update created (which it would zero)."""
-    from torchloom.trainers.guards import UpdateGuard
+    from torchloom.engine.guards import UpdateGuard
 
     buf = torch.randn(10)
     before = buf.clone()

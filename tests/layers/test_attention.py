@@ -15,7 +15,7 @@ from helpers import assert_close
 from torchloom.layers.attention import MultiHeadAttention, MultiHeadAttentionFunction, multi_head_attention
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 # (B, S, d_model, heads, kv_heads, causal, rope, bias): odd sequence lengths, batch > 1, plain MHA,
 # grouped-query (G = 3), multi-query (one kv head), no mask, no RoPE, no bias, head size 2.

@@ -15,7 +15,7 @@ from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network, Sequential
 from torchloom.layers.norm import RMSNorm
 from torchloom.layers.swiglu import SwiGLU
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 DT = torch.float64
 

@@ -12,7 +12,7 @@ from torchloom.layers.embedding import Embedding
 from torchloom.layers.lstm import LSTM
 from torchloom.layers.network import Network
 from torchloom.layers.rnn import RNN, LastStep
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 VOCAB, STEPS = 6, 6
 

@@ -19,7 +19,7 @@ from torchloom.layers.norm import (
     layer_norm,
     rms_norm,
 )
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 SHAPES = [(3, 5), (2, 3, 7), (4, 1), (2, 2, 3, 4)]  # odd sizes, n = 1, more than one leading dim
 

@@ -10,7 +10,7 @@ from helpers import assert_close
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
 from torchloom.layers.softmax import Softmax, SoftmaxFunction, softmax, softmax_backward, softmax_forward
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 # (shape, dim, temperature): odd sizes, batch > 1, a non-last dim, temperatures below and above 1.
 CASES = [((3, 5), -1, 1.0), ((4, 7), 1, 0.6), ((2, 3, 5), 1, 2.5), ((3, 4, 1), -1, 1.0), ((2, 5, 3), -2, 0.8)]

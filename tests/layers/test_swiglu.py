@@ -11,7 +11,7 @@ from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
 from torchloom.layers.norm import RMSNorm
 from torchloom.layers.swiglu import SwiGLU, SwiGLUFunction, swiglu
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 # (leading shape, hidden, intermediate, bias): odd sizes, batch > 1, extra leading dims, m < h.
 CASES = [((3,), 5, 7, True), ((2, 3), 4, 9, True), ((4,), 6, 3, False), ((2, 1, 3), 3, 5, True)]

@@ -11,7 +11,7 @@ import torch
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
 from torchloom.observers.callbacks import Checkpoint, EarlyStopping
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 SWITCH = 4  # steps 0..3 at lr 0.25, then lr 1.5
 

@@ -15,7 +15,7 @@ from torchloom.observers.console import ConsoleObserver
 from torchloom.observers.csv_logger import CSVLogger
 from torchloom.observers.history import History
 from torchloom.observers.progress import EpochLinePrinter, ProgressObserver
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 EPOCH_LINE = re.compile(
     r"^Epoch (\d+)/(\d+) - Loss: (\d+\.\d{6}) \| Time: \S+ \| Samples/s: \d+\.\d{2} \| ETA: \S+$"

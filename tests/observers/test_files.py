@@ -18,7 +18,7 @@ from torchloom.layers.network import Network
 from torchloom.observers.csv_logger import CSVLogger
 from torchloom.observers.gradient_stats import format_gradient_stats, print_gradient_stats
 from torchloom.observers.plots import LossPlot
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 
 def _net():
@@ -196,7 +196,7 @@ def test_print_gradient_stats_before_backward_and_bad_model():
 
 
 def test_print_gradient_stats_of_a_trainer(capsys):
-    from torchloom.trainers.backprop import BackpropTrainer
+    from torchloom.methods.backprop import BackpropTrainer
 
     trainer = BackpropTrainer(_net(), TrainingConfig(verbose=0))
     trainer.fit(_batches(), 1)

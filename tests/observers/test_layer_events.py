@@ -18,7 +18,7 @@ from torchloom.observers import layer_stats as layer_stats_module
 from torchloom.observers.base import Observer
 from torchloom.observers.console import ConsoleObserver
 from torchloom.observers.layer_stats import LayerEvents, layer_stats
-from torchloom.trainers.train import TrainingConfig, train
+from torchloom.engine.train import TrainingConfig, train
 
 FWD = re.compile(r"^\[FWD\] \((\d+),(\d+),(\d+),(\d+)\) (\w+): avg=(-?\d+\.\d{4}) max=(-?\d+\.\d{4}) active=(\d+)/(\d+)$")
 BWD = re.compile(r"^\[BWD\] \((\d+),(\d+),(\d+),(\d+)\) (\w+): grad_avg=(-?\d+\.\d{4}) grad_max=(-?\d+\.\d{4})$")

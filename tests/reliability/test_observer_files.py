@@ -20,7 +20,7 @@ from torchloom.observers import _files
 from torchloom.observers.callbacks import Checkpoint, EarlyStopping
 from torchloom.observers.csv_logger import CSVLogger
 from torchloom.observers.plots import LossPlot
-from torchloom.trainers.schedules import (
+from torchloom.optim.schedules import (
     ScheduleLR,
     constant,
     cosine_annealing,
@@ -239,7 +239,7 @@ def test_check_ready_rechecks_a_changed_setting(tmp_path, owner, attr, value, ex
 def test_train_runs_check_ready_before_anything_changes(tmp_path):
     from torchloom.layers.dense import Dense
     from torchloom.layers.network import Network
-    from torchloom.trainers.train import TrainingConfig, train
+    from torchloom.engine.train import TrainingConfig, train
 
     net = Network(Dense(2, 2))
     state = _weights(net)

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_close
 from torchloom import Dense, Network, TrainingConfig, train
-from torchloom.trainers.cuda_path import _RECORD_VS_REPLAY, STEPS_PER_GRAPH, CudaRunner, steps_per_graph
-from torchloom.trainers.backprop import BackpropTrainer
+from torchloom.engine.cuda_path import _RECORD_VS_REPLAY, STEPS_PER_GRAPH, CudaRunner, steps_per_graph
+from torchloom.methods.backprop import BackpropTrainer
 
 
 def _net(dtype=torch.float64, seed=0):
@@ -34,7 +34,7 @@ def _batches(n=6, bs=4, ragged=3, dtype=torch.float64, seed=1):
 
 def _run_forced(net, batches, cfg):
     trainer = BackpropTrainer(net, cfg)
-    trainer._cuda = CudaRunner(trainer)  # the device-decided runner, here on CPU tensors
+    trainer._runner = CudaRunner(trainer)  # the device-decided runner, here on CPU tensors
     return trainer.fit(batches, cfg.epochs)
 
 
@@ -149,9 +149,9 @@ def test_gpu_graphs_are_captured_and_replayed_with_a_ragged_last_batch(epochs):
     cfg = TrainingConfig(epochs=epochs, learning_rate=0.1, verbose=False, use_gpu=True)
     trainer = BackpropTrainer(net, cfg)
     result = trainer.fit(batches, epochs)
-    assert trainer._cuda.capture_count == 2 and trainer._cuda.graphs is not None
+    assert trainer._runner.capture_count == 2 and trainer._runner.graphs is not None
     # the chunk graph's length follows the run's length (2, 4, then 16 steps here)
-    assert trainer._cuda._chunk["x"].shape[0] == steps_per_graph(71 * epochs) == {1: 2, 3: 4, 40: 16}[epochs]
+    assert trainer._runner._chunk["x"].shape[0] == steps_per_graph(71 * epochs) == {1: 2, 3: 4, 40: 16}[epochs]
     ref = _net(torch.float32)
     r_cpu = train(ref, batches, TrainingConfig(epochs=epochs, learning_rate=0.1, verbose=False))
     np.testing.assert_allclose(result.loss_history, r_cpu.loss_history, rtol=2e-5)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from torchloom.trainers.data import Batches, as_batch_iterable, epoch_seed, predict_inputs
-from torchloom.trainers.loop import TrainingBatch
+from torchloom.engine.data import Batches, as_batch_iterable, epoch_seed, predict_inputs
+from torchloom.engine.types import TrainingBatch
 
 
 def _xy(n=10, f=3):

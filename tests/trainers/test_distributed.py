@@ -133,7 +133,7 @@ def _scenarios(rank, tmp):
             r, _ = _forced(net, bad, _cfg(name))
         out[f"device-nan-{name}"] = (_weights(net), r.loss_history, r.skipped_per_epoch)
     # the same with each layer's gradients reduced during the backward (what large models do)
-    from torchloom.trainers import distributed as tl_dist
+    from torchloom.engine import distributed as tl_dist
 
     saved_bytes, tl_dist.OVERLAP_BYTES = tl_dist.OVERLAP_BYTES, 0
     try:
@@ -191,8 +191,8 @@ def _example():
 
 def _forced(net, data, cfg):
     """The engine's device runner on a CPU trainer (as tests/trainers/test_engine.py does)."""
-    from torchloom.trainers.cuda_path import CudaRunner
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.cuda_path import CudaRunner
+    from torchloom.engine.train import make_trainer
 
     trainer = make_trainer(net, cfg)
     trainer._runner = CudaRunner(trainer)

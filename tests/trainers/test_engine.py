@@ -28,7 +28,7 @@ from torchloom import (
     TweenTrainer,
     train,
 )
-from torchloom.trainers.cuda_path import CudaRunner
+from torchloom.engine.cuda_path import CudaRunner
 
 METHODS = {
     "backprop": "backprop",
@@ -283,7 +283,7 @@ def test_bad_streamed_batch_restores_the_model(name):
 # --------------------------------------------------------------------- device step == host step
 def _forced(net, data, cfg):
     """The engine's device runner on a CPU trainer: the device step with every decision in tensors."""
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.train import make_trainer
 
     trainer = make_trainer(net, cfg)
     trainer._runner = CudaRunner(trainer)
@@ -384,7 +384,7 @@ def test_resume_checks_method_model_and_epochs(tmp_path):
 
     path = tmp_path / "run.pt"
     train(_net(), _data(), _cfg("backprop", epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
-    with pytest.raises(ValueError, match="written by BackpropTrainer"):
+    with pytest.raises(ValueError, match="written by method .backprop., this run uses method .tween."):
         train(_net(), _data(), _cfg("tween", epochs=3, resume_from=path))
     with pytest.raises(ValueError, match="must be > 2"):
         train(_net(), _data(), _cfg("backprop", epochs=2, resume_from=path))
@@ -542,7 +542,7 @@ def test_cuda_resume_is_exact(name, cuda_graph, tmp_path):
 def test_cuda_second_fit_trains_on_its_own_batches(name):
     """A trainer's second ``fit`` captures its own graphs: the first fit's graphs (captured over the
     first batches) never replay over the second fit's data."""
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.train import make_trainer
 
     f32 = torch.float32
     first, second = _data(seed=1, dtype=f32), _data(seed=2, dtype=f32)

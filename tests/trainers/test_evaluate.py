@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchloom
 from torchloom import Dense, Network, evaluate, predict
-from torchloom.trainers.metrics import MetricSet
+from torchloom.engine.metrics import MetricSet
 
 
 def _linear(i=3, o=2, dtype=torch.float32):

@@ -7,7 +7,7 @@ import torch
 
 import torchloom
 from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
-from torchloom.trainers import losses
+from torchloom.engine import losses
 
 
 def test_bounds_equal_per_tensor_reads_and_fall_back_outside_the_prefetch():

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close
-from torchloom.trainers.losses import compute_loss, loss_and_grad, loss_gradient
+from torchloom.engine.losses import compute_loss, loss_and_grad, loss_gradient
 
 
 def test_mse_matches_torch():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchloom.trainers.metrics import METRIC_NAMES, MetricSet
+from torchloom.engine.metrics import METRIC_NAMES, MetricSet
 
 
 def _batches(outputs, targets, sizes):

@@ -11,8 +11,8 @@ import torch
 
 import torchloom
 from torchloom import Dense, Network, TrainingConfig
-from torchloom.trainers import op_warm
-from torchloom.trainers.loop import _data_signature
+from torchloom.engine import op_warm
+from torchloom.engine.start import _data_signature
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 _real_resolve = op_warm._resolve
@@ -255,7 +255,7 @@ def test_cancel_leaves_the_ops_not_yet_started(monkeypatch):
 
 def _key_of(monkeypatch, data, **cfg):
     """The run key ``Trainer._start_op_warm`` asks the cache for (the decision made as on a GPU)."""
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.train import make_trainer
 
     asked = []
     monkeypatch.setattr(op_warm, "load", lambda key: asked.append(key))
@@ -271,7 +271,7 @@ def _key_of(monkeypatch, data, **cfg):
 
 def test_run_keys_are_the_same_in_every_process_and_follow_what_changes_kernels(monkeypatch):
     from torchloom import TargetPropConfig
-    from torchloom.trainers.schedules import linear_decay
+    from torchloom.optim.schedules import linear_decay
 
     class Obs:
         def on_epoch_end(self, *a):

@@ -17,9 +17,9 @@ from helpers import assert_close
 from torchloom.kernels._triton import interpreter_enabled, triton_available
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.optim import OPTIMIZERS, SGD, AdamW, RMSprop, make_optimizer
-from torchloom.trainers.schedules import ScheduleLR, cosine_annealing
-from torchloom.trainers.train import train
+from torchloom.optim.optimizers import OPTIMIZERS, SGD, AdamW, RMSprop, make_optimizer
+from torchloom.optim.schedules import ScheduleLR, cosine_annealing
+from torchloom.engine.train import train
 
 # (device, backend): the references on CPU, the kernels through the interpreter and natively on CUDA
 BACKENDS = [

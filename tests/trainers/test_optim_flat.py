@@ -6,7 +6,7 @@ import torch
 from helpers import assert_close
 from torchloom.kernels._triton import triton_available
 from torchloom.kernels._update import coalesce
-from torchloom.trainers.optim import SGD, AdamW, RMSprop, flatten_optimizer_
+from torchloom.optim.optimizers import SGD, AdamW, RMSprop, flatten_optimizer_
 
 BACKENDS = ["reference"] + (["triton"] if triton_available() else [])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig, evaluate, train
-from torchloom.trainers.backprop import LossScaler
+from torchloom.methods.backprop import LossScaler
 
 
 def _digits():

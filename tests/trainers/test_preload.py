@@ -149,8 +149,8 @@ def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
 _PROBE = r"""
 import json, sys, torch
 from torchloom import LSTM, RNN, Dense, LayerNorm, MultiHeadAttention, Network, RMSNorm, Softmax, SwiGLU, TrainingConfig
-from torchloom.trainers.cuda_path import CudaRunner
-from torchloom.trainers.train import make_trainer
+from torchloom.engine.cuda_path import CudaRunner
+from torchloom.engine.train import make_trainer
 
 method, loss_type, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,7 +227,7 @@ class _StandIn:
 
 
 def _wired(monkeypatch, log):
-    from torchloom.trainers import loop
+    from torchloom.engine import loop
 
     build = loop.Trainer._build_runner
     monkeypatch.setattr(loop.Trainer, "_start_preload", lambda self, batches: _StandIn(log))
@@ -265,7 +265,7 @@ def test_fit_joins_the_preload_before_the_runner_and_after_a_failure(monkeypatch
 def test_no_preload_beside_dataloader_workers_or_off_cuda(monkeypatch):
     from torchloom import Dense, Network, TrainingConfig
     from torchloom.kernels import _preload
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.train import make_trainer
 
     started = []
     monkeypatch.setattr(_preload, "Preload", lambda modules, arch=None: started.append(list(modules)) or _StandIn([]))

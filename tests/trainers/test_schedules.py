@@ -10,7 +10,7 @@ import torch
 
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.schedules import (
+from torchloom.optim.schedules import (
     SCHEDULES,
     ScheduleLR,
     constant,
@@ -22,7 +22,7 @@ from torchloom.trainers.schedules import (
     step_decay,
     warmup,
 )
-from torchloom.trainers.train import train
+from torchloom.engine.train import train
 
 # (schedule, {step: expected lr}); expected values are written out, not computed by the code under test
 EXACT = [

@@ -19,8 +19,8 @@ from torchloom.layers.dense import Dense
 from torchloom.layers.lstm import LSTM
 from torchloom.layers.network import Network
 from torchloom.layers.rnn import RNN, LastStep
-from torchloom.trainers.loop import StepStatus
-from torchloom.trainers.target_prop import (
+from torchloom.engine.types import StepStatus
+from torchloom.methods.target_prop import (
     TargetPropConfig,
     TargetPropState,
     TargetPropTrainer,
@@ -720,7 +720,7 @@ def test_digits_pure_mode_is_on_par_with_a_linear_classifier(one_thread):
     0.03–0.3 — same 10 epochs). Measured over seeds 0–5: pure 92.2–93.8 %, linear 87.8–90.7 %; with
     lr 0.15 the linear one reaches 89.3–92.2 %, tying pure mode on one seed. So only "not worse" is
     asserted; a softmax cross-entropy linear classifier does better (94.7–95.8 %)."""
-    from torchloom.trainers.train import train
+    from torchloom.engine.train import train
 
     batches, xte, yte = _digits()
     torch.manual_seed(0)

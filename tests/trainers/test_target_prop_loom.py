@@ -34,7 +34,7 @@ import torch
 
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.target_prop import (
+from torchloom.methods.target_prop import (
     TargetPropConfig,
     TargetPropState,
     TargetPropTrainer,

@@ -20,8 +20,8 @@ from helpers import assert_close
 from torchloom.layers.base import Layer
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network, Sequential
-from torchloom.trainers.loop import StepStatus
-from torchloom.trainers.tween import TweenConfig, TweenState, TweenTrainer
+from torchloom.engine.types import StepStatus
+from torchloom.methods.tween import TweenConfig, TweenState, TweenTrainer
 
 D = torch.float64
 EXACT = dict(rtol=1e-12, atol=1e-14)

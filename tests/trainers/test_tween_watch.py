@@ -22,7 +22,7 @@ from helpers import assert_close
 from torchloom import TrainingConfig
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.trainers.tween import TweenConfig, TweenState, TweenTrainer
+from torchloom.methods.tween import TweenConfig, TweenState, TweenTrainer
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -207,8 +207,8 @@ def test_watch_fields_and_per_epoch_means_in_history():
 def test_device_rule_equals_host_rule_through_explosions():
     """The engine's device step (run on CPU tensors by its runner) makes the same explosion decisions
     and leaves the same watch state as the host step."""
-    from torchloom.trainers.cuda_path import CudaRunner
-    from torchloom.trainers.train import make_trainer
+    from torchloom.engine.cuda_path import CudaRunner
+    from torchloom.engine.train import make_trainer
 
     g = torch.Generator().manual_seed(4)
     data = [(torch.randn(6, 4, generator=g, dtype=torch.float64), 0.1 * torch.randn(6, 2, generator=g, dtype=torch.float64))

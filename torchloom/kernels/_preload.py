@@ -16,11 +16,9 @@ run's thread alone). Two threads importing into a package that is still being im
 find the other's module half made, so a thread about to launch a Triton kernel first waits for the
 importing thread (``wait_for_imports``, asked by ``_triton.use_triton``: a layer's forward that
 checks the batches may launch one), and the engine joins both before it builds its device runner.
-While the threads run, Python's switch interval is 0.2 ms instead of 5 ms: every
-PyTorch call of the run's thread lets go of the interpreter lock and waits for it on return, and with
-the default interval each such wait could last 5 ms (measured on the H100 machine, a 4-epoch backprop
-run at batch 1,024: 0.199 s → 0.181 s, medians of five fresh processes). The process's own interval
-comes back when the last running preload thread ends. Nothing here raises: a module that fails to
+Python's switch interval is left as the process has it (shortening it while the threads run saved
+~18 ms of a 0.2 s run on the H100 machine, but it is a process-wide setting: not torchloom's to
+change; bench/RESULTS.md). Nothing here raises: a module that fails to
 import is imported again by the code that needs it, which reports the error where it belongs. Once
 a process has imported the modules, a later ``Preload`` of them starts no thread. ``TORCHLOOM_PRELOAD=0`` in the environment
 switches the threads off (every import then happens where it is first needed).
@@ -38,11 +36,6 @@ from typing import Any
 
 __all__ = ["Preload", "wait_for_imports"]
 
-_SWITCH_INTERVAL = 2e-4  # seconds: Python's switch interval while the thread runs (default 5e-3)
-# preload threads running at once (runs started from several threads): the first to start saves the
-# process's interval, the last to end puts it back
-_running = {"count": 0, "saved": 0.0}
-_running_lock = threading.Lock()
 # one Event per import thread not yet ended (set when it ends, or fails to start): another thread's
 # first Triton launch waits for them (``wait_for_imports``); an import thread never waits
 _importing: list[threading.Event] = []
@@ -67,21 +60,6 @@ def _imports_ended(ended: threading.Event) -> None:
         _importing.remove(ended)
 
 
-def _shorten_switch_interval() -> None:
-    with _running_lock:
-        if _running["count"] == 0:
-            _running["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_running["saved"], _SWITCH_INTERVAL))
-        _running["count"] += 1
-
-
-def _restore_switch_interval() -> None:
-    with _running_lock:
-        _running["count"] -= 1
-        if _running["count"] == 0:
-            sys.setswitchinterval(_running["saved"])
-
-
 def _warm_triton() -> bool:
     """Import the Triton modules a first kernel launch would import on the run's thread; False when
     there is no Triton."""
@@ -101,11 +79,10 @@ def _ask(module: str, name: str, *args: Any) -> None:
     """Ask Triton's ``module.name(*args)`` now, on this thread, so that its remembered answer is ready
     (each question is a pure function behind ``functools.lru_cache``, asked on its own: one that is
     missing or fails leaves the others to be asked; the run's thread asks again and reports any
-    error there). Of ``triton_key`` only torchloom's stored key is asked (``_key_cache``), never
-    Triton's own, a 0.4 s hash left to the first compile that needs it."""
+    error there)."""
     with contextlib.suppress(Exception):
         fn = getattr(importlib.import_module(module), name, None)
-        if fn is None or (name == "triton_key" and not getattr(fn, "torchloom_cached", False)):
+        if fn is None:
             return
         try:
             fn(*args)
@@ -154,14 +131,9 @@ class Preload:
             self._start(asker)
 
     def _start(self, thread: threading.Thread) -> bool:
-        # while the threads run Python, the run's thread takes the interpreter lock back within 0.2 ms
-        # of asking, not 5: it asks after every PyTorch call (each releases the lock); each thread
-        # puts its share of the interval back as it ends, joined or not
-        _shorten_switch_interval()
         try:
             thread.start()
         except Exception:  # noqa: BLE001 - no thread to be had: the run imports what it needs itself
-            _restore_switch_interval()
             return False
         self._threads.append(thread)
         return True
@@ -173,10 +145,7 @@ class Preload:
 
     @staticmethod
     def _ended_after(target: Any, args: tuple) -> None:
-        try:
-            target(*args)
-        finally:
-            _restore_switch_interval()
+        target(*args)
 
     @staticmethod
     def _imports(modules: list[str], imported: threading.Event, ended: threading.Event) -> None:
@@ -191,7 +160,7 @@ class Preload:
                     importlib.import_module(name)
                 except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
                     pass
-            if triton:  # after the kernel modules: their import puts torchloom's stored triton_key in place
+            if triton:  # Triton's hash of its own installation, asked by every first launch: done here, beside the run's start
                 _ask("triton.runtime.cache", "triton_key")
         finally:
             _imports_ended(ended)

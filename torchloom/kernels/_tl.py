@@ -18,24 +18,12 @@ except ImportError:  # Triton is an optional dependency
     triton = None
     tl = None
 
-_keys: Any = None
-if triton is not None:  # Triton's keys from the last process, not hashed again (_key_cache)
-    from ._key_cache import install as _install_key_cache
-    from ._key_cache import kernel_keys as _kernel_keys
-
-    _install_key_cache(triton)
-    _keys = _kernel_keys(triton)
-
 
 def jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit(fn)``, given the ``cache_key`` an earlier process stored for it (its source block
-    too, through ``_key_cache.TritonInspect``); without Triton, ``fn`` itself (never launched)."""
+    """``triton.jit(fn)``; without Triton, ``fn`` itself (never launched)."""
     if triton is None:
         return fn
-    kernel = triton.jit(fn)
-    if _keys is not None:
-        _keys.adopt(kernel)
-    return kernel
+    return triton.jit(fn)
 
 
 __all__ = ["triton", "tl", "jit"]

@@ -210,14 +210,13 @@ def format_epoch_line(
 
 
 def _metric_names_of(trainer: Any) -> tuple[str, ...]:
-    """The training metrics' names of ``trainer`` (its ``metric_set``), plus the built-in names."""
-    names: tuple[str, ...] = ()
+    """The names ``trainer``'s epoch logs hold as metrics: ``trainer.metric_names`` (the engine's: its
+    training metrics, then the built-in names), else its ``metric_set``'s names."""
+    names = getattr(trainer, "metric_names", None)
+    if names is not None:
+        return tuple(names)
     metric_set = getattr(trainer, "metric_set", None)
-    if metric_set is not None:
-        names = tuple(getattr(metric_set, "names", ()))
-    from ..trainers.metrics import METRIC_NAMES
-
-    return names + tuple(n for n in METRIC_NAMES if n not in names)
+    return tuple(getattr(metric_set, "names", ())) if metric_set is not None else ()
 
 
 def _is_number(v: Any) -> bool:

@@ -49,6 +49,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..observers._files import atomic_write
+
 __all__ = ["OpRecorder", "OpWarm", "cache_dir", "enabled", "load", "run_key", "save"]
 
 _THREADS = 8
@@ -192,7 +194,7 @@ def _touches(encoded: Any) -> bool:
 def run_key(parts: Iterable[Any]) -> str:
     """A file name for a run: the hash of ``parts`` (reprs of what decides the step's ops) with
     torchloom's, PyTorch's and CUDA's versions."""
-    from .. import __version__
+    from .._version import __version__
 
     h = hashlib.sha256(f"{_FORMAT}\0{__version__}\0{torch.__version__}\0{torch.version.cuda}\n".encode())
     for p in parts:
@@ -223,10 +225,11 @@ def save(key: str, specs: list[dict]) -> bool:
     """Keep ``specs`` for ``key`` (atomically: a reader sees the old file or the new one), and only the
     64 most recently written or read lists. False when the cache directory cannot be written; nothing
     raises."""
-    from ..kernels._key_cache import _write_atomically
-
     try:
-        _write_atomically(_path(key), json.dumps({"format": _FORMAT, "ops": specs}))
+        text = json.dumps({"format": _FORMAT, "ops": specs}).encode()
+        path = _path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)  # torchloom's own cache folder
+        atomic_write("op_warm", str(path), lambda f: f.write(text))
     except (OSError, TypeError, ValueError):
         return False
     with contextlib.suppress(OSError):  # the newest lists stay: one per model, method and shapes run lately
@@ -298,13 +301,9 @@ def replay_one(spec: dict, device: torch.device) -> bool:
 class OpWarm:
     """Runs ``specs`` (in their order, spread over up to 8 daemon threads, on each thread's default
     stream: a new stream would cost the run's thread the stream pool's creation) once each;
-    ``join()`` waits. Python's switch interval is shortened while they run, as for
-    ``kernels._preload.Preload``."""
+    ``join()`` waits."""
 
     def __init__(self, specs: list[dict], device: torch.device) -> None:
-        from ..kernels._preload import _restore_switch_interval, _shorten_switch_interval
-
-        self._restore = _restore_switch_interval
         self._queue = list(specs)
         self._next = 0
         self._lock = threading.Lock()
@@ -314,7 +313,6 @@ class OpWarm:
             return
         self._device = device
         self._planned = self._live = min(_THREADS, len(self._queue))  # _live: workers not yet ended
-        _shorten_switch_interval()
         # the run's thread starts one thread, which starts the others: each start waits for the new
         # thread to run, ~1 ms while other threads hold the interpreter lock
         self._start_thread(0)
@@ -337,9 +335,6 @@ class OpWarm:
     def _thread_ended(self) -> None:
         with self._lock:
             self._live -= 1
-            last = self._live == 0
-        if last:
-            self._restore()
 
     def _take(self) -> dict | None:
         with self._lock:

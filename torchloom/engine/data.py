@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .loop import TrainingBatch
+from .types import TrainingBatch
 
 __all__ = ["Batches", "as_batch_iterable", "predict_inputs", "epoch_seed", "DEFAULT_BATCH_SIZE"]
 

@@ -3,8 +3,8 @@
     result = torchloom.train(model, batches, TrainingConfig(epochs=10, learning_rate=0.01, loss_type="mse"))
     result = torchloom.train(model, batches, TrainingConfig(method="tween"))
 
-``TrainingConfig.method`` picks the trainer (``BackpropTrainer``, ``TargetPropTrainer``,
-``TweenTrainer``); all of them run the engine's one loop (``loop.Trainer.fit``).
+``TrainingConfig.method`` picks the method (a registered name, a method's config, or a
+``torchloom.Method`` of your own); every method runs the engine's one loop (``loop.Trainer.fit``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from ..layers.base import Layer
 from ..layers.network import Network
 from .config import TrainingConfig, as_network, resolve_device
-from .loop import Trainer, TrainingResult
+from .loop import Trainer
+from .types import TrainingResult
 
 __all__ = ["TrainingConfig", "train", "make_trainer", "resolve_device", "as_network"]
 
@@ -51,16 +52,6 @@ def train(model: Network | Layer | Sequence[Layer], batches: Any, config: Traini
 
 
 def make_trainer(model: Network, config: TrainingConfig) -> Trainer:
-    """The engine's trainer for ``config.method``: ``BackpropTrainer``, ``TargetPropTrainer`` or
-    ``TweenTrainer``, each built from the whole ``config``."""
-    from .backprop import BackpropTrainer
-    from .target_prop import TargetPropConfig, TargetPropTrainer
-    from .tween import TweenConfig, TweenTrainer
-
-    method = config.method_config()
-    if isinstance(method, TargetPropConfig):
-        return TargetPropTrainer(model, method, training=config)
-    if isinstance(method, TweenConfig):
-        return TweenTrainer(model, method, training=config)
-    return BackpropTrainer(model, config)
-
+    """The engine's ``Trainer`` for ``config``, with the method ``config.method`` names (resolved through
+    the method registry, or the ``Method`` object given there)."""
+    return Trainer(model, config)

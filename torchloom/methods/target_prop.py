@@ -12,8 +12,9 @@ Functional API, as Loom's (one state object, four calls)::
     state.calculate_link_budgets()                     # 3. link budgets and gaps
     apply_target_prop_gaps(model, state, lr)           # 4. gated, depth-scaled momentum update
 
-``TargetPropTrainer(model, cfg).step(x, y)`` does all four; ``.fit(batches, epochs)`` runs the shared
-epoch loop (``torchloom.trainers.loop``) and returns its ``TrainingResult``.
+``TargetProp`` is the method (``train(..., TrainingConfig(method="target_prop"))``): its ``step(x, y)``
+does all four; ``TargetPropTrainer(model, cfg)`` is the engine with it (``.step(x, y)``,
+``.fit(batches, epochs)``).
 
 The rules, for a ``Network`` of ``L`` layers, activations ``a_0 = x, a_1 … a_L = y`` and target ``t``:
 
@@ -69,15 +70,18 @@ from ..layers.dense import Dense
 from ..layers.lstm import LSTM
 from ..layers.network import Network
 from ..layers.rnn import RNN
-from ..observers.layer_stats import LayerEvents
-from .loop import RateHolder, StepOutput, StepStatus, Trainer, all_finite, as_flat, flatten_tensors_
-from .config import as_network
-from .losses import label_bounds
+from ..engine.config import TrainingConfig, as_network
+from ..engine.loop import Trainer
+from ..engine.losses import label_bounds
+from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
+from ..engine.types import StepOutput, StepStatus
+from ._fused import FlatLayout, FusedStep, into_views
 
 __all__ = [
     "MODES",
     "TargetPropConfig",
     "TargetPropState",
+    "TargetProp",
     "TargetPropTrainer",
     "target_prop_forward",
     "target_prop_backward",
@@ -219,8 +223,6 @@ class TargetPropState:
         training): sums, in place, the per-layer sums ``[layers, 5]`` (``dot(f, b)``, ``|f|²``,
         ``|b|²``, ``Σ(f − b)²``, element count) over the ranks before budgets and gaps are formed."""
         if reduce is not None:
-            from .distributed import layer_sums
-
             index = [i for i in range(self.num_layers) if self.forward_acts[i + 1] is not None and self.backward_targets[i + 1] is not None]
             if not index:
                 return
@@ -248,6 +250,15 @@ class TargetPropState:
                 cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
                 self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
             self.gaps[i] = math.sqrt(mean_sq)
+
+
+def layer_sums(f: Tensor, b: Tensor) -> Tensor:
+    """``[dot(f, b), |f|², |b|², Σ(f − b)², count]`` of two tensors of one shape, in float64 (no host
+    read): the per-layer sums TargetProp's link budget and gap are formed from."""
+    f64, b64 = f.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    diff = f64 - b64
+    count = torch.full((), float(f64.numel()), dtype=torch.float64, device=f64.device)
+    return torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff, count])
 
 
 def _check_model_state(model: Any, state: Any, fn: str) -> None:
@@ -310,66 +321,6 @@ def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target")
         raise TypeError(f"{fn}: target must be a floating tensor or integer class labels, got dtype {target.dtype}")
     if tuple(target.shape) != out_shape:
         raise ValueError(f"{fn}: target must have the output's shape {list(out_shape)}, got {list(target.shape)}")
-
-
-class _FlatLayout:
-    """Parameters, velocities and update directions of a network as three flat buffers of one layout
-    (consecutive views, parameter order), for the one-launch momentum update of the device steps of
-    TargetProp and Tweening (``kernels.layer_update.momentum_update_flat_``). Segments are the
-    parameters; each gets its layer's rate, and frozen parameters (``requires_grad=False``) are never
-    applied. ``build`` returns ``None`` when the buffers are not laid out so (mixed dtypes, ...)."""
-
-    def __init__(self, params: list[Tensor], velocities: list[Tensor], layer_of: list[int], trainable: list[bool]) -> None:
-        from ..kernels._update import coalesce
-
-        self.p = coalesce(params)[0][0]
-        self.v = coalesce(velocities)[0][0]
-        self.g = torch.zeros_like(self.p)
-        self.g_views, offset = [], 0
-        self.bounds = [0]
-        for t in params:
-            self.g_views.append(self.g[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-            self.bounds.append(offset)
-        dev = self.p.device
-        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64, device=dev)
-        self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=dev)
-        self.trainable = torch.tensor(trainable, device=dev)
-        self.counts = [sum(1 for i in layer_of if i == layer) for layer in range(max(layer_of) + 1)]
-
-    @classmethod
-    def build(cls, model: Network, velocities: list[Tensor]) -> "_FlatLayout | None":
-        from ..kernels._update import coalesce
-        from ..kernels.layer_update import _MAX_SEGMENTS
-
-        params, layer_of = [], []
-        for i, layer in enumerate(model.layers):
-            for p in layer.parameters():
-                params.append(p)
-                layer_of.append(i)
-        if len(params) < 2 or len(params) > _MAX_SEGMENTS or len(velocities) != len(params):
-            return None
-        if any(v.shape != p.shape or v.dtype != p.dtype or v.device != p.device for v, p in zip(velocities, params)):
-            return None
-        if coalesce(params) is None or coalesce(velocities) is None:
-            return None
-        return cls(params, velocities, layer_of, [p.requires_grad for p in params])
-
-    def fits(self, directions: list[tuple[Tensor, ...] | None]) -> bool:
-        """Whether every layer with parameters has its full set of directions this step."""
-        return all((len(ds) if ds else 0) == c for ds, c in zip(directions, self.counts))
-
-    def update_(self, directions: list[tuple[Tensor, ...] | None], a: Tensor, c: Tensor, apply: Tensor) -> None:
-        """``v = a_l·v + c_l·d``, ``p += v`` for every parameter of layer ``l`` where ``apply_l`` (and
-        the parameter is trainable); ``a``, ``c``, ``apply``: ``[layers]`` device tensors."""
-        from ..kernels.layer_update import momentum_update_flat_
-
-        torch._foreach_copy_(self.g_views, [d for ds in directions if ds for d in ds])
-        idx = self.layer_of
-        momentum_update_flat_(
-            self.p, self.v, self.g, self.bounds, a.index_select(0, idx), c.index_select(0, idx),
-            apply.index_select(0, idx) & self.trainable, bounds_t=self.bounds_t,
-        )
 
 
 def _mse_to_target(output: Tensor, target: Tensor) -> Tensor:
@@ -568,238 +519,13 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
     return skipped
 
 
-def _into_views(directions: Any, views: tuple[Tensor, ...]) -> None:
-    """Copy each direction into its flat-buffer view unless it was written there in place."""
-    for d, v in zip(directions, views):
-        if d.data_ptr() != v.data_ptr():  # computed elsewhere (a reference path, or a layer that copies)
-            v.copy_(d)
-
-
-class _FusedStep:
-    """The fused device step of TargetProp's chain rule and of Tweening (``kernels/method_steps.py``):
-    the same rule as the torch-op device step in about eighteen launches instead of 110–130, for a
-    network of ``Dense`` layers on CUDA (or on the CPU through Triton's interpreter, when the trainer's
-    ``kernel_backend`` is ``"triton"``: the tests). Update directions are written by each layer's
-    backward straight into the flat direction buffer of the one-launch momentum update, the link
-    budgets / gaps / alignments are per-program partial sums finished, with every decision of the
-    step, by one single-program kernel, and the step's log row is written by that kernel.
-
-    Pure TargetProp takes it too: each layer's delta-rule direction is written into the flat buffer (up
-    to 128 rows by the small-batch Dense backward kernel, else a matrix product and a column sum), and
-    each input target is one ``estimate_gap`` launch (the ``|W|`` column sums, the estimate and the gap
-    the next layer down reads; above 16 rows a cuBLAS product ``t·W`` before it).
-
-    Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
-    ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
-    ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
-
-    def __init__(self, trainer: Any, method: str, flat: _FlatLayout) -> None:
-        dev = trainer.device
-        layers = list(trainer.model.layers)
-        self.t, self.method, self.flat = trainer, method, flat
-        self.n = len(layers)
-        f64 = dict(dtype=torch.float64, device=dev)
-        self.widths = torch.tensor([float(layer.out_features) for layer in layers], **f64)
-        self.seg_layer = flat.layer_of.to(torch.int32)
-        self.trainable = flat.trainable.to(torch.int8)
-        self.weighted = torch.ones(self.n, dtype=torch.int8, device=dev)
-        self.lr = torch.zeros(1, **f64)
-        self._lr_value: float | None = None
-        # each layer's parameters, as views of the flat direction buffer, in parameter order
-        self.views: list[tuple[Tensor, ...]] = []
-        k = 0
-        for layer in layers:
-            count = len(tuple(layer.parameters()))
-            self.views.append(tuple(flat.g_views[k : k + count]))
-            k += count
-        self.out_width = layers[-1].out_features
-        self.in_width = layers[0].in_features
-        if method == "tween":  # the input's width first: the rule reads each layer's input and output sizes
-            self.widths = torch.tensor([float(self.in_width)] + [float(layer.out_features) for layer in layers], **f64)
-            cfg = trainer.config
-            self.consts = torch.tensor([cfg.link_budget_scale, cfg.momentum_decay], **f64)
-
-    @classmethod
-    def build(cls, trainer: Any, method: str) -> "_FusedStep | None":
-        from ..kernels._triton import use_triton
-        from ..kernels.method_steps import _MAX_ROW, MAX_LAYERS, MAX_SEGMENTS
-
-        flat = getattr(trainer, "_flat", None)
-        layers = list(trainer.model.layers)
-        if flat is None or trainer.dist is not None or not layers or len(layers) > MAX_LAYERS:
-            return None
-        if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
-            return None
-        if method == "tween" and trainer.config.loss_type not in (None, "mse", "cross_entropy"):
-            return None
-        params = list(trainer.model.parameters())
-        if any(p.dtype != torch.float32 for p in params) or layers[-1].out_features > _MAX_ROW:
-            return None
-        if not use_triton(params[0], getattr(trainer, "kernel_backend", None)):
-            return None
-        return cls(trainer, method, flat)
-
-    def takes(self, x: Tensor, y: Tensor) -> bool:
-        """Whether this batch fits the fused step (host checks on shapes and dtypes only)."""
-        if x.dim() != 2 or x.shape[1] != self.in_width or x.dtype != torch.float32 or not x.is_contiguous():
-            return False
-        if y.is_floating_point():
-            return y.dtype == torch.float32 and tuple(y.shape) == (x.shape[0], self.out_width)
-        return y.dim() == 1 and y.shape[0] == x.shape[0]
-
-    def _backward_into_flat(self, g: Tensor, saved: list[Any], first_input: bool = False) -> list[Tensor | None]:
-        """Each layer's backward from the output gradient ``g``, its parameter gradients written into the
-        flat direction buffer; returns the gradients at each layer's output ([0]: the input's, None
-        unless ``first_input``)."""
-        layers = self.t.model.layers
-        grads: list[Tensor | None] = [None] * (self.n + 1)
-        grads[self.n] = g
-        for i in range(self.n - 1, -1, -1):
-            views = self.views[i]
-            g, ds = layers[i].backward_saved(g, saved[i], needs_input_grad=first_input or i > 0, out=views)
-            _into_views(ds, views)
-            grads[i] = g
-        return grads
-
-    def _pure_into_flat(self, gap: Tensor, target: Tensor, acts: list[Tensor]) -> list[Tensor | None]:
-        """Pure TargetProp's backward pass from the output's ``gap = target − out``: each layer's
-        delta-rule direction (``gapᵀ x``, bias ``Σ gap``) written into the flat direction buffer, and each
-        layer's input target (``_weighted_estimate``: ``t W / Σ|W|`` per input unit). Returns the targets
-        at each layer's output ([0] None: the input's target is never used)."""
-        from ..kernels import dense_small
-        from ..kernels.method_steps import estimate_gap
-
-        layers = self.t.model.layers
-        backend = getattr(self.t, "kernel_backend", None)
-        targets: list[Tensor | None] = [None] * (self.n + 1)
-        targets[self.n] = target
-        for i in range(self.n - 1, -1, -1):
-            views, w = self.views[i], layers[i].weight  # w: [out, in]
-            if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
-                _, *ds = dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
-                _into_views(ds, views)
-            else:
-                torch.mm(gap.t(), acts[i], out=views[0])
-                if len(views) > 1:
-                    column_sum(gap, out=views[1])
-            if i > 0:
-                targets[i], gap = estimate_gap(targets[i + 1], w, acts[i])
-        return targets
-
-    def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
-        """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch)."""
-        from ..kernels.method_steps import stats_into
-
-        return stats_into(pairs)
-
-    def _lr(self) -> Tensor:
-        lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
-        if isinstance(lr, Tensor):
-            self._lr_value = None
-            return self.lr.copy_(lr.reshape(1))
-        if lr != self._lr_value:  # a fixed rate is written once, not by every (captured) step
-            self.lr.fill_(float(lr))
-            self._lr_value = lr
-        return self.lr
-
-    def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:
-        """The momentum update of every layer in one launch, which also does the weight guard's copy and
-        check (three launches fewer) when the guarded tensors are exactly the parameter and velocity
-        buffers; else inside the runner's usual guard."""
-        from ..kernels.layer_update import momentum_update_flat_
-
-        flat = self.flat
-        backend = getattr(self.t, "kernel_backend", None)
-        guard = runner.update_guard
-        backup = guard.backup_views(flat.p, flat.v)
-        if backup is None:
-            with runner.guard_update(slot):
-                momentum_update_flat_(flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend)
-            return
-        flag = guard.device_flag(flat.p.device)
-        flag.zero_()
-        momentum_update_flat_(
-            flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend, backup=tuple(backup), flag=flag,
-        )
-        guard.restore_flagged_(runner.step_status[slot, 0])
-
-    # ------------------------------------------------------------------------- TargetProp
-    def target_prop_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
-        from ..kernels.grad_norm import grad_sq_partials
-        from ..kernels.method_steps import TP, target_rows, tp_rule_
-
-        t, st, cfg = self.t, self.t.state, self.t.config
-        backend = getattr(t, "kernel_backend", None)
-        out = target_prop_forward(t.model, st, x)
-        t.observe_outputs(out, y)
-        loss_rows, g, target, _, correct = target_rows(out, y, TP)
-        acts = st.forward_acts
-        st.weight_gradients = list(self.views)
-        if cfg.use_chain_rule:
-            grads = self._backward_into_flat(g, st.saved)
-            st.gradients = grads
-            st.backward_targets = [None] * (self.n + 1)  # never materialised by the fused step
-            scale = cfg.gradient_scale
-            part = self._stats([(acts[i + 1], grads[i + 1], None, scale) for i in range(self.n - 1)] + [(out, target, None, None)])
-        else:
-            targets = self._pure_into_flat(g, target, acts)
-            st.gradients, st.backward_targets = [None] * (self.n + 1), targets
-            part = self._stats([(acts[i + 1], targets[i + 1], None, None) for i in range(self.n)])
-        clip_norm = t.clip if t.clip_mode == "norm" else 0.0
-        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
-        if t.clip > 0 and clip_norm == 0:
-            self.flat.g.clamp_(-t.clip, t.clip)
-        a, c, apply = tp_rule_(
-            part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
-            self._lr(), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
-            x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
-        )
-        self._update(runner, slot, a, c, apply)
-
-    # --------------------------------------------------------------------------- Tweening
-    def tween_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
-        from ..kernels.grad_norm import grad_sq_partials
-        from ..kernels.method_steps import TWEEN_CE, TWEEN_MSE, target_rows, tween_rule_
-        from .losses import is_label_target
-
-        t, cfg = self.t, self.t.config
-        backend = getattr(t, "kernel_backend", None)
-        acts, saved = [x], []
-        for layer in t.model.layers:
-            out_i, s_i = layer.forward_saved(acts[-1])
-            acts.append(out_i)
-            saved.append(s_i)
-        out = acts[-1]
-        t.observe_outputs(out, y)
-        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
-        mode = TWEEN_CE if loss_type == "cross_entropy" else TWEEN_MSE
-        loss_rows, g, t_out, y_hat, _ = target_rows(out, y, mode, cfg.gap_threshold)
-        grads = self._backward_into_flat(g, saved)
-        s = cfg.gradient_scale
-        part = self._stats(
-            [(x, None, None, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
-        )
-        batch = out.shape[0]
-        clip_norm = t.clip * batch if t.clip > 0 and t.clip_mode == "norm" else 0.0
-        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
-        if t.clip > 0 and clip_norm == 0:
-            self.flat.g.clamp_(-t.clip * batch, t.clip * batch)
-        a, c, apply, metrics = tween_rule_(
-            part, self.widths, self.consts, t._scales, t._dev_flat, t._rule_constants, self._lr(),
-            runner.grad_scale if clip_norm > 0 else None, runner.found_inf, batch, self.seg_layer, self.trainable,
-            runner.step_logs[slot, :6],
-        )
-        self._update(runner, slot, a, c, apply)
-        t._last_metrics = metrics
-
-
 # ================================================================================================
-# Trainer
+# The method
 
 
-class TargetPropTrainer(Trainer):
-    """TargetProp on the training engine (``train(..., TrainingConfig(method=TargetPropConfig(...)))``
-    runs this class). One host ``step(x, y)``:
+class TargetProp(Method):
+    """TargetProp as a method of the training engine (``train(..., TrainingConfig(method="target_prop"))``
+    or ``method=TargetPropConfig(...)``). One host ``step(x, y)``:
 
     1. check the batch (``y``: class labels ``[batch]`` or a target of the output's shape); bad input
        raises before anything changes;
@@ -823,56 +549,54 @@ class TargetPropTrainer(Trainer):
     sends none).
 
     Args:
-        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
         config: a ``TargetPropConfig`` (default settings when ``None``).
-        observers, verbose: as ``TrainingConfig``'s (only without ``training``).
-        training: the engine's settings, a ``TrainingConfig`` whose ``method`` is ``config`` (what
-            ``train()`` passes); default: ``TrainingConfig(method=config, observers=..., verbose=...)``,
-            training on the model's device.
     """
 
     device_log_names = ("mean_link_budget", "mean_gap", "skipped_layers", "accuracy")
 
-    def __init__(
-        self,
-        model: Network | Layer | Iterable[Layer],
-        config: TargetPropConfig | None = None,
-        observers: Iterable[Any] = (),
-        verbose: bool | int = False,
-        *,
-        training: Any = None,
-    ) -> None:
-        from .config import TrainingConfig, as_scheduler
+    name = "target_prop"
+    config_type = TargetPropConfig
+    rate_field = "learning_rate"
 
-        net = as_network(model)
+    def __init__(self, config: TargetPropConfig | None = None) -> None:
         config = TargetPropConfig() if config is None else config
         if not isinstance(config, TargetPropConfig):
-            raise TypeError(f"TargetPropTrainer: config must be a TargetPropConfig, got {type(config).__name__}")
+            raise TypeError(f"TargetProp: config must be a TargetPropConfig, got {type(config).__name__}")
         config.validate()
-        if training is None:
-            training = TrainingConfig(method=config, observers=tuple(observers), verbose=verbose)
-        elif tuple(observers) or verbose:
-            raise ValueError("TargetPropTrainer: give observers and verbose in the TrainingConfig (training=...) only")
-        params = [p for p in net.parameters() if p.requires_grad]
-        super().__init__(net, training)
+        self.config = config
+
+    @classmethod
+    def config_from_training(cls, training: Any) -> TargetPropConfig:
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""
+        return TargetPropConfig(learning_rate=training.learning_rate)
+
+    @classmethod
+    def check_training(cls, training: Any, config: Any) -> None:
+        super().check_training(training, config)
+        if not (isinstance(training.loss_type, str) and training.loss_type == "mse"):
+            raise ValueError(
+                f"TrainingConfig: loss_type={training.loss_type!r} cannot be used with TargetProp, which trains on "
+                "½Σ(y − t)² and reports the 'mse' loss (leave loss_type='mse')"
+            )
+
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("TargetPropTrainer: model has no trainable parameters (all have requires_grad=False)")
-        self.config = config
-        self.state = TargetPropState(net, config)
-        self.rates = RateHolder(params, config.learning_rate)
-        self.scheduler = as_scheduler(training.scheduler, self.rates)
+        self.state = TargetPropState(self.model, self.config)
+        self.rates = RateHolder(params, self.config.learning_rate)
 
     # ------------------------------------------------------------------ engine hooks
-    def rate_groups(self) -> list[dict[str, Any]]:
-        return self.rates.param_groups
+    def schedulable(self) -> RateHolder:
+        return self.rates
 
-    def guarded_tensors(self) -> list[Tensor]:
-        velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
-        return [*(p for p in self.model.parameters() if p.requires_grad), *velocities]
+    def state_tensors(self) -> list[Tensor]:
+        return [v for vs in self.state.velocities if vs is not None for v in vs]
 
-    def training_state(self) -> dict[str, Any]:
-        state = super().training_state()
+    def state_dict(self) -> dict[str, Any]:
         st = self.state
+        state: dict[str, Any] = {}
         state["target_prop"] = {
             "velocities": [None if vs is None else list(vs) for vs in st.velocities],
             "link_budgets": list(st.link_budgets),
@@ -882,8 +606,7 @@ class TargetPropTrainer(Trainer):
         }
         return state
 
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        super().load_training_state(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, st = state["target_prop"], self.state
         st.velocities = [None if vs is None else tuple(v.clone() for v in vs) for vs in saved["velocities"]]
         st.link_budgets, st.gaps, st.steps = list(saved["link_budgets"]), list(saved["gaps"]), int(saved["steps"])
@@ -897,7 +620,7 @@ class TargetPropTrainer(Trainer):
         """Move one batch to the model's device (floats to its dtype; labels stay integers) and check it
         against the model's output shape (one forward per distinct input shape)."""
         where = "" if index is None else f"batch {index}: "
-        x, y, out_shape = self.prepare_batch(x, y, where)
+        x, y, out_shape = self.engine.prepare_batch(x, y, where)
         check_target(out_shape, y, f"batch {index}" if index is not None else "TargetPropTrainer")
         return x, y
 
@@ -908,7 +631,7 @@ class TargetPropTrainer(Trainer):
         state = self.state
         state.config.validate()
         out = target_prop_forward(self.model, state, x)
-        events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
+        events = self.layer_events()  # None unless an observer wants per-layer events
         if events is not None:
             for i, layer in enumerate(self.model.layers):
                 events.forward(i, layer, state.forward_acts[i + 1])
@@ -965,7 +688,7 @@ class TargetPropTrainer(Trainer):
 
     def device_kernel_modules(self) -> list[str]:
         own = ["torchloom.kernels.method_steps", "torchloom.kernels.layer_update"]
-        return [*super().device_kernel_modules(), *own]
+        return own
 
     def device_setup(self, runner: Any) -> None:
         """Velocities exist from the start on the device (zeros: the same first update as the host
@@ -979,14 +702,14 @@ class TargetPropTrainer(Trainer):
         # guard checks two tensors and one kernel updates every layer (``momentum_update_flat_``)
         # parameters then velocities in one buffer: the guard saves, checks and restores one tensor
         flatten_tensors_([*self.model.parameters(), *(v for vs in st.velocities if vs is not None for v in vs)])
-        self._flat = _FlatLayout.build(self.model, [v for vs in st.velocities if vs is not None for v in vs])
+        self._flat = FlatLayout.build(self.model, [v for vs in st.velocities if vs is not None for v in vs])
         self._budgets = torch.tensor(st.link_budgets, dtype=torch.float64, device=self.device)
         n = st.num_layers
         self._depth = torch.tensor([self.config.depth_scale_factor**i for i in range(n)], dtype=torch.float64, device=self.device)
         self._weighted = torch.tensor([bool(tuple(layer.parameters())) for layer in self.model.layers], device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
         self._consts = torch.tensor([self.config.gate_threshold, self.config.momentum], dtype=torch.float64, device=self.device)
-        self._fused = _FusedStep.build(self, "target_prop")
+        self._fused = _FusedTargetProp.build(self)
 
     def guarded_device_tensors(self) -> list[Tensor]:
         velocities = [v for vs in self.state.velocities if vs is not None for v in vs]
@@ -1005,7 +728,7 @@ class TargetPropTrainer(Trainer):
         n = st.num_layers
         fused = self._fused if self._fused is not None and self._fused.takes(x, y) else None
         if fused is not None:  # every layer's bookkeeping in a few launches (kernels/method_steps.py)
-            return fused.target_prop_step(x, y, slot, runner)
+            return fused.step(x, y, slot, runner)
         out = target_prop_forward(model, st, x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None
@@ -1026,8 +749,6 @@ class TargetPropTrainer(Trainer):
             dot, f_mag, b_mag, sq = stats[:, 0], stats[:, 1], stats[:, 2], stats[:, 3]
             mean_sq = torch.stack([sq[i] / max(st.forward_acts[i + 1].numel(), 1) for i in range(n)])
         else:  # data-parallel: budgets and gaps from the per-layer sums over every rank's rows
-            from .distributed import layer_sums
-
             sums = torch.stack([layer_sums(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)])
             self.dist.all_reduce_([sums], "sum")
             dot, f_mag, b_mag, sq, count = sums.unbind(1)
@@ -1068,3 +789,105 @@ class TargetPropTrainer(Trainer):
         if self.dist is not None and labels is not None:  # data-parallel: the global batch's accuracy
             self.dist.all_reduce_([accuracy], "mean")
         runner.log(slot, [budgets.mean(), gaps.mean(), (self._weighted & ~open_gate).double().sum(), accuracy])
+
+
+class _FusedTargetProp(FusedStep):
+    """TargetProp's device step in about eighteen launches (``FusedStep``): chain rule or pure mode;
+    the gate, rates and momentum decided by one single-program kernel (``method_steps.tp_rule_``)."""
+
+    def pure_into_flat(self, gap: Tensor, target: Tensor, acts: list[Tensor]) -> list[Tensor | None]:
+        """Pure TargetProp's backward pass from the output's ``gap = target − out``: each layer's
+        delta-rule direction (``gapᵀ x``, bias ``Σ gap``) written into the flat direction buffer, and each
+        layer's input target (``_weighted_estimate``: ``t W / Σ|W|`` per input unit). Returns the targets
+        at each layer's output ([0] None: the input's target is never used)."""
+        from ..kernels import dense_small
+        from ..kernels.method_steps import estimate_gap
+
+        layers = self.t.model.layers
+        backend = getattr(self.t, "kernel_backend", None)
+        targets: list[Tensor | None] = [None] * (self.n + 1)
+        targets[self.n] = target
+        for i in range(self.n - 1, -1, -1):
+            views, w = self.views[i], layers[i].weight  # w: [out, in]
+            if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
+                _, *ds = dense_small.dense_small_backward(gap, gap, acts[i], w, "linear", len(views) > 1, False, backend, out=(views + (None,))[:2])
+                into_views(ds, views)
+            else:
+                torch.mm(gap.t(), acts[i], out=views[0])
+                if len(views) > 1:
+                    column_sum(gap, out=views[1])
+            if i > 0:
+                targets[i], gap = estimate_gap(targets[i + 1], w, acts[i])
+        return targets
+
+    def step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        from ..kernels.grad_norm import grad_sq_partials
+        from ..kernels.method_steps import TP, target_rows, tp_rule_
+
+        t, st, cfg = self.t, self.t.state, self.t.config
+        backend = getattr(t, "kernel_backend", None)
+        out = target_prop_forward(t.model, st, x)
+        t.observe_outputs(out, y)
+        loss_rows, g, target, _, correct = target_rows(out, y, TP)
+        acts = st.forward_acts
+        st.weight_gradients = list(self.views)
+        if cfg.use_chain_rule:
+            grads = self.backward_into_flat(g, st.saved)
+            st.gradients = grads
+            st.backward_targets = [None] * (self.n + 1)  # never materialised by the fused step
+            scale = cfg.gradient_scale
+            part = self._stats([(acts[i + 1], grads[i + 1], None, scale) for i in range(self.n - 1)] + [(out, target, None, None)])
+        else:
+            targets = self.pure_into_flat(g, target, acts)
+            st.gradients, st.backward_targets = [None] * (self.n + 1), targets
+            part = self._stats([(acts[i + 1], targets[i + 1], None, None) for i in range(self.n)])
+        clip_norm = t.clip if t.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        if t.clip > 0 and clip_norm == 0:
+            self.flat.g.clamp_(-t.clip, t.clip)
+        a, c, apply = tp_rule_(
+            part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
+            self._lr(), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
+            x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
+        )
+        self._update(runner, slot, a, c, apply)
+
+
+# ================================================================================================
+# The trainer
+
+
+class TargetPropTrainer(Trainer):
+    """The training engine with the ``TargetProp`` method (what ``train(...,
+    TrainingConfig(method="target_prop"))`` runs). ``trainer.step(x, y)`` runs one checked host step;
+    ``trainer.fit(batches, epochs)`` the engine's loop. ``trainer.state`` (the ``TargetPropState``),
+    ``trainer.config`` (the ``TargetPropConfig``) and ``trainer.rates`` are the method's.
+
+    Args:
+        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
+        config: a ``TargetPropConfig`` (default settings when ``None``).
+        observers, verbose: as ``TrainingConfig``'s (only without ``training``).
+        training: the engine's settings, a ``TrainingConfig`` whose ``method`` is ``config`` (what
+            ``train()`` passes); default: ``TrainingConfig(method=config, observers=..., verbose=...)``,
+            training on the model's device.
+    """
+
+    def __init__(
+        self,
+        model: Network | Layer | Iterable[Layer],
+        config: TargetPropConfig | None = None,
+        observers: Iterable[Any] = (),
+        verbose: bool | int = False,
+        *,
+        training: Any = None,
+    ) -> None:
+        method = TargetProp(config)
+        if training is None:
+            training = TrainingConfig(method=method.config, observers=tuple(observers), verbose=verbose)
+        elif tuple(observers) or verbose:
+            raise ValueError("TargetPropTrainer: give observers and verbose in the TrainingConfig (training=...) only")
+        super().__init__(as_network(model), training, method)
+        self.config = method.config
+
+
+register_method(TargetProp, "targetprop")

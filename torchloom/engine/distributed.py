@@ -51,6 +51,9 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor
 
+from ..kernels._update import _flat_view
+from .data import Batches, _LoaderBatches, _TensorBatches
+
 __all__ = ["DistContext", "resolve_distributed", "BUCKET_BYTES", "OVERLAP_BYTES", "unwrap_ddp"]
 
 BUCKET_BYTES = 4 * 1024 * 1024  # tensors are packed into buckets of about this size, one all_reduce each
@@ -290,8 +293,6 @@ class DistContext:
     def shard_batches(self, data: Any, batch_size: int | None, name: str) -> Any:
         """A ``Batches`` of global batches (``(X, Y)`` tensors or a ``Dataset``) as this rank's shards;
         the shuffling seed agreed (rank 0's) so every rank cuts the same global batches."""
-        from .data import _LoaderBatches, _TensorBatches
-
         bs = batch_size if batch_size is not None else 32
         if bs % self.world_size:
             raise ValueError(
@@ -348,8 +349,6 @@ def _flat(members: list[Tensor]) -> Tensor | None:
     if len(members) == 1:
         t = members[0]
         return t.view(-1) if t.is_contiguous() else None
-    from ..kernels._update import _flat_view
-
     return _flat_view(members)
 
 
@@ -360,13 +359,7 @@ def _shard_count(batches: int, rows: int | None, bs: int, world: int, drop_last:
     return batches - (1 if rows % bs < world else 0)
 
 
-def _batches_base() -> type:
-    from .data import Batches
-
-    return Batches
-
-
-class _ShardedBatches(_batches_base()):  # type: ignore[misc]
+class _ShardedBatches(Batches):
     """This rank's shard of every global batch of another ``Batches`` (see ``DistContext.shard_rows``)."""
 
     def __init__(self, inner: Any, ctx: DistContext, batch_size: int, rows: int | None) -> None:
@@ -397,41 +390,3 @@ class _ShardedBatches(_batches_base()):  # type: ignore[misc]
 
     def describe(self) -> str:
         return f"rank {self.ctx.rank}'s shard of {self.inner.describe()}"
-
-
-# ----------------------------------------------------------------------------- method helpers
-def layer_sums(f: Tensor, b: Tensor) -> Tensor:
-    """``[dot(f, b), |f|², |b|², Σ(f − b)², count]`` of two tensors of one shape, in float64 (no host
-    read): the per-layer sums TargetProp's link budget and gap are formed from."""
-    f64, b64 = f.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    diff = f64 - b64
-    count = torch.full((), float(f64.numel()), dtype=torch.float64, device=f64.device)
-    return torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff, count])
-
-
-def tween_sums(a_in: Tensor, f: Tensor, a_out: Tensor, t: Tensor) -> Tensor:
-    """The sums Tweening's per-layer metrics are formed from, float64 ``[9]``: ``Σ(f − t)²``, count of
-    ``f``, ``Σa_in²``, count of ``a_in``, ``Σa_out²``, count of ``a_out``, ``Σf·t``, ``Σf²``, ``Σt²``."""
-    f64, t64 = f.double().reshape(-1), t.double().reshape(-1)
-    i64, o64 = a_in.double().reshape(-1), a_out.double().reshape(-1)
-    d = f64 - t64
-    dev = f64.device
-    n = lambda v: torch.full((), float(v.numel()), dtype=torch.float64, device=dev)  # noqa: E731
-    return torch.stack([d @ d, n(f64), i64 @ i64, n(i64), o64 @ o64, n(o64), f64 @ t64, f64 @ f64, t64 @ t64])
-
-
-def tween_metrics(sums: Tensor) -> Tensor:
-    """``[layers, 3]`` (gap, link budget, alignment) from summed ``tween_sums`` rows ``[layers, 9]``:
-    gap = mean of squares, link budget = rms(a_out)/rms(a_in) (0 when rms(a_in) = 0), alignment =
-    (cos(f, t) + 1)/2 (0.5 when either is zero)."""
-    sq, nf, ii, ni, oo, no, ft, ff, tt = sums.unbind(1)
-    gap = sq / nf.clamp_min(1.0)
-    rms_in = (ii / ni.clamp_min(1.0)).sqrt()
-    rms_out = (oo / no.clamp_min(1.0)).sqrt()
-    budget = torch.where(rms_in > 0, rms_out / torch.where(rms_in > 0, rms_in, 1.0), 0.0)
-    nrm_f, nrm_t = ff.sqrt(), tt.sqrt()
-    both = (nrm_f > 0) & (nrm_t > 0)
-    cos = ft / torch.where(both, nrm_f * nrm_t, 1.0)
-    align = torch.where(both, (cos + 1) / 2, 0.5)
-    return torch.stack([gap, budget, align], 1)
-

@@ -6,7 +6,7 @@
 
 Each call runs one complete step — forward, loss and output gradient (fused), the hand-written
 backward, the NaN/Inf guard and clip decided on the device, the fused optimizer update — exactly the
-step ``train()`` runs on CUDA (``BackpropTrainer.device_step`` under the engine's ``CudaRunner``). On CUDA the first call runs it
+step ``train()`` runs on CUDA (the backprop method's ``device_step`` under the engine's ``CudaRunner``). On CUDA the first call runs it
 eagerly (compiling kernels, creating optimizer state); the second captures it in a CUDA graph, which
 every later call replays after copying its inputs into the graph's static buffers. On a CPU model
 (or with ``cuda_graph=False``) every call runs the same step eagerly.
@@ -25,9 +25,10 @@ from torch.optim import Optimizer
 
 from ..layers.base import Layer, host_checks
 from ..layers.network import Network
-from .backprop import BackpropTrainer
+from ..optim.optimizers import FusedOptimizer, flatten_optimizer_
 from .config import TrainingConfig, as_network
-from .cuda_path import capturing
+from .cuda_path import CudaRunner, capturing
+from .loop import Trainer
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -35,9 +36,7 @@ __all__ = ["GraphedStep", "make_graphed_step"]
 class GraphedStep:
     """A training step for custom loops; see ``make_graphed_step``."""
 
-    def __init__(self, trainer: BackpropTrainer, example_x: Tensor, example_y: Tensor, cuda_graph: bool | None) -> None:
-        from .cuda_path import CudaRunner
-
+    def __init__(self, trainer: Trainer, example_x: Tensor, example_y: Tensor, cuda_graph: bool | None) -> None:
         self.trainer = trainer
         self.runner = trainer.runner or CudaRunner(trainer)  # the CPU case: the same step, run eagerly
         x, y = trainer.convert_batch(example_x, example_y, 0)
@@ -71,8 +70,6 @@ class GraphedStep:
         else:
             self._step()
             if self.calls == 0:  # optimizer state created by the first step joins the flat layout
-                from .optim import flatten_optimizer_
-
                 flatten_optimizer_(self.trainer.optimizer)
         self.calls += 1
         return self.runner.step_loss[0, 0]
@@ -131,9 +128,7 @@ def make_graphed_step(
         epochs=1, learning_rate=learning_rate, loss_type=loss_type, optimizer=optimizer,
         gradient_clip=gradient_clip, clip_mode=clip_mode, verbose=False, device=device, cuda_graph=cuda_graph,
     )
-    trainer = BackpropTrainer(net, config)
-    from .optim import FusedOptimizer
-
+    trainer = Trainer(net, config)  # TrainingConfig's default method: backprop
     # on CUDA the update must obey the guard without a host read; on the CPU any of ours will do
     ok = trainer.device_ready() if trainer.device.type == "cuda" else isinstance(trainer.optimizer, FusedOptimizer)
     if not ok:

@@ -1,8 +1,8 @@
 """``TrainingConfig``: the settings of ``torchloom.train()``, and the checks every method shares.
 
 ``TrainingConfig(method=...)`` chooses the credit-assignment rule that the one training engine runs:
-``"backprop"`` (default), ``"target_prop"``, ``"tween"``, or a ``TargetPropConfig`` / ``TweenConfig``
-instance; every other field applies to every method (observers, verbose levels, seed, device and CUDA
+a registered name (``"backprop"``, the default, ``"target_prop"``, ``"tween"``), a method's config
+instance (``TargetPropConfig`` / ``TweenConfig``) or a ``torchloom.Method``; every other field applies to every method (observers, verbose levels, seed, device and CUDA
 graphs, schedules, clipping, NaN/Inf guards).
 """
 
@@ -23,13 +23,15 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..layers.base import Layer
 from ..layers.network import Network
+from ..layers.base import PRECISIONS
+from ..optim.optimizers import OPTIMIZERS
+from ..optim.schedules import ScheduleLR
+from .distributed import unwrap_ddp
 from .losses import check_loss_type
-from .optim import OPTIMIZERS
+from .method import DEFAULT_LR, Method, method_class, method_names
 
-__all__ = ["TrainingConfig", "METHODS", "CLIP_MODES", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler", "is_plateau"]
+__all__ = ["TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler", "is_plateau"]
 
-METHODS = ("backprop", "target_prop", "tween")
-_DEFAULT_LR = 0.01  # TrainingConfig.learning_rate's default
 
 CLIP_MODES = ("norm", "value")
 
@@ -56,7 +58,7 @@ class TrainingConfig:
     training guide (docs/training.md)."""
 
     epochs: int = 10  # passes over the batches; >= 1
-    learning_rate: float = 0.01  # > 0; used when the optimizer is given by name
+    learning_rate: float = DEFAULT_LR  # > 0; used when the optimizer is given by name
     loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (see ``torchloom.LOSS_TYPES``)
     gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
     clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
@@ -70,7 +72,7 @@ class TrainingConfig:
     track_perf: bool = False  # record per-epoch samples/s and step time in the result
     seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
     cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
-    method: Any = "backprop"  # "backprop" | "target_prop" | "tween" | a TargetPropConfig | a TweenConfig
+    method: Any = "backprop"  # a registered name ("backprop" | "target_prop" | "tween" | ...), a method's config instance, or a torchloom.Method
     validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
     metrics: Sequence[Any] = ()  # names ("accuracy", "mse", "mae", ...) or callables metric(output, target)
     batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
@@ -139,7 +141,7 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
-        self.method_config()  # checks method and its agreement with the other fields
+        self.method_spec()  # checks method and its agreement with the other fields
         if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
             raise TypeError(
                 f"TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), got {self.metrics!r}"
@@ -154,22 +156,15 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: shuffle must be a bool, got {self.shuffle!r}")
         if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
             raise TypeError(f"TrainingConfig: resume_from must be None or a path (str or os.PathLike), got {type(self.resume_from).__name__}")
-        from ..layers.base import PRECISIONS
-
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainingConfig: precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.precision == "16-mixed" and self.method_config() is not None:
-            raise ValueError(
-                "TrainingConfig: precision='16-mixed' (float16 with loss scaling) is for backprop; TargetProp and "
-                "Tweening update from activations and gaps, not from a scaled loss: use 'bf16-mixed'"
-            )
         if self.scheduler_interval not in ("batch", "epoch"):
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
-        if isinstance(self.optimizer, Optimizer) and self.learning_rate != _DEFAULT_LR:
+        if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
                 raise ValueError(
@@ -178,59 +173,48 @@ class TrainingConfig:
                     "default or build the optimizer with that lr"
                 )
 
-    def method_config(self) -> Any:
-        """The method's own config: ``None`` for backprop, else a validated ``TargetPropConfig`` /
-        ``TweenConfig``. By name, the method gets its default config with ``learning_rate`` as its rate
-        (``TargetPropConfig.learning_rate`` / ``TweenConfig.base_rate``) and, for Tweening, a
-        ``loss_type`` other than the default ``"mse"``. Given as an instance, the config's own rate is
-        used, and a ``learning_rate`` set to something else as well is a ``ValueError`` (one rate, one
-        place). TargetProp and Tweening update with their own momentum rule: an ``optimizer`` other
-        than the default ``"sgd"`` is a ``ValueError`` with them."""
-        from .target_prop import TargetPropConfig
-        from .tween import TweenConfig
+    def method_spec(self) -> tuple[Any, Any]:
+        """``(method class, its settings)`` for ``method``, checked against the other fields.
 
+        ``method`` is a registered name (``torchloom.method_names()``: ``"backprop"``,
+        ``"target_prop"``, ``"tween"``, ...), a registered method's config instance
+        (``TargetPropConfig(...)``), or a ``torchloom.Method`` object or class. By name, the method
+        builds its settings from this config (``Method.config_from_training``: TargetProp and Tweening
+        take ``learning_rate`` as their rate). Given as an instance, the config's own rate is used, and
+        a ``learning_rate`` set to something else as well is a ``ValueError`` (one rate, one place).
+        Each method refuses what it cannot do (``Method.check_training``): an ``optimizer`` other than
+        the default for a rule with its own update, a loss it cannot train on."""
         m = self.method
-        cfg: Any
-        if isinstance(m, str):
-            name = m.lower().replace("-", "_")
-            name = {"targetprop": "target_prop", "tweening": "tween"}.get(name, name)
-            if name not in METHODS:
+        found = method_class(m)
+        if found is None:
+            if isinstance(m, str):
                 raise ValueError(
-                    f"TrainingConfig: unknown method {m!r}; valid: {', '.join(map(repr, METHODS))}, "
-                    "or a TargetPropConfig / TweenConfig instance"
+                    f"TrainingConfig: unknown method {m!r}; valid: {', '.join(map(repr, method_names()))}, "
+                    "a method's config instance (e.g. TargetPropConfig(...)) or a torchloom.Method"
                 )
-            if name == "backprop":
-                return None
-            cfg = TargetPropConfig(learning_rate=self.learning_rate) if name == "target_prop" else TweenConfig(
-                base_rate=self.learning_rate, loss_type=None if self.loss_type == "mse" else self.loss_type
-            )
-        elif isinstance(m, (TargetPropConfig, TweenConfig)):
-            cfg = m
-            if hasattr(cfg, "validate"):
-                cfg.validate()  # a field changed after construction is checked too
-            own = cfg.learning_rate if isinstance(cfg, TargetPropConfig) else cfg.base_rate
-            if self.learning_rate != _DEFAULT_LR and self.learning_rate != own:
-                field = "learning_rate" if isinstance(cfg, TargetPropConfig) else "base_rate"
-                raise ValueError(
-                    f"TrainingConfig: learning_rate={self.learning_rate!r} disagrees with the method config's "
-                    f"{field}={own!r}; set the rate in the {type(cfg).__name__} only"
-                )
-        else:
             raise TypeError(
-                "TrainingConfig: method must be 'backprop', 'target_prop', 'tween' or a TargetPropConfig / "
-                f"TweenConfig, got {type(m).__name__}"
+                f"TrainingConfig: method must be a method name ({', '.join(map(repr, method_names()))}), a method's "
+                f"config instance or a torchloom.Method, got {type(m).__name__}"
             )
-        if isinstance(cfg, TargetPropConfig) and not (isinstance(self.loss_type, str) and self.loss_type == "mse"):
-            raise ValueError(
-                f"TrainingConfig: loss_type={self.loss_type!r} cannot be used with TargetProp, which trains on "
-                "½Σ(y − t)² and reports the 'mse' loss (leave loss_type='mse')"
-            )
-        if not (isinstance(self.optimizer, str) and self.optimizer.lower() == "sgd"):
-            raise ValueError(
-                f"TrainingConfig: optimizer={self.optimizer!r} cannot be used with method {type(cfg).__name__}: "
-                "TargetProp and Tweening update the weights with their own momentum rule (leave optimizer='sgd')"
-            )
-        return cfg
+        cls, cfg = found
+        if isinstance(m, str):
+            cfg = cls.config_from_training(self)
+        elif not isinstance(cfg, Method) and hasattr(cfg, "validate"):
+            cfg.validate()  # a field changed after construction is checked too
+        cls.check_training(self, cfg)
+        return cls, cfg
+
+    def method_config(self) -> Any:
+        """The method's own settings (``None`` for a method without a config type, e.g. backprop)."""
+        cls, cfg = self.method_spec()
+        return None if isinstance(cfg, Method) else cfg
+
+
+def resolve_method(config: TrainingConfig) -> Method:
+    """The method object a run of ``config`` uses: ``config.method`` itself when it is a ``Method``,
+    else one built by the registered class from its settings."""
+    cls, cfg = config.method_spec()
+    return cfg if isinstance(cfg, Method) else cls.from_training(config, cfg)
 
 
 def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: int, model: torch.nn.Module) -> torch.device:
@@ -258,8 +242,6 @@ def as_network(model: Any) -> Network:
     or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
     Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
     through their hand-written backward. The parameters are the model's own (nothing is copied)."""
-    from .distributed import unwrap_ddp
-
     model = unwrap_ddp(model)  # a DistributedDataParallel wrapper: its .module, with a note
     if isinstance(model, Network):
         return model
@@ -319,8 +301,6 @@ def as_scheduler(spec: Any, optimizer: Optimizer) -> Any:
         return spec
     if _scheduler_class(spec):
         return spec(optimizer)
-    from .schedules import ScheduleLR
-
     return ScheduleLR(optimizer, spec)
 
 

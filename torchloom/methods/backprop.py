@@ -1,6 +1,6 @@
 """Backpropagation, the default method of ``torchloom.train()`` (Loom's ``Train()``).
 
-One host step (``BackpropTrainer.step``), as Loom ``poly.Train``'s CPU path:
+One host step (``Backprop.step``), as Loom ``poly.Train``'s CPU path:
 
 1. forward through the layers' explicit forward (no autograd graph);
 2. loss and output gradient in one pass (``loss_and_grad``: fused kernel on CUDA);
@@ -11,7 +11,7 @@ One host step (``BackpropTrainer.step``), as Loom ``poly.Train``'s CPU path:
    (``clip_mode="value"``, Loom ``poly``'s code);
 7. optimizer update (the engine checks the weights after it), then one scheduler step.
 
-The device step (``device_step``, run by the engine's CUDA runner, graph-captured) is the same rule
+The device step (``Backprop.device_step``, run by the engine's CUDA runner, graph-captured) is the same rule
 with every decision in device tensors: the fused loss writes per-block partial sums, the gradients
 land in the optimizer's flat ``.grad`` views, the step guard decides NaN/Inf and the clip scale on the
 device, and the fused update obeys its ``found_inf``.
@@ -32,15 +32,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..engine.config import TrainingConfig, check_optimizer_params
+from ..engine.guards import state_tensors
+from ..engine.loop import Trainer
+from ..engine.losses import check_target, kernel_module, loss_and_grad
+from ..engine.method import Method, all_finite, register_method
+from ..engine.types import StepOutput, StepStatus
+from ..kernels._update import coalesce
 from ..layers.network import Network
-from ..observers.layer_stats import LayerEvents
-from .config import TrainingConfig, as_scheduler, check_optimizer_params
-from .guards import state_tensors
-from .loop import StepOutput, StepStatus, Trainer, all_finite
-from .losses import check_target, loss_and_grad
-from .optim import FusedOptimizer, make_optimizer
+from ..optim.optimizers import AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
 
-__all__ = ["BackpropTrainer"]
+__all__ = ["Backprop", "BackpropTrainer", "LossScaler"]
 
 def _global_step_hooks() -> bool:
     """Whether any optimizer step hook is registered globally (``register_optimizer_step_*_hook``)."""
@@ -87,18 +89,26 @@ class LossScaler:
         self.good.copy_(state["good"])
 
 
-class BackpropTrainer(Trainer):
-    """Backpropagation on the engine: exact gradients through the hand-written backward, any optimizer.
+class Backprop(Method):
+    """Backpropagation: exact gradients through the layers' hand-written backward, any optimizer.
 
-    Args:
-        model: a ``Network``.
-        config: a ``TrainingConfig`` (its ``optimizer``, ``learning_rate``, ``loss_type``,
-            ``gradient_clip`` / ``clip_mode`` and ``scheduler`` are this method's; the rest is the
-            engine's).
+    Its settings are the engine's: ``TrainingConfig``'s ``optimizer``, ``learning_rate``,
+    ``loss_type``, ``gradient_clip`` / ``clip_mode`` and ``precision`` (``"16-mixed"`` adds dynamic
+    loss scaling).
+
+    **A rule of your own on the same machinery.** A subclass that overrides ``backward(grad_out,
+    saved)`` (the parameter gradients, aligned with the trainable parameters, from the loss gradient
+    at the output and the forward's saved state) keeps everything else: the optimizer, clipping,
+    guards, data-parallel averaging and the CUDA device path (when its ``backward`` reads nothing on
+    the host). Feedback alignment and sign symmetry are such rules (``examples/08_custom_method.py``).
     """
 
-    def __init__(self, model: Network, config: TrainingConfig) -> None:
-        super().__init__(model, config)
+    name = "backprop"
+    uses_optimizer = True
+
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        config, model = self.training, self.model
         all_params = list(model.parameters())
         # frozen parameters (requires_grad=False) are never updated: only the others reach the optimizer
         self._trainable = [p.requires_grad for p in all_params]
@@ -118,38 +128,36 @@ class BackpropTrainer(Trainer):
         if self.device.type == "cuda" and self._owns_optimizer and "capturable" in self.optimizer.defaults:
             for group in self.optimizer.param_groups:  # step counts on the device: graph-capturable
                 group["capturable"] = True
-        self.scheduler = as_scheduler(config.scheduler, self.optimizer)
         self.loss_scaler = LossScaler(self.device) if config.precision == "16-mixed" else None
-        self._direct_update = self._owns_optimizer and self.scheduler is None and isinstance(self.optimizer, FusedOptimizer)
+        self._exact_backward = type(self).backward is Backprop.backward
         if self.device.type == "cuda" and config.cuda_graph and not self.device_ready():
             raise ValueError(
                 "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
                 f"capturable=True), got {type(self.optimizer).__name__}"
             )
 
-    @property
-    def _cuda(self) -> Any:  # the name earlier releases used for the device runner
-        return self._runner
+    def backward(self, grad_out: Tensor, saved: Any) -> Sequence[Tensor]:
+        """The parameter gradients (one per trainable parameter, in ``model.parameters()`` order) from
+        the loss gradient ``grad_out`` at the output ``[batch, ...]`` and the forward's ``saved``
+        state (``Network.forward_saved``'s, one entry per layer). Backprop: the exact hand-written
+        backward. Override it to assign credit another way."""
+        _, grads = self.model.backward_saved(grad_out, saved, needs_input_grad=False)
+        return grads
 
-    @_cuda.setter
-    def _cuda(self, runner: Any) -> None:
-        self._runner = runner
+    def schedulable(self) -> Optimizer:
+        return self.optimizer
 
-    def rate_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    def state_tensors(self) -> list[Tensor]:
+        return state_tensors(self.optimizer)
 
-    def guarded_tensors(self) -> list[Tensor]:
-        return [*self.params, *state_tensors(self.optimizer)]
-
-    def training_state(self) -> dict[str, Any]:
-        state = super().training_state()
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
         state["optimizer"] = self.optimizer.state_dict()
         return state
 
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        super().load_training_state(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -158,26 +166,19 @@ class BackpropTrainer(Trainer):
     def device_ready(self) -> bool:
         """True with one of torchloom's optimizers, whose update takes ``found_inf`` / ``grad_scale``
         tensors and never reads them on the host (AdamW only with ``capturable=True``)."""
-        from .optim import AdamW
-
         if isinstance(self.optimizer, AdamW):
             return all(g["capturable"] for g in self.optimizer.param_groups)
         return isinstance(self.optimizer, FusedOptimizer)
 
     def device_kernel_modules(self) -> list[str]:
-        from .losses import kernel_module
-
         own = [getattr(self.optimizer, "kernel_module", ""), kernel_module(self.loss_type)]
-        return [*super().device_kernel_modules(), *(m for m in own if m)]
+        return [m for m in own if m]
 
     def device_setup(self, runner: Any) -> None:
         """Parameters, gradients and optimizer state back to back, one buffer per param group, so
         the gradient norm and the update are one launch per group (``flatten_optimizer_``). Each
         step's gradients land in the fixed ``.grad`` views (Dense writes them there; others are
         copied in one launch)."""
-        from ..kernels._update import coalesce
-        from .optim import flatten_optimizer_
-
         flatten_optimizer_(self.optimizer)
         for p in self.params:  # parameters the optimizer does not update still need a gradient home
             if p.grad is None:
@@ -194,8 +195,6 @@ class BackpropTrainer(Trainer):
 
     def device_epoch_begin(self, runner: Any, epoch: int) -> None:
         if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
-            from .optim import flatten_optimizer_
-
             flatten_optimizer_(self.optimizer)
 
     def guarded_device_tensors(self) -> list[Tensor]:
@@ -213,8 +212,6 @@ class BackpropTrainer(Trainer):
         return tensors
 
     def _guarded_device_tensors(self) -> list[Tensor]:
-        from ..kernels._update import coalesce
-
         out: list[Tensor] = []
         for group in self.optimizer.param_groups:
             params = list(group["params"])
@@ -237,7 +234,7 @@ class BackpropTrainer(Trainer):
         into the flat ``.grad`` views; their partial sums of squares; the step guard (NaN/Inf loss or
         gradient, clip scale) on the device; the fused update masked by ``found_inf``; the weight
         check after it (``runner.guard_update``)."""
-        from ..kernels.grad_norm import grad_sq_partials
+        from ..kernels.grad_norm import grad_sq_partials  # (imported on first use: it imports Triton)
 
         out, saved = self.model.forward_saved(x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
@@ -245,8 +242,10 @@ class BackpropTrainer(Trainer):
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled below
             grad = scaler.scale_grad(grad)
-        overlapped = self.dist is not None and self.dist.overlap_pays(self.grad_views)
-        if overlapped:  # data-parallel, large model: each layer's gradients averaged while the layers below run
+        overlapped = self._exact_backward and self.dist is not None and self.dist.overlap_pays(self.grad_views)
+        if not self._exact_backward:  # a rule of a subclass's (feedback alignment, ...)
+            grads = tuple(self.backward(grad, saved))
+        elif overlapped:  # data-parallel, large model: each layer's gradients averaged while the layers below run
             _, grads = self.dist.backward_overlapped(self.model, grad, saved, self._grad_out(), "mean")
         else:
             _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False, out=self._grad_out())
@@ -281,9 +280,9 @@ class BackpropTrainer(Trainer):
     # --------------------------------------------------------------- batches
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the device and dtype of the model and check it against the model's
-        output shape (a forward without update, once per distinct input shape)."""
+        output shape (a forward without update, once per distinct input shape) and ``loss_type``."""
         where = f"batch {index}: "
-        x, y, out_shape = self.prepare_batch(x, y, where)
+        x, y, out_shape = self.engine.prepare_batch(x, y, where)
         try:
             check_target(out_shape, y, self.loss_type)
         except ValueError as e:
@@ -294,11 +293,12 @@ class BackpropTrainer(Trainer):
     @torch.no_grad()
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         """One host-checked step (steps 1-7 of the module docstring; the engine steps the schedule)."""
-        events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
+        events = self.layer_events()  # None unless an observer wants per-layer events
         if events is None:
             out, saved = self.model.forward_saved(x)
         else:
             out = events.run_forward(self.model, x)
+            saved = tuple(record.saved for record in self.model.history)
         loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled after
@@ -309,7 +309,9 @@ class BackpropTrainer(Trainer):
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
         self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
-        if events is None:
+        if not self._exact_backward:  # a rule of a subclass's: no per-layer backward events
+            grads = tuple(self.backward(grad, saved))
+        elif events is None:
             _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
         else:
             grads = events.run_backward(self.model, grad)
@@ -335,7 +337,8 @@ class BackpropTrainer(Trainer):
         and no schedule wrapping its ``step``, the update is called directly (``update()``), which
         skips torch's profiler record around ``step`` (about 60 µs a step on one CPU core)."""
         opt = self.optimizer
-        if self._direct_update and not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks()):
+        direct = self._owns_optimizer and self.engine.scheduler is None and isinstance(opt, FusedOptimizer)
+        if direct and not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks()):
             opt.update(**guards)
         else:
             opt.step(**guards)
@@ -351,3 +354,19 @@ class BackpropTrainer(Trainer):
 
             clip_grad_norm_(list(grads), self.clip)
 
+
+class BackpropTrainer(Trainer):
+    """The engine's ``Trainer`` with the ``Backprop`` method (what ``train()`` runs by default); kept for
+    code written against the per-method trainer classes. ``trainer.optimizer``, ``trainer.params``
+    and the other attributes of the method are reachable on it.
+
+    Args:
+        model: a ``Network``.
+        config: a ``TrainingConfig``.
+    """
+
+    def __init__(self, model: Network, config: TrainingConfig) -> None:
+        super().__init__(model, config, Backprop())
+
+
+register_method(Backprop)

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from ..kernels._triton import check_backend
 from ..kernels._update import check_number
 
-__all__ = ["FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_"]
+__all__ = ["FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_", "rehome"]
 
 
 def _check_lr(owner: str, lr: Any) -> Any:
@@ -371,7 +371,7 @@ def make_optimizer(spec: str | Optimizer, params: Iterable[Tensor], lr: float) -
 
 
 # ------------------------------------------------------------------------------- flat layout
-def _rehome(tensors: list[Tensor]) -> list[Tensor]:
+def rehome(tensors: list[Tensor]) -> list[Tensor]:
     """Copies of ``tensors`` as consecutive views of one new buffer (same values)."""
     buf = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
     views, offset = [], 0
@@ -401,11 +401,11 @@ def flatten_optimizer_(optimizer: Optimizer, *, grads: bool = True) -> None:
         if len(params) < 2 or any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
             continue
         if not _flat_already(params):
-            for p, view in zip(params, _rehome([p.data for p in params])):
+            for p, view in zip(params, rehome([p.data for p in params])):
                 p.data = view
         if grads and not _flat_already([p.grad for p in params]):
             current = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for p, view in zip(params, _rehome(current)):
+            for p, view in zip(params, rehome(current)):
                 p.grad = view
         states = [optimizer.state.get(p, {}) for p in params]
         for key in states[0]:
@@ -414,7 +414,7 @@ def flatten_optimizer_(optimizer: Optimizer, *, grads: bool = True) -> None:
                 continue
             if all(v.shape == p.shape and v.device == p.device for v, p in zip(values, params)):
                 if not _flat_already(values):
-                    for st, view in zip(states, _rehome(values)):
+                    for st, view in zip(states, rehome(values)):
                         st[key] = view
             elif all(v.dim() == 0 for v in values) and all(bool(torch.equal(v, values[0])) for v in values):
                 for st in states:  # equal scalars, e.g. AdamW's step count: one shared tensor

@@ -37,18 +37,14 @@ import gc
 import math
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..kernels._key_cache import remember_kernel_keys
 from ..layers.base import host_checks
 from .guards import UpdateGuard
-from .loop import BatchSource, EpochOutcome, StepStatus, user_stacklevel
-
-if TYPE_CHECKING:
-    from .loop import Trainer
+from .types import EpochOutcome, StepStatus, user_stacklevel
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS", "steps_per_graph"]
 
@@ -113,7 +109,7 @@ class CudaRunner:
     module docstring). It also runs on CPU tensors (kernels fall back to their references), which the
     tests use to check a method's device step against its host step; graphs need CUDA."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Any) -> None:  # the engine's Trainer
         self.t = trainer
         dev = trainer.device
         self.dead = torch.zeros((), dtype=torch.int32, device=dev)
@@ -137,7 +133,7 @@ class CudaRunner:
         self.capture_failed = False
         self.eager_first_epoch = _needs_eager_checks(trainer.model)
         trainer.device_setup(self)
-        tensors = getattr(trainer, "guarded_device_tensors", trainer.guarded_tensors)
+        tensors = trainer.guarded_device_tensors
         self.update_guard = UpdateGuard(tensors)
 
     # ------------------------------------------------------------ services for device steps
@@ -164,7 +160,7 @@ class CudaRunner:
         row = values if isinstance(values, Tensor) else torch.stack([v.reshape(()).double() for v in values])
         self.step_logs[slot, : self.n_logs].copy_(row)
 
-    def graph_eligible(self, source: BatchSource) -> bool:
+    def graph_eligible(self, source: Any) -> bool:
         """Whether the steps over ``source`` may be captured and replayed: a list of batches on CUDA,
         and no training metrics (their running sums live on the host side of each step)."""
         t = self.t
@@ -175,14 +171,13 @@ class CudaRunner:
 
     # ---------------------------------------------------------------------- one epoch
     @torch.no_grad()
-    def run_epoch(self, source: BatchSource, epoch: int) -> EpochOutcome:
+    def run_epoch(self, source: Any, epoch: int) -> EpochOutcome:
         t = self.t
         n = len(source) if source.sized else None
         self._prepare_arrays(n)
         self.dead.zero_()
-        epoch_begin = getattr(t, "device_epoch_begin", None)
-        if epoch_begin is not None and self.graphs is None:  # captured graphs hold their tensors: no re-layout
-            epoch_begin(self, epoch)
+        if self.graphs is None:  # captured graphs hold their tensors: no re-layout
+            t.device_epoch_begin(self, epoch)
         first_capture = epoch > 0 or not self.eager_first_epoch
         if self.graphs is None and not self.capture_failed and first_capture and self.graph_eligible(source):
             try:
@@ -252,7 +247,7 @@ class CudaRunner:
                 scheduler.step()
         return torch.tensor(rows, dtype=torch.float32)
 
-    def _capture(self, source: BatchSource, steps_left: int) -> None:
+    def _capture(self, source: Any, steps_left: int) -> None:
         """Capture the epoch's steps in two CUDA graphs that share one memory pool, whatever the
         number of batches:
 
@@ -301,7 +296,6 @@ class CudaRunner:
         try:
             with host_checks(False):  # every batch was checked before (shapes up front, or an eager epoch)
                 self._use_lr_row(0)
-                epoch_begin = getattr(t, "device_epoch_begin", None)
                 # two masked warm-ups: the first creates lazily made state (a first-step kernel
                 # variant), the layout then takes it in, the second compiles the variants of later steps
                 # ... and one more for every other batch shape (a ragged last batch): its kernel
@@ -313,17 +307,12 @@ class CudaRunner:
                 with t.op_recorder():  # a first run notes the kernels for the next (op_warm.py)
                     for k in warmups:
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
-                        previous_mode = torch.cuda.get_sync_debug_mode()
-                        torch.cuda.set_sync_debug_mode("error")  # a host read would break the capture: find it now
-                        try:
+                        try:  # (a host read in the step fails the capture below: the run goes on eagerly)
                             t.device_step(*items[k], k, self)
                         finally:
-                            torch.cuda.set_sync_debug_mode(previous_mode)
                             self.dead.zero_()
-                        if epoch_begin is not None:  # state the warm-up created joins the layout
-                            epoch_begin(self, 1)
+                        t.device_epoch_begin(self, 1)  # state the warm-up created joins the layout
                 t.join_op_warm()  # no helper thread launches anything while a graph is captured
-                remember_kernel_keys()  # every kernel of the step has its key now: kept for the next process
                 torch.cuda.synchronize(t.device)
                 if self._chunk is not None:
                     c = self._chunk
@@ -352,7 +341,7 @@ class CudaRunner:
                 g["lr"] = lr
         self.graphs = graphs
 
-    def _replay(self, source: BatchSource) -> None:
+    def _replay(self, source: Any) -> None:
         """One epoch from the captured graphs (see ``_capture``)."""
         c = self._chunk
         if c is not None:
@@ -380,14 +369,13 @@ class CudaRunner:
             for j, g in enumerate(self.t.rate_groups()):
                 g["lr"] = table[k, j, 0]
 
-    def _read_back(self, count: int, epoch: int, source: BatchSource) -> EpochOutcome:
+    def _read_back(self, count: int, epoch: int, source: Any) -> EpochOutcome:
         """One host sync: the epoch's per-step losses, statuses and logs → an ``EpochOutcome``, with
         Loom's messages for skipped updates."""
         # one sync: losses, statuses, logs and the method's epoch-end tensors copied as they are (no
         # device kernel: a fresh process would load a conversion kernel for it, ~10 ms on the H100
         # machine), converted to float64 on the host
-        tensors_fn = getattr(self.t, "device_epoch_tensors", None)
-        extras = list(tensors_fn()) if tensors_fn is not None else []
+        extras = self.t.device_epoch_tensors()
         parts = [self.step_loss[:count], self.step_status[:count]]
         if self.n_logs:
             parts.append(self.step_logs[:count])
@@ -427,11 +415,6 @@ class CudaRunner:
                 break
         if sizes is None:
             out.samples = self._streamed_samples
-        epoch_end = getattr(self.t, "device_epoch_end", None)
-        if epoch_end is not None:
-            kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
-            if tensors_fn is not None:
-                epoch_end(self, *kept, extra_values)
-            else:
-                epoch_end(self, *kept)
+        kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
+        self.t.device_epoch_end(self, *kept, extra_values)
         return out

@@ -11,7 +11,7 @@ baseline, so learning never freezes: ``ExplosionRule``). Watch ``state.explosion
 
     state = TweenState(net, TweenConfig())
     loss = state.tween_step(net, x, labels)            # one step; batch or a single sample
-    result = TweenTrainer(net, TweenConfig()).fit(batches, epochs=10)
+    result = TweenTrainer(net, TweenConfig()).fit(batches, epochs=10)   # the engine with the Tween method
 
 Indexing (Loom's): the network has ``n`` layers; ``forward_acts[0]`` is the input ``a_0`` and
 ``forward_acts[i+1] = a_{i+1}`` the output of layer ``i``; ``backward_targets`` and
@@ -30,14 +30,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..engine.config import TrainingConfig, as_network
+from ..engine.guards import finite_flag
+from ..engine.loop import Trainer
+from ..engine.losses import LOSS_TYPES, compute_loss, is_label_target, label_bounds, loss_and_grad
+from ..engine.method import Method, RateHolder, as_flat, flatten_tensors_, register_method
+from ..engine.types import StepOutput, StepStatus, TrainingResult
 from ..layers.base import Layer
 from ..layers.network import Network
-from ..observers.layer_stats import LayerEvents
-from .loop import finite_flag, RateHolder, StepOutput, StepStatus, Trainer, TrainingResult, as_flat, flatten_tensors_
-from .losses import LOSS_TYPES, is_label_target, label_bounds, loss_and_grad
-from .config import as_network
+from ._fused import FlatLayout, FusedStep
+from .explosion import EXPLOSION_RULE, ExplosionRule, _FloatOps, _TensorOps
 
-__all__ = ["ExplosionRule", "TweenConfig", "TweenState", "TweenTrainer"]
+__all__ = ["ExplosionRule", "EXPLOSION_RULE", "TweenConfig", "TweenState", "Tween", "TweenTrainer"]
 
 
 def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -103,160 +107,6 @@ def _is_bias(name: str) -> bool:
 def _rate(owner: str, rate: Any) -> float:
     _number(owner, "rate", rate, 0.0, lo_open=True)
     return float(rate)
-
-
-class _FloatOps:
-    """The few operations ``ExplosionRule`` needs, on Python floats and bools (the host step). NaN
-    propagates as in the device forms (``torch.log``/``maximum``/``minimum`` and the kernel), so a
-    NaN gap leaves the same state on both paths (a skipped step never reaches the rule anyway)."""
-
-    @staticmethod
-    def log(v: float) -> float:
-        if v != v:
-            return v
-        return math.log(v) if v > 0 else -math.inf
-
-    exp = staticmethod(math.exp)
-
-    @staticmethod
-    def maximum(a: float, b: float) -> float:
-        return a if a != a else b if b != b else max(a, b)
-
-    @staticmethod
-    def minimum(a: float, b: float) -> float:
-        return a if a != a else b if b != b else min(a, b)
-
-    @staticmethod
-    def clamp(v: float, lo: float, hi: float) -> float:
-        return min(max(v, lo), hi)  # NaN stays NaN: comparisons with it are False
-
-    @staticmethod
-    def where(cond: bool, a: Any, b: Any) -> Any:
-        return a if cond else b
-
-    @staticmethod
-    def logical_not(c: bool) -> bool:
-        return not c
-
-
-class _TensorOps:
-    """The same operations on 0-d tensors (the device step: no host read)."""
-
-    log = staticmethod(torch.log)
-    exp = staticmethod(torch.exp)
-    clamp = staticmethod(torch.clamp)
-    maximum = staticmethod(torch.maximum)
-    minimum = staticmethod(torch.minimum)
-    where = staticmethod(torch.where)
-    logical_not = staticmethod(torch.logical_not)
-
-
-@dataclass(frozen=True)
-class ExplosionRule:
-    """Tweening's explosion detection: one step's decision from its mean gap and a running baseline.
-
-    A step's mean gap ``g = avg_gap`` (the mean of the per-layer gaps) varies enormously in ordinary
-    training: with one sample per step it is ~1e-4 (or far less) for a sample the network already gets
-    right (its gradient is gated off) and ~0.1 for one it gets wrong; with 32 samples per step it varies
-    far less. The baseline is built from ``x = log g`` (``g`` clamped to ``[1e-30, 1e30]``) by two
-    running statistics, and is the lower of the two:
-
-    * a running mean ``m`` of ``x`` and running mean absolute deviation ``s`` of ``x`` from ``m``:
-      ``m + spread·s`` (``spread`` = 3) sits well above ordinary variation whatever its size (tight at
-      batch 32, wide at batch 1);
-    * a running peak ``λ`` of ``x`` that forgets slowly (falls by ``ln 10`` over ``forget_steps`` = 1000
-      quiet steps): the largest gap of recent ordinary training (at batch 1, the last wrong sample's);
-
-        gap_baseline = exp(min(m + spread·s, λ)),
-        explosion    = g > explosion_limit · gap_baseline   (after the warm-up, detection on),
-        gap_growth_rate = g / gap_baseline                  (the baseline before this step's update).
-
-    Updates, per counted step ``k`` (``d = x − m``):
-
-    * **warm-up** (the first ``warmup`` = 10 steps): plain averages (``m += d/(k+1)``, ``s += (|x − m| −
-      s)/(k+1)``), ``λ = max(λ, x)``; no detection;
-    * **ordinary step**: ``m += d/horizon``, ``s += (|d| − s)/horizon`` (exponential averages over
-      ``horizon`` = 100 steps), ``λ = max(x, λ − ln 10/forget_steps)``;
-    * **explosive step**: the baseline is pulled only part of the way: ``d`` is clipped to the
-      detection threshold ``c = ln(explosion_limit) + spread·s`` in the averages, and ``λ`` moves a tenth
-      of the way (``absorb`` = 0.1) towards ``x``. Explosions also add to a leaky count ``p`` (``p =
-      0.9·p + 1``; ``p = 0.9·p`` on an ordinary step); when ``p`` reaches ``sustain`` = 3 (explosions on
-      about 4 steps in a row, or 4–5 close together) the gap is taken as a **new level** (a task switch, a
-      new data regime, damage that stays): ``m = x − spread·s``, ``λ = x`` (the baseline jumps to the
-      current gap) and ``p = 0``. A persistent change costs a few rate cuts, then detection stops
-      firing and the rate recovers: learning never freezes.
-
-    Rate (detection on): an explosion sets ``adaptive_rate = min(base, max(adaptive_rate·recovery_rate,
-    floor·base))`` (``floor`` = 0.01: never below 1 % of the rate, Loom's legacy floor; ``base`` =
-    ``base_rate`` or the step's scheduled rate) and the caller resets every velocity to zero; an
-    ordinary step sets ``adaptive_rate = min(base, adaptive_rate·recovery_growth)``. With detection off
-    the baseline is still tracked (for watching) and ``adaptive_rate = base``.
-
-    The rule is written once over an ``ops`` namespace (``log``, ``exp``, ``clamp``, ``maximum``,
-    ``minimum``, ``where``, ``logical_not``), so the same code runs on Python floats in the host step
-    and on 0-d tensors with ``torch.where`` in the device step off CUDA (no host read). On CUDA the
-    device step runs it as one float64 kernel (``torchloom.kernels.explosion_rule``: the same lines in
-    Triton, tested step by step against this rule on floats), not ~80 scalar kernels.
-    """
-
-    warmup: int = 10
-    horizon: float = 100.0
-    spread: float = 3.0
-    forget_steps: float = 1000.0
-    absorb: float = 0.1
-    sustain: float = 3.0
-    leak: float = 0.9
-    floor: float = 0.01
-    gap_min: float = 1e-30
-    gap_max: float = 1e30
-
-    def __call__(
-        self, ops: Any, avg_gap: Any, watch: tuple[Any, Any, Any, Any], adaptive_rate: Any, steps: Any, base: Any,
-        config: TweenConfig,
-    ) -> tuple[Any, Any, tuple[Any, Any, Any, Any], Any, Any]:
-        """One step. ``watch = (m, s, λ, p)`` and ``adaptive_rate`` are the values before it (``(0, 0,
-        −inf, 0)`` before the first step), ``steps`` the counted steps before it, ``base`` the ceiling
-        of the rate. Returns ``(exploded, adaptive_rate, watch, gap_baseline, gap_growth_rate)`` after
-        it (``gap_baseline`` from the updated watch)."""
-        m, s, lam, p = watch
-        x = ops.log(ops.clamp(avg_gap, self.gap_min, self.gap_max))
-        level = ops.minimum(m + self.spread * s, lam)  # log of the baseline before this step
-        growth = ops.where(steps > 0, ops.exp(ops.clamp(x - level, -700.0, 700.0)), 1.0)
-        d = x - m
-        threshold = math.log(config.explosion_limit) + self.spread * s
-        warm = steps < self.warmup
-        exploded = ops.logical_not(warm) & (x - level > math.log(config.explosion_limit))
-        if not config.explosion_detection:
-            exploded = exploded & False
-        # warm-up: plain averages and the peak
-        w0 = 1.0 / (steps + 1.0)
-        m_warm = m + w0 * d
-        s_warm = s + w0 * (abs(x - m_warm) - s)
-        lam_warm = ops.maximum(lam, x)
-        # after it: exponential averages and a forgetting peak, an explosive step pulling only part way
-        w = 1.0 / self.horizon
-        m_run = m + w * ops.where(exploded, ops.minimum(d, threshold), d)
-        s_run = s + w * (ops.where(exploded, ops.minimum(abs(d), threshold), abs(d)) - s)
-        lam_run = ops.where(exploded, lam + self.absorb * (x - lam), ops.maximum(x, lam - math.log(10.0) / self.forget_steps))
-        p_run = self.leak * p + ops.where(exploded, 1.0, 0.0)
-        shift = p_run >= self.sustain  # a sustained new level: the baseline jumps to it
-        m_run = ops.where(shift, x - self.spread * s_run, m_run)
-        lam_run = ops.where(shift, x, lam_run)
-        p_run = ops.where(shift, 0.0, p_run)
-        m_new = ops.where(warm, m_warm, m_run)
-        s_new = ops.where(warm, s_warm, s_run)
-        lam_new = ops.where(warm, lam_warm, lam_run)
-        p_new = ops.where(warm, 0.0, p_run)
-        if config.explosion_detection:
-            cut = ops.minimum(base, ops.maximum(adaptive_rate * config.recovery_rate, base * self.floor))
-            new_rate = ops.where(exploded, cut, ops.minimum(base, adaptive_rate * config.recovery_growth))
-        else:
-            new_rate = base
-        baseline = ops.exp(ops.minimum(m_new + self.spread * s_new, lam_new))
-        return exploded, new_rate, (m_new, s_new, lam_new, p_new), baseline, growth
-
-
-EXPLOSION_RULE = ExplosionRule()
 
 
 class TweenState:
@@ -601,8 +451,6 @@ class TweenState:
 
 def _tween_auto_loss(output: Tensor, target: Tensor) -> Tensor:
     """Tween's default loss: softmax cross-entropy for class labels, MSE for float targets."""
-    from .losses import compute_loss
-
     return compute_loss(output, target, "cross_entropy" if is_label_target(target) else "mse")
 
 
@@ -625,53 +473,45 @@ def _sum_squares(a: Tensor) -> Tensor:
     return a.double().square().sum()
 
 
-class TweenTrainer(Trainer):
-    """Neural Tweening in the shared epoch loop: ``fit(data, epochs)`` runs ``TweenState.step`` per batch.
+class Tween(Method):
+    """Neural Tweening as a method of the training engine (``train(..., TrainingConfig(method="tween"))``
+    or ``method=TweenConfig(...)``): ``step`` runs ``TweenState.step`` per batch.
+
+    Step logs (``on_batch_end``; their per-epoch means in the epoch logs and the history):
+    ``mean_gap``, ``mean_link_budget``, ``explosion`` (1.0 when the step detected one; per epoch, the
+    fraction of steps that did), ``adaptive_rate``, ``gap_baseline`` and ``explosion_count`` (the total).
 
     Args:
-        model: a ``Network`` (or a torchloom layer / list of layers).
-        cfg: a ``TweenConfig`` (defaults when ``None``).
-        observers: objects with hook methods (per-layer events included); each ``on_batch_end`` gets ``loss``, ``mean_gap``,
-            ``mean_link_budget``, ``explosion`` (1.0 when the step detected one), ``adaptive_rate``,
-            ``gap_baseline`` and ``explosion_count`` (the total so far); epoch logs (and the result's
-            history) hold their per-epoch means (``explosion``: the fraction of steps that detected one).
-        verbose: print Loom's epoch line.
-
-    ``trainer.state`` is the ``TweenState`` (its histories are per step). Training runs on the model's
-    device and dtype; batches are moved there.
+        config: a ``TweenConfig`` (defaults when ``None``).
     """
 
-    def __init__(
-        self,
-        model: Network | Layer | Iterable[Layer],
-        cfg: TweenConfig | None = None,
-        observers: Iterable[Any] = (),
-        verbose: bool | int = False,
-        *,
-        training: Any = None,
-    ) -> None:
-        from .config import TrainingConfig, as_scheduler
+    name = "tween"
+    config_type = TweenConfig
+    rate_field = "base_rate"
 
-        net = as_network(model)
-        cfg = TweenConfig() if cfg is None else cfg
-        if not isinstance(cfg, TweenConfig):
-            raise TypeError(f"TweenTrainer: cfg must be a TweenConfig, got {type(cfg).__name__}")
-        if training is None:
-            training = TrainingConfig(method=cfg, observers=tuple(observers), verbose=verbose)
-        elif tuple(observers) or verbose:
-            raise ValueError("TweenTrainer: give observers and verbose in the TrainingConfig (training=...) only")
-        super().__init__(net, training)
-        self.config = cfg
-        self.state = TweenState(net, self.config)
-        params = [p for p in net.parameters() if p.requires_grad]
+    def __init__(self, config: TweenConfig | None = None) -> None:
+        config = TweenConfig() if config is None else config
+        if not isinstance(config, TweenConfig):
+            raise TypeError(f"TweenTrainer: cfg must be a TweenConfig, got {type(config).__name__}")
+        self.config = config
+
+    @classmethod
+    def config_from_training(cls, training: Any) -> TweenConfig:
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` and a
+        ``loss_type`` other than the default ``"mse"`` as Tween's loss."""
+        return TweenConfig(base_rate=training.learning_rate, loss_type=None if training.loss_type == "mse" else training.loss_type)
+
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        self.state = TweenState(self.model, self.config)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("TweenTrainer: model has no trainable parameters (all have requires_grad=False)")
         # the rate a schedule drives: the ceiling of adaptive_rate (base_rate without a schedule)
-        self.rates = RateHolder(params, float(cfg.base_rate))
-        self.scheduler = as_scheduler(training.scheduler, self.rates)
+        self.rates = RateHolder(params, float(self.config.base_rate))
 
-    def rate_groups(self) -> list[dict[str, Any]]:
-        return self.rates.param_groups
+    def schedulable(self) -> RateHolder:
+        return self.rates
 
     def eval_loss_type(self) -> Any:
         """``val_loss`` is Tween's loss: ``config.loss_type``, or cross-entropy for class labels and
@@ -686,14 +526,12 @@ class TweenTrainer(Trainer):
         st = self.state
         st.weight_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.weight_velocity]
         st.bias_velocity = [tuple(v.to(self.device) for v in vs) for vs in st.bias_velocity]
-        super().setup()
 
-    def guarded_tensors(self) -> list[Tensor]:
-        velocities = [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
-        return [*(p for p in self.model.parameters() if p.requires_grad), *velocities]
+    def state_tensors(self) -> list[Tensor]:
+        return [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
 
-    def training_state(self) -> dict[str, Any]:
-        state = super().training_state()
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
         st = self.state
         state["tween"] = {
             "weight_velocity": [list(v) for v in st.weight_velocity],
@@ -703,8 +541,7 @@ class TweenTrainer(Trainer):
         }
         return state
 
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        super().load_training_state(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, st = state["tween"], self.state
         st.weight_velocity = [tuple(t.clone() for t in v) for v in saved["weight_velocity"]]
         st.bias_velocity = [tuple(t.clone() for t in v) for v in saved["bias_velocity"]]
@@ -714,7 +551,7 @@ class TweenTrainer(Trainer):
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device/dtype and validate it (labels range, target shape)."""
-        x, y, out_shape = self.prepare_batch(x, y, f"batch {index}: ")
+        x, y, out_shape = self.engine.prepare_batch(x, y, f"batch {index}: ")
         try:
             _check_target_shape(out_shape[1:], x.shape[0], y)
         except ValueError as e:
@@ -722,7 +559,7 @@ class TweenTrainer(Trainer):
         return x, y
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
-        events = LayerEvents.for_trainer(self)  # None unless an observer wants per-layer events
+        events = self.layer_events()  # None unless an observer wants per-layer events
         rate = float(self.rates.lr)  # base_rate, or the schedule's value
         clip = self._clip if self.clip > 0 else None
         out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist)  # checked in convert_batch
@@ -742,29 +579,6 @@ class TweenTrainer(Trainer):
 
             clip_grad_norm_(grads, bound)
 
-    def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None, track_perf: bool = False) -> TrainingResult:
-        """Train for ``epochs`` passes over ``data`` and return a ``TrainingResult``.
-
-        ``data``: a list of ``(input, target)`` batches (or ``TrainingBatch``es, or a ``DataLoader``);
-        or one ``(X [N, ...], Y [N, ...])`` pair of tensors, split in order into batches of
-        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample). The
-        ``TweenConfig`` is re-validated first (a field changed after construction raises here, before
-        anything changes)."""
-        self.config.validate()
-        engine_batches = batch_size is None and self.training.batch_size is not None  # train(..., batch_size=B): the engine cuts (X, Y)
-        if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Tensor) for d in data) and not engine_batches:
-            xs, ys = data
-            if xs.dim() == 0 or ys.dim() == 0 or xs.shape[0] != ys.shape[0]:
-                raise ValueError(f"data: X and Y must have the same number of samples, got shapes {list(xs.shape)} and {list(ys.shape)}")
-            bs = 1 if batch_size is None else batch_size
-            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-            data = [(xs[j : j + bs], ys[j : j + bs]) for j in range(0, xs.shape[0], bs)]
-        elif batch_size is not None:
-            raise ValueError("batch_size is only used when data is one (X, Y) pair of tensors")
-        return super().fit(data, epochs, track_perf=track_perf)
-
-
     # ---------------------------------------------------------------------- device step
     device_log_names = ("mean_gap", "mean_link_budget", "explosion", "adaptive_rate", "gap_baseline", "explosion_count")
 
@@ -773,7 +587,7 @@ class TweenTrainer(Trainer):
 
     def device_kernel_modules(self) -> list[str]:
         own = ["torchloom.kernels.explosion_rule", "torchloom.kernels.method_steps", "torchloom.kernels.layer_update"]
-        return [*super().device_kernel_modules(), *own]
+        return own
 
     def device_setup(self, runner: Any) -> None:
         """The state the device step reads and writes lives in device tensors (``self.dev``): the
@@ -803,11 +617,9 @@ class TweenTrainer(Trainer):
             ordered.extend(next(bv) if _is_bias(name) else next(wv) for name, _ in layer.named_parameters())
         # parameters then velocities in one buffer: the guard saves, checks and restores one tensor
         flatten_tensors_([*self.model.parameters(), *ordered])
-        from .target_prop import _FlatLayout, _FusedStep
-
-        self._flat = _FlatLayout.build(self.model, ordered)
+        self._flat = FlatLayout.build(self.model, ordered)
         self._ordered_velocities = ordered
-        self._fused = _FusedStep.build(self, "tween")
+        self._fused = _FusedTween.build(self)
 
     def guarded_device_tensors(self) -> list[Tensor]:
         velocities = getattr(self, "_ordered_velocities", None) or [v for vs in (*self.state.weight_velocity, *self.state.bias_velocity) for v in vs]
@@ -826,7 +638,7 @@ class TweenTrainer(Trainer):
 
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(x, y):  # every layer's bookkeeping in a few launches
-            return fused.tween_step(x, y, slot, runner)
+            return fused.step(x, y, slot, runner)
         st, cfg = self.state, self.config
         layers = list(self.model.layers)
         n = len(layers)
@@ -865,8 +677,6 @@ class TweenTrainer(Trainer):
         if self.dist is None:
             metrics = self._fused_metrics(acts, y_hat, targets)
         else:  # data-parallel (equal shards): sums over every rank's rows, in the step
-            from .distributed import tween_metrics, tween_sums
-
             if not overlap:
                 reducing.append(self.dist.all_reduce_([pg for pgs in param_grads for pg in pgs], "sum", async_op=True))
             sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
@@ -1004,12 +814,37 @@ class TweenTrainer(Trainer):
 
         return explosion_rule_(EXPLOSION_RULE, _TensorOps, self.config, self._dev_flat, self._rule_constants, avg_gap, base, found_inf)
 
+def tween_sums(a_in: Tensor, f: Tensor, a_out: Tensor, t: Tensor) -> Tensor:
+    """The sums Tweening's per-layer metrics are formed from, float64 ``[9]``: ``Σ(f − t)²``, count of
+    ``f``, ``Σa_in²``, count of ``a_in``, ``Σa_out²``, count of ``a_out``, ``Σf·t``, ``Σf²``, ``Σt²``."""
+    f64, t64 = f.double().reshape(-1), t.double().reshape(-1)
+    i64, o64 = a_in.double().reshape(-1), a_out.double().reshape(-1)
+    d = f64 - t64
+    dev = f64.device
+    n = lambda v: torch.full((), float(v.numel()), dtype=torch.float64, device=dev)  # noqa: E731
+    return torch.stack([d @ d, n(f64), i64 @ i64, n(i64), o64 @ o64, n(o64), f64 @ t64, f64 @ f64, t64 @ t64])
+
+
+def tween_metrics(sums: Tensor) -> Tensor:
+    """``[layers, 3]`` (gap, link budget, alignment) from summed ``tween_sums`` rows ``[layers, 9]``:
+    gap = mean of squares, link budget = rms(a_out)/rms(a_in) (0 when rms(a_in) = 0), alignment =
+    (cos(f, t) + 1)/2 (0.5 when either is zero)."""
+    sq, nf, ii, ni, oo, no, ft, ff, tt = sums.unbind(1)
+    gap = sq / nf.clamp_min(1.0)
+    rms_in = (ii / ni.clamp_min(1.0)).sqrt()
+    rms_out = (oo / no.clamp_min(1.0)).sqrt()
+    budget = torch.where(rms_in > 0, rms_out / torch.where(rms_in > 0, rms_in, 1.0), 0.0)
+    nrm_f, nrm_t = ff.sqrt(), tt.sqrt()
+    both = (nrm_f > 0) & (nrm_t > 0)
+    cos = ft / torch.where(both, nrm_f * nrm_t, 1.0)
+    align = torch.where(both, (cos + 1) / 2, 0.5)
+    return torch.stack([gap, budget, align], 1)
+
+
 def _global_step_numbers(dist: Any, loss_t: Tensor, batch: int, grads: list[Tensor], acts: list[Tensor], y_hat: Tensor, targets: list[Any]) -> tuple[Tensor, list[Tensor], int]:
     """Data-parallel ``_step``: the parameter gradients ``G_i`` (sums over samples) summed over the
     ranks in place; the loss (weighted by each rank's rows), the per-layer metrics (from summed
     ``tween_sums``) and the global batch size, as one process would find them on the global batch."""
-    from .distributed import tween_metrics, tween_sums
-
     n = len(acts) - 1
     dist.all_reduce_(grads, "sum")
     sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
@@ -1031,3 +866,117 @@ def _check_target_shape(out_shape: tuple[int, ...], batch: int, y: Tensor) -> No
             raise ValueError(f"class labels must lie in [0, {full[-1]}), got values in [{lo}, {hi}]")
     elif tuple(y.shape) != full:
         raise ValueError(f"target shape {list(y.shape)} does not match output shape {list(full)}")
+
+
+class _FusedTween(FusedStep):
+    """Tweening's device step in about eighteen launches (``FusedStep``): metrics, the explosion rule,
+    the adaptive rate and every layer's rate decided by one single-program kernel
+    (``method_steps.tween_rule_``)."""
+
+    def __init__(self, trainer: Any, flat: FlatLayout) -> None:
+        super().__init__(trainer, flat)
+        f64 = dict(dtype=torch.float64, device=trainer.device)
+        # the input's width first: the rule reads each layer's input and output sizes
+        self.widths = torch.tensor([float(self.in_width)] + [float(layer.out_features) for layer in trainer.model.layers], **f64)
+        cfg = trainer.config
+        self.consts = torch.tensor([cfg.link_budget_scale, cfg.momentum_decay], **f64)
+
+    @classmethod
+    def accepts(cls, trainer: Any) -> bool:
+        return trainer.config.loss_type in (None, "mse", "cross_entropy")
+
+    def step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
+        from ..kernels.grad_norm import grad_sq_partials
+        from ..kernels.method_steps import TWEEN_CE, TWEEN_MSE, target_rows, tween_rule_
+
+        t, cfg = self.t, self.t.config
+        backend = getattr(t, "kernel_backend", None)
+        acts, saved = [x], []
+        for layer in t.model.layers:
+            out_i, s_i = layer.forward_saved(acts[-1])
+            acts.append(out_i)
+            saved.append(s_i)
+        out = acts[-1]
+        t.observe_outputs(out, y)
+        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
+        mode = TWEEN_CE if loss_type == "cross_entropy" else TWEEN_MSE
+        loss_rows, g, t_out, y_hat, _ = target_rows(out, y, mode, cfg.gap_threshold)
+        grads = self.backward_into_flat(g, saved)
+        s = cfg.gradient_scale
+        part = self._stats(
+            [(x, None, None, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
+        )
+        batch = out.shape[0]
+        clip_norm = t.clip * batch if t.clip > 0 and t.clip_mode == "norm" else 0.0
+        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        if t.clip > 0 and clip_norm == 0:
+            self.flat.g.clamp_(-t.clip * batch, t.clip * batch)
+        a, c, apply, metrics = tween_rule_(
+            part, self.widths, self.consts, t._scales, t._dev_flat, t._rule_constants, self._lr(),
+            runner.grad_scale if clip_norm > 0 else None, runner.found_inf, batch, self.seg_layer, self.trainable,
+            runner.step_logs[slot, :6],
+        )
+        self._update(runner, slot, a, c, apply)
+        t._last_metrics = metrics
+
+
+class TweenTrainer(Trainer):
+    """The training engine with the ``Tween`` method: ``fit(data, epochs)`` runs ``TweenState.step``
+    per batch.
+
+    Args:
+        model: a ``Network`` (or a torchloom layer / list of layers).
+        cfg: a ``TweenConfig`` (defaults when ``None``).
+        observers: objects with hook methods (per-layer events included); each ``on_batch_end`` gets ``loss``, ``mean_gap``,
+            ``mean_link_budget``, ``explosion`` (1.0 when the step detected one), ``adaptive_rate``,
+            ``gap_baseline`` and ``explosion_count`` (the total so far); epoch logs (and the result's
+            history) hold their per-epoch means (``explosion``: the fraction of steps that detected one).
+        verbose: print Loom's epoch line.
+        training: the engine's settings, a ``TrainingConfig`` whose ``method`` is ``cfg`` (what
+            ``train()`` passes); default: ``TrainingConfig(method=cfg, observers=..., verbose=...)``.
+
+    ``trainer.state`` is the ``TweenState`` (its histories are per step) and ``trainer.config`` the
+    ``TweenConfig``. Training runs on the model's device and dtype; batches are moved there.
+    """
+
+    def __init__(
+        self,
+        model: Network | Layer | Iterable[Layer],
+        cfg: TweenConfig | None = None,
+        observers: Iterable[Any] = (),
+        verbose: bool | int = False,
+        *,
+        training: Any = None,
+    ) -> None:
+        method = Tween(cfg)
+        if training is None:
+            training = TrainingConfig(method=method.config, observers=tuple(observers), verbose=verbose)
+        elif tuple(observers) or verbose:
+            raise ValueError("TweenTrainer: give observers and verbose in the TrainingConfig (training=...) only")
+        super().__init__(as_network(model), training, method)
+        self.config = method.config
+
+    def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None, track_perf: bool = False) -> TrainingResult:
+        """Train for ``epochs`` passes over ``data`` and return a ``TrainingResult``.
+
+        ``data``: a list of ``(input, target)`` batches (or ``TrainingBatch``es, or a ``DataLoader``);
+        or one ``(X [N, ...], Y [N, ...])`` pair of tensors, split in order into batches of
+        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample). The
+        ``TweenConfig`` is re-validated first (a field changed after construction raises here, before
+        anything changes)."""
+        self.method.config.validate()
+        engine_batches = batch_size is None and self.training.batch_size is not None  # train(..., batch_size=B): the engine cuts (X, Y)
+        if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Tensor) for d in data) and not engine_batches:
+            xs, ys = data
+            if xs.dim() == 0 or ys.dim() == 0 or xs.shape[0] != ys.shape[0]:
+                raise ValueError(f"data: X and Y must have the same number of samples, got shapes {list(xs.shape)} and {list(ys.shape)}")
+            bs = 1 if batch_size is None else batch_size
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            data = [(xs[j : j + bs], ys[j : j + bs]) for j in range(0, xs.shape[0], bs)]
+        elif batch_size is not None:
+            raise ValueError("batch_size is only used when data is one (X, Y) pair of tensors")
+        return super().fit(data, epochs, track_perf=track_perf)
+
+
+register_method(Tween, "tweening")

@@ -1,0 +1,32 @@
+"""Credit-assignment rules, one module each, every one a ``torchloom.Method`` run by the engine.
+
+| name | module | rule |
+|---|---|---|
+| ``"backprop"`` | ``backprop.py`` | exact gradients through the hand-written backward, any optimizer |
+| ``"target_prop"`` | ``target_prop.py`` | Loom's target propagation: chain-rule or pure (derivative-free) targets, link budgets, gates, depth-scaled momentum |
+| ``"tween"`` | ``tween.py`` | Loom's Neural Tweening: gaps, link budgets, alignments, explosion detection and recovery (``explosion.py``) |
+
+``_fused.py`` holds what TargetProp's and Tweening's fused device steps share. Importing this package
+registers each rule's name with the engine (``torchloom.register_method``); a rule of your own
+registers the same way, or is given to ``TrainingConfig(method=...)`` as an object.
+"""
+
+from .backprop import Backprop, BackpropTrainer, LossScaler
+from .target_prop import (
+    TargetProp,
+    TargetPropConfig,
+    TargetPropState,
+    TargetPropTrainer,
+    apply_target_prop_gaps,
+    estimate_input_target,
+    target_prop_backward,
+    target_prop_forward,
+)
+from .tween import Tween, TweenConfig, TweenState, TweenTrainer
+
+__all__ = [
+    "Backprop", "BackpropTrainer", "LossScaler",
+    "TargetProp", "TargetPropConfig", "TargetPropState", "TargetPropTrainer", "target_prop_forward",
+    "target_prop_backward", "apply_target_prop_gaps", "estimate_input_target",
+    "Tween", "TweenConfig", "TweenState", "TweenTrainer",
+]

@@ -1,0 +1,210 @@
+"""The shared machinery of TargetProp's and Tweening's device steps: parameters, velocities and update
+directions as flat buffers of one layout (``FlatLayout``: every layer's momentum update in one
+launch), and the base of their fused steps (``FusedStep``: each layer's backward writing straight
+into the flat direction buffer, per-program partial sums, the learning rate as a device value, the
+guarded one-launch update). Each method's own step rule lives in its module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..kernels._update import coalesce
+from ..layers.dense import Dense
+from ..layers.network import Network
+
+__all__ = ["FlatLayout", "FusedStep", "into_views"]
+
+
+class FlatLayout:
+    """Parameters, velocities and update directions of a network as three flat buffers of one layout
+    (consecutive views, parameter order), for the one-launch momentum update of the device steps of
+    TargetProp and Tweening (``kernels.layer_update.momentum_update_flat_``). Segments are the
+    parameters; each gets its layer's rate, and frozen parameters (``requires_grad=False``) are never
+    applied. ``build`` returns ``None`` when the buffers are not laid out so (mixed dtypes, ...)."""
+
+    def __init__(self, params: list[Tensor], velocities: list[Tensor], layer_of: list[int], trainable: list[bool]) -> None:
+        self.p = coalesce(params)[0][0]
+        self.v = coalesce(velocities)[0][0]
+        self.g = torch.zeros_like(self.p)
+        self.g_views, offset = [], 0
+        self.bounds = [0]
+        for t in params:
+            self.g_views.append(self.g[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+            self.bounds.append(offset)
+        dev = self.p.device
+        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64, device=dev)
+        self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=dev)
+        self.trainable = torch.tensor(trainable, device=dev)
+        self.counts = [sum(1 for i in layer_of if i == layer) for layer in range(max(layer_of) + 1)]
+
+    @classmethod
+    def build(cls, model: Network, velocities: list[Tensor]) -> "FlatLayout | None":
+        from ..kernels.layer_update import _MAX_SEGMENTS  # (imported on first use: it imports Triton)
+
+        params, layer_of = [], []
+        for i, layer in enumerate(model.layers):
+            for p in layer.parameters():
+                params.append(p)
+                layer_of.append(i)
+        if len(params) < 2 or len(params) > _MAX_SEGMENTS or len(velocities) != len(params):
+            return None
+        if any(v.shape != p.shape or v.dtype != p.dtype or v.device != p.device for v, p in zip(velocities, params)):
+            return None
+        if coalesce(params) is None or coalesce(velocities) is None:
+            return None
+        return cls(params, velocities, layer_of, [p.requires_grad for p in params])
+
+    def fits(self, directions: list[tuple[Tensor, ...] | None]) -> bool:
+        """Whether every layer with parameters has its full set of directions this step."""
+        return all((len(ds) if ds else 0) == c for ds, c in zip(directions, self.counts))
+
+    def update_(self, directions: list[tuple[Tensor, ...] | None], a: Tensor, c: Tensor, apply: Tensor) -> None:
+        """``v = a_l·v + c_l·d``, ``p += v`` for every parameter of layer ``l`` where ``apply_l`` (and
+        the parameter is trainable); ``a``, ``c``, ``apply``: ``[layers]`` device tensors."""
+        from ..kernels.layer_update import momentum_update_flat_
+
+        torch._foreach_copy_(self.g_views, [d for ds in directions if ds for d in ds])
+        idx = self.layer_of
+        momentum_update_flat_(
+            self.p, self.v, self.g, self.bounds, a.index_select(0, idx), c.index_select(0, idx),
+            apply.index_select(0, idx) & self.trainable, bounds_t=self.bounds_t,
+        )
+
+
+def into_views(directions: Any, views: tuple[Tensor, ...]) -> None:
+    """Copy each direction into its flat-buffer view unless it was written there in place."""
+    for d, v in zip(directions, views):
+        if d.data_ptr() != v.data_ptr():  # computed elsewhere (a reference path, or a layer that copies)
+            v.copy_(d)
+
+
+class FusedStep:
+    """The plumbing of the fused device steps of TargetProp and Tweening (``kernels/method_steps.py``);
+    each method's module holds its own step (a subclass with ``step(x, y, slot, runner)``):
+    the same rule as the torch-op device step in about eighteen launches instead of 110–130, for a
+    network of ``Dense`` layers on CUDA (or on the CPU through Triton's interpreter, when the trainer's
+    ``kernel_backend`` is ``"triton"``: the tests). Update directions are written by each layer's
+    backward straight into the flat direction buffer of the one-launch momentum update, the link
+    budgets / gaps / alignments are per-program partial sums finished, with every decision of the
+    step, by one single-program kernel, and the step's log row is written by that kernel.
+
+    Pure TargetProp takes it too: each layer's delta-rule direction is written into the flat buffer (up
+    to 128 rows by the small-batch Dense backward kernel, else a matrix product and a column sum), and
+    each input target is one ``estimate_gap`` launch (the ``|W|`` column sums, the estimate and the gap
+    the next layer down reads; above 16 rows a cuBLAS product ``t·W`` before it).
+
+    Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
+    ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
+    ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
+
+    def __init__(self, trainer: Any, flat: FlatLayout) -> None:
+        dev = trainer.device
+        layers = list(trainer.model.layers)
+        self.t, self.flat = trainer, flat
+        self.n = len(layers)
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.widths = torch.tensor([float(layer.out_features) for layer in layers], **f64)
+        self.seg_layer = flat.layer_of.to(torch.int32)
+        self.trainable = flat.trainable.to(torch.int8)
+        self.weighted = torch.ones(self.n, dtype=torch.int8, device=dev)
+        self.lr = torch.zeros(1, **f64)
+        self._lr_value: float | None = None
+        # each layer's parameters, as views of the flat direction buffer, in parameter order
+        self.views: list[tuple[Tensor, ...]] = []
+        k = 0
+        for layer in layers:
+            count = len(tuple(layer.parameters()))
+            self.views.append(tuple(flat.g_views[k : k + count]))
+            k += count
+        self.out_width = layers[-1].out_features
+        self.in_width = layers[0].in_features
+
+    @classmethod
+    def accepts(cls, trainer: Any) -> bool:
+        """Whether the method's settings allow the fused step (a subclass's own conditions)."""
+        return True
+
+    @classmethod
+    def build(cls, trainer: Any) -> "FusedStep | None":
+        """The fused step for ``trainer`` (the method object: its ``model``, ``_flat``, ``dist``,
+        ``kernel_backend``), or ``None`` where it is not taken."""
+        from ..kernels._triton import use_triton
+        from ..kernels.method_steps import _MAX_ROW, MAX_LAYERS, MAX_SEGMENTS
+
+        flat = getattr(trainer, "_flat", None)
+        layers = list(trainer.model.layers)
+        if flat is None or trainer.dist is not None or not layers or len(layers) > MAX_LAYERS:
+            return None
+        if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
+            return None
+        if not cls.accepts(trainer):
+            return None
+        params = list(trainer.model.parameters())
+        if any(p.dtype != torch.float32 for p in params) or layers[-1].out_features > _MAX_ROW:
+            return None
+        if not use_triton(params[0], getattr(trainer, "kernel_backend", None)):
+            return None
+        return cls(trainer, flat)
+
+    def takes(self, x: Tensor, y: Tensor) -> bool:
+        """Whether this batch fits the fused step (host checks on shapes and dtypes only)."""
+        if x.dim() != 2 or x.shape[1] != self.in_width or x.dtype != torch.float32 or not x.is_contiguous():
+            return False
+        if y.is_floating_point():
+            return y.dtype == torch.float32 and tuple(y.shape) == (x.shape[0], self.out_width)
+        return y.dim() == 1 and y.shape[0] == x.shape[0]
+
+    def _backward_into_flat(self, g: Tensor, saved: list[Any], first_input: bool = False) -> list[Tensor | None]:
+        """Each layer's backward from the output gradient ``g``, its parameter gradients written into the
+        flat direction buffer; returns the gradients at each layer's output ([0]: the input's, None
+        unless ``first_input``)."""
+        layers = self.t.model.layers
+        grads: list[Tensor | None] = [None] * (self.n + 1)
+        grads[self.n] = g
+        for i in range(self.n - 1, -1, -1):
+            views = self.views[i]
+            g, ds = layers[i].backward_saved(g, saved[i], needs_input_grad=first_input or i > 0, out=views)
+            into_views(ds, views)
+            grads[i] = g
+        return grads
+
+    def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
+        """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch)."""
+        from ..kernels.method_steps import stats_into
+
+        return stats_into(pairs)
+
+    def _lr(self) -> Tensor:
+        lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
+        if isinstance(lr, Tensor):
+            self._lr_value = None
+            return self.lr.copy_(lr.reshape(1))
+        if lr != self._lr_value:  # a fixed rate is written once, not by every (captured) step
+            self.lr.fill_(float(lr))
+            self._lr_value = lr
+        return self.lr
+
+    def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:
+        """The momentum update of every layer in one launch, which also does the weight guard's copy and
+        check (three launches fewer) when the guarded tensors are exactly the parameter and velocity
+        buffers; else inside the runner's usual guard."""
+        from ..kernels.layer_update import momentum_update_flat_
+
+        flat = self.flat
+        backend = getattr(self.t, "kernel_backend", None)
+        guard = runner.update_guard
+        backup = guard.backup_views(flat.p, flat.v)
+        if backup is None:
+            with runner.guard_update(slot):
+                momentum_update_flat_(flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend)
+            return
+        flag = guard.device_flag(flat.p.device)
+        flag.zero_()
+        momentum_update_flat_(
+            flat.p, flat.v, flat.g, flat.bounds, a, c, apply, bounds_t=flat.bounds_t, backend=backend, backup=tuple(backup), flag=flag,
+        )
+        guard.restore_flagged_(runner.step_status[slot, 0])
