@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.methods.target_prop import TargetPropConfig, TargetPropTrainer
+from torchloom import TargetPropConfig, TargetPropTrainer
 from torchloom.engine.train import train
 
 

@@ -18,7 +18,7 @@ from sklearn.model_selection import train_test_split
 
 import torchloom
 from torchloom import Dense, Network, TrainingConfig
-from torchloom.methods.tween import TweenConfig, TweenTrainer
+from torchloom import TweenConfig, TweenTrainer
 
 EPOCHS = 16
 BATCH = 16

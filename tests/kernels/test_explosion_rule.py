@@ -10,7 +10,8 @@ import torch
 
 from torchloom.kernels._triton import triton_available
 from torchloom.kernels.explosion_rule import STATE_FIELDS, explosion_rule_, rule_constants
-from torchloom.methods.tween import EXPLOSION_RULE, TweenConfig, _FloatOps, _TensorOps
+from torchloom.methods.explosion import EXPLOSION_RULE, _FloatOps, _TensorOps
+from torchloom.methods.tween import TweenConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference"] + (["triton"] if triton_available() else [])

@@ -229,7 +229,7 @@ def test_fused_pure_target_prop_without_biases_and_with_a_dead_input_unit():
 
 @pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 17), (16, 33, 70), (17, 33, 5), (300, 65, 40)])  # ≤ 16 rows: product in-kernel
 def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
-    from torchloom.methods import target_prop as tp
+    from torchloom.methods import target_prop_rules as tp
 
     ms = _ms()
     assert ms.MIN_CONNECTION == tp._MIN_CONNECTION

@@ -196,7 +196,7 @@ def test_print_gradient_stats_before_backward_and_bad_model():
 
 
 def test_print_gradient_stats_of_a_trainer(capsys):
-    from torchloom.methods.backprop import BackpropTrainer
+    from torchloom import BackpropTrainer
 
     trainer = BackpropTrainer(_net(), TrainingConfig(verbose=0))
     trainer.fit(_batches(), 1)

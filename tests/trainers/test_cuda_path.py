@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import assert_close
 from torchloom import Dense, Network, TrainingConfig, train
 from torchloom.engine.cuda_path import _RECORD_VS_REPLAY, STEPS_PER_GRAPH, CudaRunner, steps_per_graph
-from torchloom.methods.backprop import BackpropTrainer
+from torchloom import BackpropTrainer
 
 
 def _net(dtype=torch.float64, seed=0):

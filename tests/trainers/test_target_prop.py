@@ -20,10 +20,10 @@ from torchloom.layers.lstm import LSTM
 from torchloom.layers.network import Network
 from torchloom.layers.rnn import RNN, LastStep
 from torchloom.engine.types import StepStatus
+from torchloom import TargetPropTrainer
 from torchloom.methods.target_prop import (
     TargetPropConfig,
     TargetPropState,
-    TargetPropTrainer,
     apply_target_prop_gaps,
     target_prop_backward,
     target_prop_forward,

@@ -34,10 +34,10 @@ import torch
 
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
+from torchloom import TargetPropTrainer
 from torchloom.methods.target_prop import (
     TargetPropConfig,
     TargetPropState,
-    TargetPropTrainer,
     apply_target_prop_gaps,
     target_prop_backward,
     target_prop_forward,

@@ -21,7 +21,7 @@ from torchloom.layers.base import Layer
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network, Sequential
 from torchloom.engine.types import StepStatus
-from torchloom.methods.tween import TweenConfig, TweenState, TweenTrainer
+from torchloom import TweenConfig, TweenState, TweenTrainer
 
 D = torch.float64
 EXACT = dict(rtol=1e-12, atol=1e-14)

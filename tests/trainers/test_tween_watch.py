@@ -22,7 +22,7 @@ from helpers import assert_close
 from torchloom import TrainingConfig
 from torchloom.layers.dense import Dense
 from torchloom.layers.network import Network
-from torchloom.methods.tween import TweenConfig, TweenState, TweenTrainer
+from torchloom import TweenConfig, TweenState, TweenTrainer
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 

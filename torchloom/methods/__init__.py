@@ -3,26 +3,27 @@
 | name | module | rule |
 |---|---|---|
 | ``"backprop"`` | ``backprop.py`` | exact gradients through the hand-written backward, any optimizer |
-| ``"target_prop"`` | ``target_prop.py`` | Loom's target propagation: chain-rule or pure (derivative-free) targets, link budgets, gates, depth-scaled momentum |
-| ``"tween"`` | ``tween.py`` | Loom's Neural Tweening: gaps, link budgets, alignments, explosion detection and recovery (``explosion.py``) |
+| ``"target_prop"`` | ``target_prop.py`` (the method), ``target_prop_rules.py`` (settings, state, Loom's functional API) | Loom's target propagation: chain-rule or pure (derivative-free) targets, link budgets, gates, depth-scaled momentum |
+| ``"tween"`` | ``tween.py`` (the method), ``tween_rules.py`` (settings, ``TweenState``), ``explosion.py`` | Loom's Neural Tweening: gaps, link budgets, alignments, explosion detection and recovery |
 
-``_fused.py`` holds what TargetProp's and Tweening's fused device steps share. Importing this package
+``_fused.py`` holds what TargetProp's and Tweening's fused device steps share; ``trainers.py`` the
+per-method trainer classes of earlier releases (the engine given one method each). Importing this package
 registers each rule's name with the engine (``torchloom.register_method``); a rule of your own
 registers the same way, or is given to ``TrainingConfig(method=...)`` as an object.
 """
 
-from .backprop import Backprop, BackpropTrainer, LossScaler
+from .backprop import Backprop, LossScaler
 from .target_prop import (
     TargetProp,
     TargetPropConfig,
     TargetPropState,
-    TargetPropTrainer,
     apply_target_prop_gaps,
     estimate_input_target,
     target_prop_backward,
     target_prop_forward,
 )
-from .tween import Tween, TweenConfig, TweenState, TweenTrainer
+from .trainers import BackpropTrainer, TargetPropTrainer, TweenTrainer
+from .tween import Tween, TweenConfig, TweenState
 
 __all__ = [
     "Backprop", "BackpropTrainer", "LossScaler",

@@ -158,7 +158,7 @@ class FusedStep:
             return y.dtype == torch.float32 and tuple(y.shape) == (x.shape[0], self.out_width)
         return y.dim() == 1 and y.shape[0] == x.shape[0]
 
-    def _backward_into_flat(self, g: Tensor, saved: list[Any], first_input: bool = False) -> list[Tensor | None]:
+    def backward_into_flat(self, g: Tensor, saved: list[Any], first_input: bool = False) -> list[Tensor | None]:
         """Each layer's backward from the output gradient ``g``, its parameter gradients written into the
         flat direction buffer; returns the gradients at each layer's output ([0]: the input's, None
         unless ``first_input``)."""

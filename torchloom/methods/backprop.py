@@ -32,17 +32,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..engine.config import TrainingConfig, check_optimizer_params
+from ..engine.config import check_optimizer_params
 from ..engine.guards import state_tensors
-from ..engine.loop import Trainer
 from ..engine.losses import check_target, kernel_module, loss_and_grad
 from ..engine.method import Method, all_finite, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..kernels._update import coalesce
-from ..layers.network import Network
 from ..optim.optimizers import AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
 
-__all__ = ["Backprop", "BackpropTrainer", "LossScaler"]
+__all__ = ["Backprop", "LossScaler"]
 
 def _global_step_hooks() -> bool:
     """Whether any optimizer step hook is registered globally (``register_optimizer_step_*_hook``)."""
@@ -353,20 +351,6 @@ class Backprop(Method):
             from ..kernels.grad_norm import clip_grad_norm_
 
             clip_grad_norm_(list(grads), self.clip)
-
-
-class BackpropTrainer(Trainer):
-    """The engine's ``Trainer`` with the ``Backprop`` method (what ``train()`` runs by default); kept for
-    code written against the per-method trainer classes. ``trainer.optimizer``, ``trainer.params``
-    and the other attributes of the method are reachable on it.
-
-    Args:
-        model: a ``Network``.
-        config: a ``TrainingConfig``.
-    """
-
-    def __init__(self, model: Network, config: TrainingConfig) -> None:
-        super().__init__(model, config, Backprop())
 
 
 register_method(Backprop)

@@ -121,7 +121,7 @@ class ExplosionRule:
 
     def __call__(
         self, ops: Any, avg_gap: Any, watch: tuple[Any, Any, Any, Any], adaptive_rate: Any, steps: Any, base: Any,
-        config: TweenConfig,
+        config: Any,  # a TweenConfig
     ) -> tuple[Any, Any, tuple[Any, Any, Any, Any], Any, Any]:
         """One step. ``watch = (m, s, λ, p)`` and ``adaptive_rate`` are the values before it (``(0, 0,
         −inf, 0)`` before the first step), ``steps`` the counted steps before it, ``base`` the ceiling

@@ -1,0 +1,512 @@
+"""TargetProp: Loom's target propagation (``poly`` ``tween.go``, formerly ``target_prop.go``).
+
+Target propagation asks what every layer *should* have produced (its **backward target**) instead of
+only how the loss changes with each weight. Every layer then moves its output towards its target,
+with a step that depends on how well output and target agree (the **link budget**).
+
+Functional API, as Loom's (one state object, four calls)::
+
+    state = TargetPropState(model, TargetPropConfig())
+    out = target_prop_forward(model, state, x)        # 1. forward, keep every activation
+    target_prop_backward(model, state, target)         # 2. backward targets (chain rule or pure)
+    state.calculate_link_budgets()                     # 3. link budgets and gaps
+    apply_target_prop_gaps(model, state, lr)           # 4. gated, depth-scaled momentum update
+
+``TargetProp`` is the method (``train(..., TrainingConfig(method="target_prop"))``): its ``step(x, y)``
+does all four; ``TargetPropTrainer(model, cfg)`` is the engine with it (``.step(x, y)``,
+``.fit(batches, epochs)``).
+
+The rules, for a ``Network`` of ``L`` layers, activations ``a_0 = x, a_1 … a_L = y`` and target ``t``:
+
+1. **Chain-rule mode** (``mode="chain_rule"``, Loom's default): ``g_L = t − y`` (the negative
+   gradient of ½Σ(y−t)², no 1/N), carried back through every layer's hand-written backward
+   (``g_i`` = gradient at layer i's input); ``backward_targets[i] = a_i + gradient_scale·g_i``,
+   ``backward_targets[L] = t``; ``weight_gradients[i]`` = layer i's parameter gradients (the negated
+   loss gradient).
+2. **Pure mode** (``mode="pure"``, no derivatives between layers): ``backward_targets[L] = t``; going
+   down, each layer turns the target of its output into a target for its input with a weight-based
+   estimate, for every batch row (Dense, ``W [out, in]``)::
+
+       est[b, j] = Σ_o W[o, j]·t[b, o] / Σ_o |W[o, j]|   if that denominator > 0.01, else 0
+
+   RNN and LSTM apply it with ``weight_ih`` per time step (LSTM: the four gate blocks summed, in the
+   numerator and in the denominator); MultiHeadAttention goes back through ``o_weight`` and then
+   through ``v_weight`` as the query heads see it (each kv head's rows repeated for the query heads of
+   its group). Any other layer passes its **input** through as the target (Loom's fallback: the
+   layers below then see no gap). Update directions: Dense, ``δW = gapᵀ x`` summed over the batch,
+   ``δb = Σ_b gap`` with ``gap = t_{i+1} − a_{i+1}`` (Loom's delta rule, no ``f'``); every other layer
+   with parameters gets the gradient of its **own** local loss ½‖t_{i+1} − a_{i+1}‖² through its
+   hand-written backward (nothing crosses a layer boundary; for a linear Dense both rules coincide).
+   Loom uses ad-hoc Hebbian rules there instead (see the PARITY note below).
+3. **Link budget** of layer i: ``(cos(a_{i+1}, t_{i+1}) + 1) / 2`` in [0, 1], left unchanged when
+   either vector is 0 (initially 0); **gap**: ``sqrt(mean((a_{i+1} − t_{i+1})²))``.
+4. **Update** of layer i: skipped when ``link_budget < gate_threshold`` (weights *and* velocity
+   untouched); otherwise ``rate_i = lr·(0.5 + 0.5·budget_i)·depth_scale_factor^i`` (i counted from
+   the input), ``v = μ·v + (1−μ)·rate_i·weight_gradient``, ``W += v``.
+
+With ``momentum=0``, ``gate_threshold=0``, ``depth_scale_factor=1`` and every budget 1, chain-rule mode
+is exactly SGD with rate ``lr`` on ½Σ(y−t)² (the tests check this against autograd).
+
+Departures from Loom's code (docs/PARITY.md): pure-mode estimates and updates index ``[out, in]``
+weights correctly and use every batch row (Loom reads them as ``[in, out]`` and uses the first
+sample); ``depth_scale_factor`` is applied (Loom never reads it); the gate threshold is a setting
+(Loom hard-codes 0.2); pure-mode updates of RNN/LSTM/MHA are local-loss gradients (Loom: Hebbian rules
+with fixed factors 0.5/0.25/0.1, MHA's applied to the wrong input).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..engine.losses import label_bounds
+from ..layers.attention import MultiHeadAttention
+from ..layers.base import Layer
+from ..layers.dense import Dense
+from ..layers.lstm import LSTM
+from ..layers.network import Network
+from ..layers.rnn import RNN
+
+__all__ = [
+    "MODES",
+    "TargetPropConfig",
+    "TargetPropState",
+    "layer_sums",
+    "target_prop_forward",
+    "target_prop_backward",
+    "apply_target_prop_gaps",
+    "estimate_input_target",
+    "check_target",
+]
+
+MODES = ("chain_rule", "pure")
+
+# Below this total |weight| into an input unit, the pure-mode estimate leaves that unit's target at 0
+# (Loom: "only assign target if enough weight connects this neuron").
+_MIN_CONNECTION = 0.01
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# ================================================================================================
+# Config
+
+
+@dataclass
+class TargetPropConfig:
+    """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).
+
+    ``use_chain_rule`` (Loom's name) and ``mode`` are one switch under two names: give either (neither:
+    chain rule, Loom's default); giving both with different meanings is a ``ValueError``. Afterwards
+    both are set and must stay in agreement (``dataclasses.replace`` passes both: change ``mode`` and
+    ``use_chain_rule`` together, or build a new config)."""
+
+    use_chain_rule: bool | None = None  # Loom's switch: True = chain rule; None = from mode, else True
+    mode: str | None = None  # "chain_rule" | "pure"; None = from use_chain_rule
+    gradient_scale: float = 0.1  # chain rule: backward_targets[i] = a_i + scale·g_i; >= 0
+    depth_scale_factor: float = 1.1  # rate_i ∝ factor^i: "each deeper layer gets 1.1× the base rate"; > 0
+    momentum: float = 0.9  # v = μv + (1−μ)·rate·grad; in [0, 1)
+    learning_rate: float = 0.01  # base rate of the trainer; > 0
+    gate_threshold: float = 0.2  # layers with link budget below this are not updated; in [0, 1]
+
+    def __post_init__(self) -> None:
+        if self.use_chain_rule is not None and not isinstance(self.use_chain_rule, bool):
+            raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
+        if self.mode is not None:
+            mode = self.mode.lower() if isinstance(self.mode, str) else self.mode
+            if mode not in MODES:
+                raise ValueError(f"TargetPropConfig: unknown mode {self.mode!r}; valid: {', '.join(map(repr, MODES))}")
+            if self.use_chain_rule is not None and self.use_chain_rule != (mode == "chain_rule"):
+                raise ValueError(
+                    f"TargetPropConfig: mode={mode!r} contradicts use_chain_rule={self.use_chain_rule!r}; give one of them"
+                )
+            self.mode = mode
+            self.use_chain_rule = mode == "chain_rule"
+        else:
+            self.use_chain_rule = True if self.use_chain_rule is None else self.use_chain_rule
+            self.mode = "chain_rule" if self.use_chain_rule else "pure"
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` unless every field is valid. The TargetProp functions call
+        this before touching any state, so a config changed after construction is checked too."""
+        if not isinstance(self.use_chain_rule, bool):
+            raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"TargetPropConfig: unknown mode {self.mode!r}; valid: {', '.join(map(repr, MODES))}")
+        if (self.mode == "chain_rule") != self.use_chain_rule:
+            raise ValueError(
+                f"TargetPropConfig: mode={self.mode!r} and use_chain_rule={self.use_chain_rule!r} disagree; "
+                "set both or build a new config"
+            )
+        checks = (
+            ("gradient_scale", self.gradient_scale, lambda v: v >= 0, ">= 0"),
+            ("depth_scale_factor", self.depth_scale_factor, lambda v: v > 0, "> 0"),
+            ("momentum", self.momentum, lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("learning_rate", self.learning_rate, lambda v: v > 0, "> 0"),
+            ("gate_threshold", self.gate_threshold, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        )
+        for name, value, ok, allowed in checks:
+            if not _is_number(value) or not ok(value):
+                raise ValueError(f"TargetPropConfig: {name} must be a finite number {allowed}, got {value!r}")
+
+
+# ================================================================================================
+# State
+
+
+class TargetPropState:
+    """Everything TargetProp keeps between its four calls (Loom's ``TweenState``), for a ``Network``
+    of ``L`` layers. Lists indexed like Loom's:
+
+    * ``forward_acts[0..L]``: network input, then every layer's output (``[batch, ...]`` tensors);
+    * ``pre_acts[0..L]``: ``pre_acts[i+1]`` = layer i's pre-activation (``None`` without one; index 0
+      unused);
+    * ``backward_targets[0..L]``: what each activation should have been; ``[L]`` = the target;
+      ``[0]`` (the input's) only from ``target_prop_backward``: a training step skips it (``None``),
+      as no update uses it;
+    * ``gradients[0..L]``: chain rule only: ``gradients[i]`` = ``g_i`` at layer i's input, ``[L] = t − y``
+      (``None`` in pure mode, which takes no derivatives);
+    * ``weight_gradients[0..L-1]``: per layer, a tuple aligned with ``layer.parameters()``: the update
+      direction before the rate (chain rule: negated loss gradient; pure: ``gapᵀx`` or the local one);
+    * ``link_budgets``, ``gaps``: one float per layer (budgets start at 0);
+    * ``velocities[0..L-1]``: per layer, momentum buffers aligned with ``layer.parameters()`` (created
+      at the first update);
+    * ``saved``: each layer's saved forward state for its hand-written backward;
+    * ``skipped_layers``: indices of the layers the gate skipped at the last update; ``steps``: updates
+      applied so far.
+    """
+
+    def __init__(self, model: Network, config: TargetPropConfig | None = None) -> None:
+        if not isinstance(model, Network):
+            raise TypeError(f"TargetPropState: model must be a torchloom Network, got {type(model).__name__}")
+        config = TargetPropConfig() if config is None else config
+        if not isinstance(config, TargetPropConfig):
+            raise TypeError(f"TargetPropState: config must be a TargetPropConfig, got {type(config).__name__}")
+        config.validate()
+        n = len(model.layers)
+        self.config = config
+        self.num_layers = n
+        self.forward_acts: list[Tensor | None] = [None] * (n + 1)
+        self.pre_acts: list[Tensor | None] = [None] * (n + 1)
+        self.backward_targets: list[Tensor | None] = [None] * (n + 1)
+        self.gradients: list[Tensor | None] = [None] * (n + 1)
+        self.weight_gradients: list[tuple[Tensor, ...] | None] = [None] * n
+        self.link_budgets: list[float] = [0.0] * n
+        self.gaps: list[float] = [0.0] * n
+        self.velocities: list[tuple[Tensor, ...] | None] = [None] * n
+        self.saved: list[Any] = [None] * n
+        self.skipped_layers: list[int] = []
+        self.steps = 0
+
+    @torch.no_grad()
+    def calculate_link_budgets(self, reduce: Callable[[Tensor], None] | None = None) -> None:
+        """Link budget ``(cos(f, b) + 1)/2`` and gap ``sqrt(mean((f − b)²))`` of every layer, between its
+        output ``f = forward_acts[i+1]`` and target ``b = backward_targets[i+1]`` over the whole batch
+        (sums in float64, as Loom). A budget stays as it was when ``f`` or ``b`` is all zeros; layers
+        without a target are left alone. One host sync for all layers. ``reduce`` (data-parallel
+        training): sums, in place, the per-layer sums ``[layers, 5]`` (``dot(f, b)``, ``|f|²``,
+        ``|b|²``, ``Σ(f − b)²``, element count) over the ranks before budgets and gaps are formed."""
+        if reduce is not None:
+            index = [i for i in range(self.num_layers) if self.forward_acts[i + 1] is not None and self.backward_targets[i + 1] is not None]
+            if not index:
+                return
+            sums = torch.stack([layer_sums(self.forward_acts[i + 1], self.backward_targets[i + 1]) for i in index])
+            reduce(sums)
+            for i, (dot, f_mag, b_mag, sq, count) in zip(index, sums.tolist()):
+                if f_mag > 0 and b_mag > 0:
+                    cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
+                    self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
+                self.gaps[i] = math.sqrt(sq / max(count, 1.0))
+            return
+        rows, index = [], []
+        for i in range(self.num_layers):
+            f, b = self.forward_acts[i + 1], self.backward_targets[i + 1]
+            if f is None or b is None:
+                continue
+            f64, b64 = f.detach().double().reshape(-1), b.detach().double().reshape(-1)
+            diff = f64 - b64
+            rows.append(torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff / max(f64.numel(), 1)]))
+            index.append(i)
+        if not rows:
+            return
+        for i, (dot, f_mag, b_mag, mean_sq) in zip(index, torch.stack(rows).tolist()):
+            if f_mag > 0 and b_mag > 0:
+                cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
+                self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
+            self.gaps[i] = math.sqrt(mean_sq)
+
+
+def layer_sums(f: Tensor, b: Tensor) -> Tensor:
+    """``[dot(f, b), |f|², |b|², Σ(f − b)², count]`` of two tensors of one shape, in float64 (no host
+    read): the per-layer sums TargetProp's link budget and gap are formed from."""
+    f64, b64 = f.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    diff = f64 - b64
+    count = torch.full((), float(f64.numel()), dtype=torch.float64, device=f64.device)
+    return torch.stack([f64 @ b64, f64 @ f64, b64 @ b64, diff @ diff, count])
+
+
+def _check_model_state(model: Any, state: Any, fn: str) -> None:
+    if not isinstance(model, Network):
+        raise TypeError(f"{fn}: model must be a torchloom Network, got {type(model).__name__}")
+    if not isinstance(state, TargetPropState):
+        raise TypeError(f"{fn}: state must be a TargetPropState, got {type(state).__name__}")
+    if len(model.layers) != state.num_layers:
+        raise ValueError(f"{fn}: state was built for {state.num_layers} layers, the model has {len(model.layers)}")
+    state.config.validate()
+
+
+# ================================================================================================
+# 1. Forward
+
+
+@torch.no_grad()
+def target_prop_forward(model: Network, state: TargetPropState, x: Tensor) -> Tensor:
+    """Run ``x [batch, ...]`` through the layers' explicit forward (no autograd graph) and keep every
+    activation, pre-activation and saved backward state in ``state``. Returns the output. Targets,
+    gradients and update directions of an earlier step are cleared."""
+    _check_model_state(model, state, "target_prop_forward")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"target_prop_forward: x must be a torch.Tensor, got {type(x).__name__}")
+    out = model.forward_record(x)  # validates shapes layer by layer before state is touched
+    history = model.history
+    n = state.num_layers
+    state.forward_acts = [x] + [r.output for r in history]
+    state.pre_acts = [None] + [r.pre for r in history]
+    state.saved = [r.saved for r in history]
+    state.backward_targets = [None] * (n + 1)
+    state.gradients = [None] * (n + 1)
+    state.weight_gradients = [None] * n
+    return out
+
+
+# ================================================================================================
+# 2. Backward targets
+
+
+def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target") -> None:
+    """Raise unless ``target`` fits an output of ``output_shape``: a float tensor of that shape, or
+    integer class labels of shape ``output_shape[:-1]`` with values in ``[0, C)``, ``C = output_shape[-1]``
+    (the range check reads the labels: one device sync)."""
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{fn}: target must be a torch.Tensor, got {type(target).__name__}")
+    out_shape = tuple(output_shape)
+    if target.dtype in _INT_DTYPES:
+        if tuple(target.shape) != out_shape[:-1]:
+            raise ValueError(
+                f"{fn}: class labels must have shape {list(out_shape[:-1])} for an output of shape "
+                f"{list(out_shape)}, got {list(target.shape)}"
+            )
+        if target.numel():
+            lo, hi = label_bounds(target)
+            if lo < 0 or hi >= out_shape[-1]:
+                raise ValueError(f"{fn}: class labels must lie in [0, {out_shape[-1]}), got values in [{lo}, {hi}]")
+        return
+    if not target.is_floating_point():
+        raise TypeError(f"{fn}: target must be a floating tensor or integer class labels, got dtype {target.dtype}")
+    if tuple(target.shape) != out_shape:
+        raise ValueError(f"{fn}: target must have the output's shape {list(out_shape)}, got {list(target.shape)}")
+
+
+def _mse_to_target(output: Tensor, target: Tensor) -> Tensor:
+    """TargetProp's reported loss: ``mean((output − t)²)`` with ``t`` the target (labels one-hot)."""
+    return ((output - _as_float_target(output, target)) ** 2).mean()
+
+
+def _as_float_target(output: Tensor, target: Tensor) -> Tensor:
+    """A checked target as a float tensor like ``output``: labels one-hot over the last dimension."""
+    if target.dtype in _INT_DTYPES:
+        labels = target.to(output.device, torch.long)
+        # scatter, not F.one_hot: one_hot checks the label range on the host (a sync on CUDA)
+        hot = torch.zeros(*labels.shape, output.shape[-1], dtype=output.dtype, device=output.device)
+        return hot.scatter_(-1, labels.unsqueeze(-1), 1.0)
+    return target.to(output.device, output.dtype)
+
+
+@torch.no_grad()
+def target_prop_backward(model: Network, state: TargetPropState, target: Tensor) -> None:
+    """Fill ``backward_targets``, ``gradients`` (chain rule) and ``weight_gradients`` from the output's
+    ``target`` (float, the output's shape, or integer class labels ``[batch]`` one-hot encoded).
+
+    Chain rule: ``g_L = t − y`` through every layer's hand-written backward,
+    ``backward_targets[i] = a_i + gradient_scale·g_i``. Pure: weight-based estimates layer by layer
+    (``estimate_input_target``), update directions from each layer's gap. Validates everything first:
+    on bad input nothing in ``state`` changes."""
+    _check_model_state(model, state, "target_prop_backward")
+    n = state.num_layers
+    if any(a is None for a in state.forward_acts):
+        raise RuntimeError("target_prop_backward: run target_prop_forward(model, state, x) first")
+    acts = state.forward_acts
+    check_target(tuple(acts[n].shape), target, "target_prop_backward")
+    _fill_backward(model, state, _as_float_target(acts[n], target))
+
+
+def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input_target: bool = True) -> None:
+    """``target_prop_backward``'s body for a checked float ``target``: no host read (the device step
+    calls it too). ``input_target=False`` (the trainers' steps) skips ``backward_targets[0]``, the
+    input's target, which no update uses: at a wide input it is the step's largest matrix product."""
+    n = state.num_layers
+    acts = state.forward_acts
+    targets: list[Tensor | None] = [None] * (n + 1)
+    grads: list[Tensor | None] = [None] * (n + 1)
+    weight_grads: list[tuple[Tensor, ...] | None] = [None] * n
+    targets[n] = target
+    if state.config.use_chain_rule:
+        g = target - acts[n]
+        grads[n] = g
+        scale = state.config.gradient_scale
+        for i in range(n - 1, -1, -1):
+            g, weight_grads[i] = model.layers[i].backward_saved(g, state.saved[i], needs_input_grad=input_target or i > 0)
+            if g is None:  # e.g. an embedding's integer input: no signal goes further down
+                break
+            grads[i] = g
+            targets[i] = acts[i] + scale * g
+    else:
+        for i in range(n - 1, -1, -1):
+            layer, t_out = model.layers[i], targets[i + 1]
+            weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
+            if input_target or i > 0:
+                targets[i] = estimate_input_target(layer, t_out, acts[i])
+    state.backward_targets, state.gradients, state.weight_gradients = targets, grads, weight_grads
+
+
+# ---- pure mode: weight-based estimates --------------------------------------------------------
+
+
+def _weighted_estimate(target: Tensor, weight: Tensor, abs_weight_sum: Tensor) -> Tensor:
+    """``est[..., j] = Σ_o weight[o, j]·target[..., o] / abs_weight_sum[j]`` where that sum > 0.01, else 0.
+
+    ``target [..., out]``, ``weight [out, in]``, ``abs_weight_sum [in]`` → ``[..., in]``."""
+    num = torch.matmul(target, weight)
+    connected = abs_weight_sum > _MIN_CONNECTION
+    return torch.where(connected, num / torch.where(connected, abs_weight_sum, 1.0), 0.0)
+
+
+def _dense_estimate(layer: Dense, target: Tensor) -> Tensor:
+    w = layer.weight  # [out, in]
+    return _weighted_estimate(target, w, w.abs().sum(0))
+
+
+def _rnn_estimate(layer: RNN, target: Tensor) -> Tensor:
+    w = layer.weight_ih  # [H, I]; target [B, T, H] → [B, T, I], each time step on its own
+    return _weighted_estimate(target, w, w.abs().sum(0))
+
+
+def _lstm_estimate(layer: LSTM, target: Tensor) -> Tensor:
+    # weight_ih [4H, I]: each gate's block maps the input to H units; all four are read against the
+    # same hidden target, so numerator and denominator sum over gates and units.
+    w = layer.weight_ih.view(4, layer.hidden_size, layer.input_size)
+    return _weighted_estimate(target, w.sum(0), w.abs().sum((0, 1)))
+
+
+def _mha_estimate(layer: MultiHeadAttention, target: Tensor) -> Tensor:
+    # Back through the output projection to the attention context [B, S, d], then through the value
+    # projection as the query heads see it: kv head k serves query heads k·g … k·g+g−1, so its rows
+    # are repeated g times (the effective [d, d] map from the input to the context).
+    o_w = layer.o_weight  # [d, d]
+    context = _weighted_estimate(target, o_w, o_w.abs().sum(0))
+    v_w = layer.v_weight  # [kv_dim, d]
+    group = layer.num_heads // layer.num_kv_heads
+    if group > 1:
+        head_dim = v_w.shape[0] // layer.num_kv_heads
+        v_w = v_w.view(layer.num_kv_heads, head_dim, -1).repeat_interleave(group, dim=0).reshape(-1, v_w.shape[1])
+    return _weighted_estimate(context, v_w, v_w.abs().sum(0))
+
+
+_ESTIMATORS: dict[type, Callable[[Any, Tensor], Tensor]] = {
+    Dense: _dense_estimate,
+    RNN: _rnn_estimate,
+    LSTM: _lstm_estimate,
+    MultiHeadAttention: _mha_estimate,
+}
+
+
+@torch.no_grad()
+def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor) -> Tensor:
+    """Pure-mode target for ``layer``'s input from the ``target`` of its output, batch-aware.
+
+    Dense / RNN / LSTM / MultiHeadAttention: the weight-based estimate (module docstring); any other
+    layer: ``layer_input`` itself (Loom's fallback)."""
+    for cls in type(layer).__mro__:  # subclasses of Dense & co. inherit their estimate
+        if cls in _ESTIMATORS:
+            return _ESTIMATORS[cls](layer, target).to(layer_input.dtype)
+    return layer_input
+
+
+def _pure_direction(layer: Layer, x: Tensor, out: Tensor, target: Tensor, saved: Any) -> tuple[Tensor, ...]:
+    """Pure-mode update direction of one layer (before the rate), aligned with ``layer.parameters()``.
+
+    Dense: ``gapᵀ x`` summed over every leading dimension, bias ``Σ gap`` (``gap = target − out``, no
+    ``f'``: Loom's delta rule). Other layers with parameters: their hand-written backward fed with the
+    gap, i.e. the negated gradient of the local loss ½‖target − out‖². No parameters: ``()``."""
+    if not any(True for _ in layer.parameters()):
+        return ()
+    gap = target - out
+    if isinstance(layer, Dense):
+        g2 = gap.reshape(-1, layer.out_features)
+        delta_w = torch.mm(g2.t(), x.reshape(-1, layer.in_features))
+        return (delta_w,) if layer.bias is None else (delta_w, g2.sum(0))
+    _, directions = layer.backward_saved(gap, saved, needs_input_grad=False)
+    return tuple(directions)
+
+
+# ================================================================================================
+# 4. Update
+
+
+@torch.no_grad()
+def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | None = None) -> list[int]:
+    """Update every layer from ``state.weight_gradients`` (after ``target_prop_backward`` and
+    ``state.calculate_link_budgets()``); ``lr`` defaults to ``state.config.learning_rate``.
+
+    Layer i is skipped when ``link_budgets[i] < gate_threshold``; otherwise
+    ``rate_i = lr·(0.5 + 0.5·budget_i)·depth_scale_factor^i``, ``v = μv + (1−μ)·rate_i·direction``,
+    ``p += v`` for each parameter (a parameter with ``requires_grad=False`` is left alone). Returns the indices of the layers with parameters the gate skipped
+    (also kept in ``state.skipped_layers``)."""
+    _check_model_state(model, state, "apply_target_prop_gaps")
+    cfg = state.config
+    lr = cfg.learning_rate if lr is None else lr
+    if not _is_number(lr) or lr <= 0:
+        raise ValueError(f"apply_target_prop_gaps: lr must be a finite number > 0, got {lr!r}")
+    layer_params = [tuple(layer.parameters()) for layer in model.layers]
+    for i, params in enumerate(layer_params):
+        direction = state.weight_gradients[i]
+        if params and direction is not None and len(direction) != len(params):
+            raise ValueError(
+                f"apply_target_prop_gaps: layer {i} has {len(params)} parameters but "
+                f"{len(direction)} update directions; run target_prop_backward again"
+            )
+    if all(d is None for p, d in zip(layer_params, state.weight_gradients) if p):
+        raise RuntimeError("apply_target_prop_gaps: no update directions; run target_prop_backward first")
+
+    mu = cfg.momentum
+    skipped = []
+    for i, params in enumerate(layer_params):
+        direction = state.weight_gradients[i]
+        if not params or direction is None:
+            continue
+        budget = state.link_budgets[i]
+        if budget < cfg.gate_threshold:  # mesh-fidelity gate: leave the layer exactly as it is
+            skipped.append(i)
+            continue
+        rate = lr * (0.5 + 0.5 * budget) * cfg.depth_scale_factor**i
+        velocity = state.velocities[i]
+        if velocity is None or any(v.shape != p.shape or v.device != p.device for v, p in zip(velocity, params)):
+            velocity = tuple(torch.zeros_like(p) for p in params)
+            state.velocities[i] = velocity
+        for p, v, d in zip(params, velocity, direction):
+            if not p.requires_grad:  # frozen parameter: never updated
+                continue
+            v.mul_(mu).add_(d, alpha=(1.0 - mu) * rate)
+            p.add_(v)
+    state.skipped_layers = skipped
+    state.steps += 1
+    return skipped
