@@ -364,6 +364,7 @@ class Trainer(WarmStart):
         state: dict[str, Any] = {"model": self.model.state_dict()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        state["rates"] = [float(g["lr"]) for g in self.rate_groups()]  # what the schedule had set
         state.update(self.method.state_dict())
         return state
 
@@ -372,6 +373,8 @@ class Trainer(WarmStart):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.method.load_state_dict(state)
+        for group, lr in zip(self.rate_groups(), state.get("rates", ())):  # a schedule sets it again only at its next step
+            group["lr"] = lr
 
     def fit(self, batches: Any, epochs: int, *, track_perf: bool = False) -> TrainingResult:
         """Run the epochs over ``batches`` and return a ``TrainingResult``.

@@ -291,7 +291,8 @@ def _key(name: str) -> str:
 
 def register_method(cls: type[Method], *aliases: str) -> type[Method]:
     """Make ``TrainingConfig(method=cls.name)`` (or an alias) build ``cls``; returns ``cls`` (usable as a
-    class decorator). Raises ``ValueError`` for a name taken by another class."""
+    class decorator). Raises ``ValueError`` for a name taken by another class (the same class defined
+    again, by module and qualified name, replaces its earlier definition)."""
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise TypeError(f"register_method: expected a subclass of torchloom.Method, got {cls!r}")
     if not isinstance(cls.name, str) or not cls.name:
@@ -299,8 +300,12 @@ def register_method(cls: type[Method], *aliases: str) -> type[Method]:
     for name in (cls.name, *aliases):
         key = _key(name)
         taken = _REGISTRY.get(_ALIASES.get(key, key))
-        if taken is not None and taken is not cls:
-            raise ValueError(f"register_method: the name {name!r} is taken by {taken.__name__}")
+        # the same class defined again (a re-run notebook cell, a reloaded module) takes its name back
+        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(
+                f"register_method: the name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
+                "choose another name for " + f"{cls.__module__}.{cls.__qualname__}"
+            )
     _REGISTRY[_key(cls.name)] = cls
     for alias in aliases:
         _ALIASES[_key(alias)] = _key(cls.name)

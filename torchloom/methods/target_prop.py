@@ -115,7 +115,6 @@ class TargetProp(Method):
             "link_budgets": list(st.link_budgets),
             "gaps": list(st.gaps),
             "steps": st.steps,
-            "lr": float(self.rates.lr),
         }
         return state
 
@@ -123,7 +122,8 @@ class TargetProp(Method):
         saved, st = state["target_prop"], self.state
         st.velocities = [None if vs is None else tuple(v.clone() for v in vs) for vs in saved["velocities"]]
         st.link_budgets, st.gaps, st.steps = list(saved["link_budgets"]), list(saved["gaps"]), int(saved["steps"])
-        self.rates.param_groups[0]["lr"] = saved["lr"]
+        if "lr" in saved:  # a checkpoint of an earlier release (the engine keeps every rate now)
+            self.rates.param_groups[0]["lr"] = saved["lr"]
 
     def eval_loss_type(self) -> Any:
         """``val_loss`` is the training loss's MSE ``mean((y − t)²)``, labels one-hot encoded."""

@@ -96,7 +96,6 @@ class Tween(Method):
             "weight_velocity": [list(v) for v in st.weight_velocity],
             "bias_velocity": [list(v) for v in st.bias_velocity],
             "scalars": {k: getattr(st, k) for k in _TWEEN_SCALARS if hasattr(st, k)},
-            "lr": float(self.rates.lr),
         }
         return state
 
@@ -106,7 +105,8 @@ class Tween(Method):
         st.bias_velocity = [tuple(t.clone() for t in v) for v in saved["bias_velocity"]]
         for k, v in saved["scalars"].items():
             setattr(st, k, v)
-        self.rates.param_groups[0]["lr"] = saved["lr"]
+        if "lr" in saved:  # a checkpoint of an earlier release (the engine keeps every rate now)
+            self.rates.param_groups[0]["lr"] = saved["lr"]
 
     def convert_batch(self, x: Any, y: Any, index: int) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device/dtype and validate it (labels range, target shape)."""
