@@ -223,3 +223,104 @@ def test_conv_inside_parallel_is_refused_clearly():
     net = Network(Parallel([Conv1D(1, 1, 2, bias=False), Conv1D(1, 1, 2, bias=False)], "add"))
     with pytest.raises(ValueError, match="inside a Parallel branch is not supported"):
         to_loom_json(net, example_input=(1, 1, 4))
+
+
+# ------------------------------------- every field that changes the computation is honoured (issue 10)
+# (refusals: tests/reliability/test_loom_json_hostile.py; the same networks against real Loom:
+# tests/interop/test_loom_layers.py)
+def _grid(*layers):
+    return {"depth": 1, "rows": 1, "cols": len(layers), "layers_per_cell": 1,
+            "layers": [dict(layer, x=i) for i, layer in enumerate(layers)]}
+
+
+def _d(i, o, act="tanh"):
+    return {"type": "dense", "input_height": i, "output_height": o, "activation": act}
+
+
+@pytest.mark.parametrize("loom_name,ours", [("Sigmoid", "sigmoid"), ("Tanh", "tanh"), ("LeakyReLU", "leaky_relu"), ("", "linear")])
+def test_embedding_activation_is_applied(loom_name, ours):
+    w = np.arange(20, dtype=np.float32).reshape(5, 4) / 10 - 1
+    net = from_loom_json(_one({"type": "embedding", "vocab_size": 5, "embedding_dim": 4, "activation": loom_name,
+                               "weights": _b64(w)}))
+    assert net[0].activation.name == ours
+    idx = torch.tensor([[0, 4, 2]])
+    want = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "linear": lambda t: t,
+            "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, 0.01)}[ours](torch.from_numpy(w)[idx])
+    torch.testing.assert_close(net(idx), want, rtol=0, atol=0)
+    assert to_loom_json(net)["layers"][0]["activation"] == {"linear": "Linear", "leaky_relu": "LeakyReLU"}.get(ours, loom_name)
+
+
+def _group_softmax(x, cols, t):
+    """Independent reference: numpy softmax of ``x / t`` over consecutive groups of ``cols`` per sample."""
+    v = x.detach().numpy().reshape(x.shape[0], -1, cols) / t
+    e = np.exp(v - v.max(-1, keepdims=True))
+    return torch.from_numpy((e / e.sum(-1, keepdims=True)).reshape(x.shape))
+
+
+@pytest.mark.parametrize("cols,kind", [(10, "Softmax"), (5, "LoomGridSoftmax"), (2, "LoomGridSoftmax")])
+def test_grid_softmax_normalises_groups_of_softmax_cols(cols, kind):
+    net = from_loom_json(_grid(_d(6, 10), {"type": "softmax", "softmax_type": "Grid", "softmax_rows": 30 // cols,
+                                            "softmax_cols": cols, "temperature": 0.5}), dtype=torch.float64)
+    assert type(net[1]).__name__ == kind
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    y = net(x)
+    h = net[0](x)
+    torch.testing.assert_close(y, _group_softmax(h, cols, 0.5), rtol=1e-12, atol=1e-15)
+    ref = torch.softmax(h.reshape(3, -1, cols) / 0.5, -1).reshape(3, 10)  # autograd reference for the gradient
+    g = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(ref, x, g)[0], rtol=1e-12, atol=1e-15)
+    assert torch.autograd.gradcheck(net[1], (h.detach().requires_grad_(),))
+
+
+def test_loom_grid_softmax_export_writes_the_rows_of_the_example():
+    from torchloom.interop import LoomGridSoftmax
+
+    net = Network(Dense(6, 10, bias=False), LoomGridSoftmax(5, 0.5))
+    sm = to_loom_json(net, example_input=(3, 6))["layers"][1]
+    assert (sm["softmax_type"], sm["softmax_rows"], sm["softmax_cols"], sm["temperature"]) == ("Grid", 6, 5, 0.5)
+    x = torch.randn(3, 6)
+    again = from_loom_json(to_loom_json(net, example_input=x))
+    torch.testing.assert_close(again(x), net(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^to_loom_json: layer 1 \(LoomGridSoftmax\): LoomGridSoftmax: Loom fixes the number of rows"):
+        to_loom_json(net)
+    with pytest.raises(ValueError, match=r"each sample must hold a multiple of 4 values"):
+        LoomGridSoftmax(4)(torch.randn(2, 6))
+
+
+def test_residual_after_a_size_change_is_the_identity_loom_computes():
+    """Loom adds a Sequential's skip only when it has the output's length; otherwise it passes the
+    input through (and torchloom's Residual would fail or broadcast)."""
+    w = np.full((4, 6), 0.1, np.float32)
+    net = from_loom_json(_one({"type": "sequential", "sequential_layers": [dict(_d(6, 4), weights=_b64(w)), {"type": "residual"}]}))
+    assert [type(m).__name__ for m in net[0]] == ["Dense"]
+    x = torch.randn(2, 6)
+    torch.testing.assert_close(net(x), torch.tanh(x @ torch.from_numpy(w).T))
+
+
+def test_loom_flat_reads_are_explicit():
+    """An Embedding's ``[B, T, E]`` before a Dense of T·E inputs, a norm over a whole RNN sample and
+    Parallel branches with structured outputs are flattened, as Loom reads its flat buffers."""
+    emb = {"type": "embedding", "vocab_size": 5, "embedding_dim": 4}
+    net = from_loom_json(_grid(emb, _d(12, 3)))
+    assert [type(m).__name__ for m in net] == ["Embedding", "Flatten", "Dense"]
+    idx = torch.randint(0, 5, (2, 3))
+    torch.testing.assert_close(net(idx), torch.tanh(net[0](idx).reshape(2, 12) @ net[2].weight.T))
+    with pytest.raises(ValueError, match=r"Dense\(12→3\): input must have shape \[batch, \.\.\., 12\], got \[2, 8\]"):
+        net(torch.randint(0, 5, (2, 2)))  # 2 tokens: 8 values, not the 12 the file declares
+    norm = from_loom_json(_grid({"type": "rnn", "input_height": 4, "output_height": 5, "seq_length": 3},
+                                {"type": "layernorm", "input_height": 15, "output_height": 15}))
+    assert [type(m).__name__ for m in norm] == ["RNN", "Flatten", "LayerNorm"]
+    par = from_loom_json(_one({"type": "parallel", "parallel_branches": [emb, dict(emb, embedding_dim=3)]}))
+    assert [[type(m).__name__ for m in b] for b in par[0].branches] == [["Embedding", "Flatten"], ["Embedding", "Flatten"]]
+    assert par(idx).shape == (2, 21)
+
+
+def test_dense_on_a_structured_input_is_not_exported():
+    net = Network(Embedding(5, 4), Dense(4, 3, bias=False))
+    with pytest.raises(ValueError) as info:
+        to_loom_json(net, example_input=(2, 3))
+    assert str(info.value) == (
+        "to_loom_json: layer 1 (Dense): Dense on an input of shape [2, 3, 4]: Loom's Dense reads each sample as one row "
+        "of input_height values (it would take the first 2×4 values of the batch), not every position; flatten first "
+        "(Flatten) or use a layer Loom applies per position (SwiGLU)"
+    )

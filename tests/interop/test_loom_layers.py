@@ -21,7 +21,7 @@ from torchloom import (
     Flatten, LayerNorm, MultiHeadAttention, Network, Parallel, Residual, RMSNorm, Sequential, Softmax, SwiGLU,
     TrainingConfig, train,
 )
-from torchloom.interop import from_loom_json, to_loom_json
+from torchloom.interop import LoomGridSoftmax, from_loom_json, to_loom_json
 
 pytestmark = [
     pytest.mark.loom,
@@ -91,7 +91,25 @@ LOOM_NETS = {
     "Dense->ConvTransposed2D": ([_dense(6, 8), {"type": "convtransposed2d", "input_channels": 2, "filters": 1,
                                                 "kernel_size": 2, "stride": 2, "input_height": 2, "input_width": 2,
                                                 "output_height": 4, "output_width": 4}], (2, 6)),
+    # every field that changes what Loom computes is honoured (the rest is refused: test_interop.py)
+    **{f"Embedding-{a}": ([{"type": "embedding", "vocab_size": 5, "embedding_dim": 4, "activation": a}], (2, 3))
+       for a in ("sigmoid", "tanh", "relu", "silu", "gelu", "leakyrelu")},
+    "Softmax-Grid-cols<last": ([_dense(6, 10), {"type": "softmax", "softmax_type": 1, "softmax_rows": 4, "softmax_cols": 5,
+                                                "temperature": 0.7}], (2, 6)),
+    "Embedding->Softmax-Grid-cols>last": ([{"type": "embedding", "vocab_size": 5, "embedding_dim": 4},
+                                           {"type": "softmax", "softmax_type": 1, "softmax_rows": 4, "softmax_cols": 6}], (2, 3)),
+    "Embedding->Dense": ([{"type": "embedding", "vocab_size": 5, "embedding_dim": 4, "activation": "tanh"}, _dense(12, 3)], (2, 3)),
+    "Parallel-Embedding-concat": ([{"type": "parallel", "combine_mode": "concat", "parallel_branches": [
+        {"type": "embedding", "vocab_size": 5, "embedding_dim": 4}, {"type": "embedding", "vocab_size": 5, "embedding_dim": 3}]},
+        _dense(21, 2)], (2, 3)),
+    "Dense->Parallel-RNN-concat": ([_dense(6, 12), {"type": "parallel", "combine_mode": "concat", "parallel_branches": [
+        {"type": "rnn", "input_height": 4, "output_height": 5, "seq_length": 3},
+        {"type": "lstm", "input_height": 4, "output_height": 2, "seq_length": 3}]}], (2, 6)),
+    "Sequential+Residual-size-change": ([{"type": "sequential", "sequential_layers": [_dense(6, 4), {"type": "residual"}]}], (3, 6)),
+    "RNN->LayerNorm-whole-sample": ([{"type": "rnn", "input_height": 4, "output_height": 5, "seq_length": 3},
+                                     {"type": "layernorm", "input_height": 15, "output_height": 15}], (2, 3, 4)),
 }
+TOKENS = {name for name in LOOM_NETS if "Embedding" in name}
 DTYPES = ["float32", "float64", "float16", "bfloat16", "fp8e4m3", "fp8e5m2", "int64", "int32", "int16", "int8",
           "uint64", "uint32", "uint16", "uint8", "int4", "uint4", "fp4", "int2", "uint2", "ternary", "binary"]
 
@@ -117,7 +135,7 @@ def _informative(draw, threshold, tries=6):
 @pytest.mark.parametrize("name", list(LOOM_NETS))
 def test_network_saved_by_loom_computes_what_loom_computes(name):
     layers, shape = LOOM_NETS[name]
-    tokens = name == "Embedding"
+    tokens = name in TOKENS
     x = _input(shape, tokens)
 
     def draw():
@@ -181,6 +199,8 @@ TORCHLOOM_NETS = {
     "RMSNorm": (lambda: _b(RMSNorm(6)), (3, 6)),
     "LayerNorm": (lambda: _b(LayerNorm(6)), (3, 6)),
     "Embedding": (lambda: _b(Embedding(5, 4)), (2, 3)),
+    "Embedding-sigmoid": (lambda: _b(Embedding(5, 4, activation="sigmoid")), (2, 3)),
+    "LoomGridSoftmax": (lambda: _b(Dense(6, 10, bias=False), LoomGridSoftmax(5, 0.5)), (3, 6)),
     "Softmax": (lambda: _b(Dense(6, 5, bias=False), Softmax(temperature=2.5)), (3, 6)),
     "Softmax-3D": (lambda: _b(Embedding(5, 4), Softmax()), (2, 3)),
     **{f"Parallel-{m}": (lambda m=m: _b(Parallel([Dense(6, 4, "relu", bias=False), Dense(6, 4, "silu", bias=False)], combine=m)), (3, 6))

@@ -12,6 +12,10 @@ from torchloom.layers.embedding import Embedding, EmbeddingFunction, embedding
 from torchloom.layers.network import Network
 
 
+ACTS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu, "silu": nn.functional.silu,
+        "gelu": nn.functional.gelu, "leaky_relu": lambda t: nn.functional.leaky_relu(t, 0.01)}
+
+
 def _copy_to_torch(layer: Embedding) -> nn.Embedding:
     ref = nn.Embedding(layer.num_embeddings, layer.embedding_dim, dtype=layer.weight.dtype)
     with torch.no_grad():
@@ -135,6 +139,7 @@ def test_bad_input(x, err, pattern):
         ((5, -1), {}, "embedding_dim must be a positive int, got -1"),
         ((5, 4), {"init": "he_normal"}, "init must be one of"),
         ((5, 4), {"check_indices": "no"}, "check_indices must be a bool"),
+        ((5, 4), {"activation": "softplus"}, "unknown activation 'softplus'"),
     ],
 )
 def test_bad_constructor_args(args, kwargs, pattern):
@@ -148,3 +153,34 @@ def test_init_and_repr():
     assert abs(layer.weight.std().item() - 1.0) < 0.03 and abs(layer.weight.mean().item()) < 0.03
     assert Embedding(200, 50, init="loom_uniform").weight.abs().max() <= 0.1
     assert repr(layer) == "Embedding(num_embeddings=200, embedding_dim=50)"
+
+
+# ------------------------------------------------------------------------------ activation
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_activation_forward_and_every_gradient_against_autograd(act):
+    """``f(W[x])`` with the derivative taken at the looked-up rows: both paths (module autograd,
+    ``forward_saved``/``backward_saved``) against ``f(nn.Embedding)`` through torch autograd in
+    float64, and gradcheck."""
+    layer = Embedding(6, 4, activation=act, dtype=torch.float64)
+    ref = _copy_to_torch(layer)
+    idx = torch.tensor([[0, 3, 3, 5], [5, 5, 1, 0]])  # repeats: the scatter must add
+    out_ref = ACTS[act](ref(idx))
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    y = layer(idx)
+    assert_close(y, out_ref, name="output", rtol=1e-12, atol=1e-12)
+    (gw,) = torch.autograd.grad(y, layer.weight, g)
+    assert_close(gw, ref.weight.grad, name="grad weight (autograd path)", rtol=1e-12, atol=1e-12)
+    y2, saved = layer.forward_saved(idx)
+    assert_close(layer.pre_activation(saved), ref(idx), name="pre-activation", rtol=0, atol=0)
+    _, (gw2,) = layer.backward_saved(g, saved)
+    assert_close(gw2, ref.weight.grad, name="grad weight (backward_saved)", rtol=1e-12, atol=1e-12)
+    w = layer.weight.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda w: embedding(idx, w, act), (w,))
+
+
+def test_linear_activation_keeps_nothing_more():
+    layer = Embedding(5, 3)
+    _, saved = layer.forward_saved(torch.tensor([[1, 2]]))
+    assert saved.pre is None and saved.activation is None and layer.pre_activation(saved) is None
+    assert repr(Embedding(5, 3, activation="tanh")) == "Embedding(num_embeddings=5, embedding_dim=3, activation=tanh)"

@@ -127,3 +127,73 @@ def test_autocast_accepts_mixed_dtypes_that_are_errors_outside():
         assert layer(x).dtype == bf16
     with pytest.raises(TypeError, match="torch.bfloat16"):
         layer(x)
+
+
+# ------------------------------------------------ plain in-place modules inside a Network (issue 11)
+class _AddsInPlace(torch.nn.Module):
+    """Writes into its input without saying so (no ``inplace`` attribute)."""
+
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def _inplace_nets():
+    torch.manual_seed(0)
+    nn = torch.nn
+    return {
+        "ReLU(inplace) after a sigmoid Dense": Network(Dense(3, 4, "sigmoid", dtype=f64), nn.ReLU(inplace=True), Dense(4, 2, dtype=f64)),
+        "ReLU(inplace) after Softmax (saves its output)": Network(Dense(3, 4, dtype=f64), Softmax(), nn.ReLU(inplace=True), Dense(4, 2, dtype=f64)),
+        "first layer LeakyReLU(inplace)": Network(nn.LeakyReLU(0.1, inplace=True), Dense(3, 2, dtype=f64)),
+        "in-place inside an nn.Sequential": Network(Dense(3, 4, dtype=f64), nn.Sequential(nn.Hardtanh(-0.5, 0.5, inplace=True), nn.Linear(4, 2, dtype=f64))),
+    }
+
+
+def _reference(net, x):
+    """The same function with out-of-place modules, in plain autograd (float64)."""
+    import copy
+
+    ref = copy.deepcopy(net)
+    for m in ref.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    return ref, ref(x)
+
+
+@pytest.mark.parametrize("name", list(_inplace_nets()))
+def test_in_place_module_in_a_network_trains_and_changes_nothing_it_reads(name):
+    """``nn.ReLU(inplace=True)`` and friends: the autograd path (``net(x)`` + ``backward``) and the
+    training path (``train()``, hand-written backward) both give the gradients of the out-of-place
+    network, and the caller's batch is never modified."""
+    from torchloom.trainers.train import TrainingConfig, train
+
+    net = _inplace_nets()[name]
+    x = torch.randn(5, 3, dtype=f64)
+    y = torch.randn(5, 2, dtype=f64)
+    x0 = x.clone()
+    ref, out_ref = _reference(net, x)
+    loss_ref = ((out_ref - y) ** 2).mean()
+    grads_ref = torch.autograd.grad(loss_ref, list(ref.parameters()))
+    out = net(x)  # autograd path
+    grads = torch.autograd.grad(((out - y) ** 2).mean(), list(net.parameters()))
+    for i, (g, gr) in enumerate(zip(grads, grads_ref)):
+        torch.testing.assert_close(g, gr, rtol=1e-12, atol=1e-12, msg=f"{name}: autograd gradient {i}")
+    before = [p.detach().clone() for p in net.parameters()]
+    train(net, [(x, y)], TrainingConfig(epochs=1, learning_rate=0.1, loss_type="mse", verbose=0))
+    for i, (p, p0, gr) in enumerate(zip(net.parameters(), before, grads_ref)):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * gr, rtol=0, atol=1e-12, msg=f"{name}: trained parameter {i}")
+    assert torch.equal(x, x0)
+
+
+def test_a_module_writing_into_its_input_unannounced_is_a_clear_error():
+    from torchloom.trainers.train import TrainingConfig, train
+
+    net = Network(Dense(3, 4, dtype=f64), _AddsInPlace(), Dense(4, 2, dtype=f64))
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        train(net, [(torch.randn(5, 3, dtype=f64), torch.randn(5, 2, dtype=f64))], TrainingConfig(epochs=1, verbose=0))
+    assert str(info.value).startswith(
+        "ModuleLayer(_AddsInPlace): the module writes into its input in place, which torchloom keeps for the backward "
+        "pass (and which may be the previous layer's output or your batch); give the module an inplace=True "
+        "attribute (torchloom then passes it a copy) or compute out of place. ("
+    )
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import tracemalloc
 
 import numpy as np
@@ -54,6 +55,13 @@ def _deep_seq(levels):
     return inner
 
 
+def _no_w(layer):
+    """``layer`` without its weights (to change its type): a missing key, as Loom writes a layer without
+    weights (a ``null`` is refused)."""
+    layer.pop("weights", None)
+    return layer
+
+
 def _raw(text):
     return ("raw", text)
 
@@ -62,7 +70,7 @@ def _raw(text):
 CASES = [
     ("is_disabled-string", _L0("is_disabled", "false"), TypeError, "'is_disabled' must be true or false"),
     ("is_disabled-int", _L0("is_disabled", 0), TypeError, "'is_disabled' must be true or false"),
-    ("is_disabled-null", _L0("is_disabled", None), TypeError, "'is_disabled' must be true or false"),
+    ("is_disabled-null", _L0("is_disabled", None), ValueError, "layers[0]: 'is_disabled' is null; Loom would silently read it as false"),
     ("native-string", _L0("native", "yes"), TypeError, "'native' must be true or false"),
     ("weights-empty", _L0("weights", ""), ValueError, "'weights' is empty"),
     ("weights-bad-chars", _L0("weights", "@@@@" * 4), ValueError, "not valid base64"),
@@ -85,8 +93,8 @@ CASES = [
     ("height-negative", _L0("input_height", -3), ValueError, "'input_height' must lie in"),
     ("height-huge", _L0("input_height", 2**40), ValueError, "'input_height' must lie in"),
     ("height-zero", _L0("input_height", 0), ValueError, "Dense needs 'input_height' >= 1"),
-    ("params-over-cap", lambda c: c["layers"][0].update(input_height=100_000, output_height=100_000, weights=None), ValueError, "max_parameters"),
-    ("params-over-cap-many", lambda c: c.update(cols=40, layers=[dict(_dense(1500, 1000, weights=None), x=i) for i in range(40)]), ValueError, "max_parameters"),
+    ("params-over-cap", lambda c: _no_w(c["layers"][0]).update(input_height=100_000, output_height=100_000), ValueError, "max_parameters"),
+    ("params-over-cap-many", lambda c: c.update(cols=40, layers=[dict(_no_w(_dense(1500, 1000)), x=i) for i in range(40)]), ValueError, "max_parameters"),
     ("scale-string", _L0("scale", "1"), TypeError, "'scale' must be a number"),
     ("scale-huge", _L0("scale", 1e300), ValueError, "'scale' must be a finite float32"),
     ("top-list", _raw("[1, 2]"), TypeError, "top level must be a JSON object"),
@@ -107,23 +115,23 @@ CASES = [
     ("duplicate-cell", _L0("x", 1), ValueError, "two layers at"),
     ("type-unknown", _L0("type", "conv9"), ValueError, "layer type 'conv9' is not supported"),
     ("type-int", _L0("type", 0), TypeError, "'type' must be a string"),
-    ("type-kmeans", lambda c: c["layers"][0].update(type="KMeans", weights=None, num_clusters=2), ValueError, "KMeans has no torchloom equivalent"),
+    ("type-kmeans", lambda c: _no_w(c["layers"][0]).update(type="KMeans", num_clusters=2), ValueError, "layer type KMeans is not supported: Loom's KMeans treats its whole input buffer"),
     ("activation-unknown", _L0("activation", "softplus"), ValueError, "unknown activation 'softplus'"),
     ("activation-relu2", _L0("activation", "ReLU2"), ValueError, "reads this name back as linear"),
     ("dtype-unknown", _L0("dtype", "float8"), ValueError, "dtype 'float8' is not one Loom writes"),
     ("key-case", lambda c: c["layers"][0].update(Weights=c["layers"][0].pop("weights")), ValueError, "differs from Loom's 'weights' only in case"),
-    ("branches-dict", lambda c: c["layers"][0].update(type="Parallel", weights=None, parallel_branches={"a": 1}), TypeError, "'parallel_branches' must be a list"),
+    ("branches-dict", lambda c: _no_w(c["layers"][0]).update(type="Parallel", parallel_branches={"a": 1}), TypeError, "'parallel_branches' must be a list"),
     ("branches-on-dense", _L0("parallel_branches", [_dense(3, 4)]), ValueError, "'parallel_branches' given for a Dense layer"),
-    ("branch-not-object", lambda c: c["layers"][0].update(type="Parallel", weights=None, parallel_branches=[5]), TypeError, "parallel_branches[0] must be a JSON object"),
-    ("combine-filter", lambda c: c["layers"][0].update(type="Parallel", weights=None, combine_mode="filter", parallel_branches=[_dense(3, 4)]), ValueError, "'filter' needs Loom's gate layer"),
-    ("combine-unknown", lambda c: c["layers"][0].update(type="Parallel", weights=None, combine_mode="mul", parallel_branches=[_dense(3, 4)]), ValueError, "combine_mode 'mul'"),
+    ("branch-not-object", lambda c: _no_w(c["layers"][0]).update(type="Parallel", parallel_branches=[5]), TypeError, "parallel_branches[0] must be a JSON object"),
+    ("combine-filter", lambda c: _no_w(c["layers"][0]).update(type="Parallel", combine_mode="filter", parallel_branches=[_dense(3, 4)]), ValueError, "'filter' needs Loom's gate layer"),
+    ("combine-unknown", lambda c: _no_w(c["layers"][0]).update(type="Parallel", combine_mode="mul", parallel_branches=[_dense(3, 4)]), ValueError, "combine_mode 'mul'"),
     ("residual-twice", lambda c: c["layers"].__setitem__(0, {"type": "Sequential", "x": 0, "sequential_layers": [_dense(3, 4), {"type": "Residual"}, {"type": "Residual"}]}), ValueError, "two Residual layers in a row"),
     ("remote-link", _L0("is_remote_link", True), ValueError, "remote links"),
-    ("softmax-temperature", lambda c: c["layers"][1].update(type="Softmax", weights=None, temperature=-1.0), ValueError, "temperature must be > 0"),
-    ("softmax-type", lambda c: c["layers"][1].update(type="Softmax", weights=None, softmax_type="Gumbel"), ValueError, "softmax_type 'Gumbel'"),
-    ("mha-heads", lambda c: c["layers"][0].update(type="MHA", weights=None, d_model=6, num_heads=4), ValueError, "head_dim"),
-    ("conv-sizes", lambda c: c["layers"][0].update(type="CNN1", weights=None, input_channels=1, filters=1, kernel_size=3, stride=1, input_height=5, output_height=4), ValueError, "does not follow from input size"),
-    ("norm-sizes", lambda c: c["layers"][0].update(type="RMSNorm", weights=None, input_height=4, output_height=3), ValueError, "output_height == input_height"),
+    ("softmax-temperature", lambda c: _no_w(c["layers"][1]).update(type="Softmax", temperature=-1.0), ValueError, "temperature must be > 0"),
+    ("softmax-type", lambda c: _no_w(c["layers"][1]).update(type="Softmax", softmax_type="Gumbel"), ValueError, "softmax_type 'Gumbel'"),
+    ("mha-heads", lambda c: _no_w(c["layers"][0]).update(type="MHA", d_model=6, num_heads=4), ValueError, "head_dim"),
+    ("conv-sizes", lambda c: _no_w(c["layers"][0]).update(type="CNN1", input_channels=1, filters=1, kernel_size=3, stride=1, input_height=5, output_height=4), ValueError, "does not follow from input size"),
+    ("norm-sizes", lambda c: _no_w(c["layers"][0]).update(type="RMSNorm", input_height=4, output_height=3), ValueError, "output_height == input_height"),
 ]
 
 
@@ -288,3 +296,149 @@ def test_save_replaces_and_keeps_mode(tmp_path):
     assert json.loads(path.read_text())["cols"] == 2
     assert os.stat(path).st_mode & 0o777 == 0o640
     assert to_loom_json(_net()) == json.loads(path.read_text())
+
+
+# --------------------------------------- files that would run differently in Loom (issue 10, 11)
+def _grid(*layers):
+    return {"id": "n", "depth": 1, "rows": 1, "cols": len(layers), "layers_per_cell": 1,
+            "layers": [dict(layer, z=0, y=0, x=i, l=0) for i, layer in enumerate(layers)]}
+
+
+def _d(i, o, act="tanh"):
+    return {"type": "Dense", "input_height": i, "output_height": o, "activation": act}
+
+
+def _emb(v=5, e=4, **kw):
+    return {"type": "Embedding", "vocab_size": v, "embedding_dim": e, **kw}
+
+
+def _seq(*layers):
+    return {"type": "Sequential", "sequential_layers": list(layers)}
+
+
+_CHAIN = "the layer sizes do not chain"
+REFUSED = [
+    # (id, network, the exact message)
+    ("dense-chain", _grid(_d(2, 3), _d(5, 1)),
+     f"Loom JSON: layers[1]: Dense takes input_height=5 values per sample, but layers[0] (Dense) outputs 3 values per sample; {_CHAIN}"),
+    ("chain-in-sequential", _grid(_seq(_d(2, 3), _d(5, 1))),
+     "Loom JSON: layers[0].sequential_layers[1]: Dense takes input_height=5 values per sample, but "
+     f"layers[0].sequential_layers[0] (Dense) outputs 3 values per sample; {_CHAIN}"),
+    ("chain-after-parallel", _grid({"type": "Parallel", "parallel_branches": [_d(2, 3), _d(2, 4)]}, _d(8, 1)),
+     f"Loom JSON: layers[1]: Dense takes input_height=8 values per sample, but layers[0] (Parallel) outputs 7 values per sample; {_CHAIN}"),
+    ("chain-conv", _grid(_d(4, 6), {"type": "CNN1", "input_channels": 2, "filters": 1, "kernel_size": 2, "stride": 1,
+                                   "input_height": 4, "output_height": 3}),
+     "Loom JSON: layers[1]: CNN1 takes 8 values per sample [2, 4] (input_channels × input sizes), but layers[0] (Dense) "
+     f"outputs 6 values per sample; {_CHAIN}"),
+    ("chain-rnn", _grid(_d(4, 6), {"type": "RNN", "input_height": 4, "output_height": 2, "seq_length": 2}),
+     "Loom JSON: layers[1]: RNN takes 8 values per sample [2, 4] (seq_length × input_height), but layers[0] (Dense) "
+     f"outputs 6 values per sample; {_CHAIN}"),
+    ("chain-dense-after-conv", _grid({"type": "CNN1", "input_channels": 2, "filters": 3, "kernel_size": 2, "stride": 1,
+                                     "input_height": 4, "output_height": 3}, _d(8, 1)),
+     "Loom JSON: layers[1]: Dense takes input_height=8 values per sample, but layers[0] (CNN1) outputs 9 values per "
+     f"sample ([3, 3]); {_CHAIN}"),
+    ("chain-mha", _grid(_emb(e=6), {"type": "MHA", "d_model": 8, "num_heads": 2}),
+     "Loom JSON: layers[1]: MultiHeadAttention takes inputs whose last dimension is d_model=8, but layers[0] (Embedding) "
+     f"outputs values of shape […, 6] per sample; {_CHAIN}"),
+    ("chain-norm", _grid(_d(4, 6), {"type": "RMSNorm", "input_height": 5, "output_height": 5}),
+     f"Loom JSON: layers[1]: RMSNorm takes rows of input_height=5 values, but layers[0] (Dense) outputs 6 values per sample; {_CHAIN}"),
+    ("embedding-not-first", _grid(_d(4, 6), _emb()),
+     "Loom JSON: layers[1]: an Embedding after another layer (layers[0] (Dense)): Loom would read that layer's float "
+     "outputs as token ids (truncated); torchloom's Embedding takes the network's integer token ids, so it must come first"),
+    ("grid-spans-samples", _grid(_d(4, 6), {"type": "Softmax", "softmax_type": "Grid", "softmax_rows": 3, "softmax_cols": 4}),
+     "Loom JSON: layers[1]: a 'Grid' softmax with softmax_cols=4 over the 6 values per sample that layers[0] (Dense) "
+     "outputs: Loom's groups of 4 would span two samples; not supported"),
+    ("grid-rows-no-whole-sample", _grid(_d(4, 6), {"type": "Softmax", "softmax_type": 1, "softmax_rows": 1, "softmax_cols": 3}),
+     "Loom JSON: layers[1]: a 'Grid' softmax of softmax_rows × softmax_cols = 1×3 values over samples of 6 values: Loom "
+     "normalises exactly 3 values of the whole batch and leaves the rest 0, and that is no whole number of samples; not supported"),
+    ("parallel-add-sizes", _grid({"type": "Parallel", "combine_mode": "add", "parallel_branches": [_d(2, 3), _d(2, 4)]}),
+     "Loom JSON: layers[0]: combine_mode 'add' over branches of [3, 4] values per sample: Loom adds them into a buffer "
+     "of the first branch's size (a crash or a partial sum); not supported"),
+    ("conv-kernel-0", _grid({"type": "CNN1", "input_channels": 2, "filters": 1, "kernel_size": 0, "stride": 1,
+                            "input_height": 4, "output_height": 4}),
+     "Loom JSON: layers[0]: CNN1 needs 'kernel_size' >= 1, got 0 (Loom's kernel loop then sums nothing: every output "
+     "would be the activation of 0)"),
+    ("convT-kernel-0", _grid({"type": "ConvTransposed1D", "input_channels": 2, "filters": 1, "kernel_size": 0, "stride": 1,
+                             "input_width": 4, "output_width": 3}),
+     "Loom JSON: layers[0]: ConvTransposed1D needs 'kernel_size' >= 1, got 0 (Loom's kernel loop then sums nothing: every "
+     "output would be the activation of 0)"),
+    ("residual-around-embedding-1", _grid(_seq(_emb(e=1), {"type": "Residual"})),
+     "Loom JSON: layers[0].sequential_layers[1]: Residual around an Embedding of embedding_dim 1: Loom adds the token ids "
+     "to the embeddings; not supported"),
+    ("residual-reshaping-conv", _grid(_seq(_d(4, 8), {"type": "CNN1", "input_channels": 2, "filters": 4, "kernel_size": 3,
+                                                     "stride": 1, "padding": 0, "input_height": 4, "output_height": 2},
+                                          {"type": "Residual"})),
+     "Loom JSON: layers[0].sequential_layers[2]: Residual around a layer that maps [2, 4] to [4, 2]: Loom adds the two "
+     "flat buffers, torchloom's Residual needs one shape; not supported"),
+    ("kmeans-with-weights", _grid({"type": "KMeans", "num_clusters": 2, "input_height": 3, "weights": _w(6)}),
+     "Loom JSON: layers[0]: layer type KMeans is not supported: Loom's KMeans treats its whole input buffer (every sample "
+     "of the batch together) as one feature vector and fills only the first sample's outputs, so it is defined for a "
+     "batch of one sample only (a larger batch reads past its num_clusters × input_height cluster centres); torchloom "
+     "has no layer that computes this per sample"),
+    ("metacognition", _grid({"type": "Meta"}),
+     "Loom JSON: layers[0]: layer type Metacognition is not supported: Loom's Metacognition layer watches another layer's "
+     "statistics and rewrites layers of the network while it runs (its meta_rules); torchloom has no equivalent, and the "
+     "file alone does not say what the network computes"),
+    ("z-null", {**_grid(_d(2, 3)), "layers": [dict(_d(2, 3), z=None, y=0, x=0, l=0)]},
+     "Loom JSON: layers[0]: 'z' is null; Loom would silently read it as 0. Give a value or leave the key out"),
+    ("activation-null", _grid(_d(2, 3, None)),
+     "Loom JSON: layers[0]: 'activation' is null; Loom would silently read it as \"\" (linear). Give a value or leave the key out"),
+    ("nested-height-null", _grid(_seq(dict(_d(2, 3), output_height=None))),
+     "Loom JSON: layers[0].sequential_layers[0]: 'output_height' is null; Loom would silently read it as 0. Give a "
+     "value or leave the key out"),
+    ("temperature-null", _grid(_d(2, 3), {"type": "Softmax", "temperature": None}),
+     "Loom JSON: layers[1]: 'temperature' is null; Loom would silently read it as 0. Give a value or leave the key out"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
+def test_file_that_would_run_differently_is_refused_with_the_exact_message(case, tmp_path):
+    _, cfg, message = case
+    for load in (lambda: from_loom_json(cfg), lambda: from_loom_json(json.dumps(cfg))):
+        with pytest.raises(ValueError) as info:
+            load()
+        assert info.type is ValueError
+        assert str(info.value) == message
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        load_loom(path)
+    assert sorted(os.listdir(tmp_path)) == ["net.json"]
+
+
+def test_null_lists_are_what_go_writes_for_nil():
+    """Go writes a nil slice or pointer as ``null``: those still load (``parallel_branches: null`` is
+    an empty Parallel, which Loom passes through)."""
+    cfg = _grid(_d(2, 3), dict(_seq(), sequential_layers=None), dict(_d(3, 3), parallel_branches=None, mask=None,
+                                                                      meta_observed_layer=None))
+    net = from_loom_json(cfg)
+    assert len(net) == 2
+
+
+# ----------------------------------------------------- a str that is neither a file nor JSON text
+@pytest.mark.parametrize(
+    "text,what",
+    [("null", "nor JSON text of a Loom network (as JSON it is null; a Loom network is a JSON object)"),
+     ("3", "nor JSON text of a Loom network (as JSON it is a number; a Loom network is a JSON object)"),
+     ('"net.json"', "nor JSON text of a Loom network (as JSON it is a string; a Loom network is a JSON object)"),
+     ("not json", "nor valid JSON (Expecting value); give a path, JSON text of a Loom network, or a dict"),
+     ("models/missing.json", "nor valid JSON (Expecting value); give a path, JSON text of a Loom network, or a dict")],
+)
+def test_a_str_that_is_neither_an_existing_file_nor_json_says_both(text, what, tmp_path, monkeypatch):
+    from torchloom.interop import NotFileNorJSONError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotFileNorJSONError) as info:
+        from_loom_json(text)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FileNotFoundError)
+    where = os.path.join(str(tmp_path), text)
+    assert str(info.value) == f"from_loom_json: cfg {text!r} is neither an existing file (no such file: {where!r}) {what}"
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_existing_file_named_like_json_is_read_as_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "null").write_text(json.dumps(BASE))
+    assert from_loom_json("null")(torch.ones(1, 3)).shape == (1, 2)
+    with pytest.raises(FileNotFoundError, match="load_loom: no such file"):
+        load_loom("missing.json")  # a path argument: the plain FileNotFoundError

@@ -131,13 +131,91 @@ def test_path_of_the_wrong_type(tmp_path, owner, path):
     assert _files_in(tmp_path) == {}
 
 
-def test_missing_parent_directories_are_made_at_the_first_write_not_before(tmp_path):
-    path = tmp_path / "a" / "b" / "best.pt"
-    ckpt = Checkpoint(path)
-    assert not (tmp_path / "a").exists()  # construction creates nothing
-    ckpt.on_train_begin(Trainer(_model()))
-    ckpt.on_epoch_end(Trainer(_model(2.0)), 0, _logs(1.0))
-    assert torch.load(path, weights_only=True)["weight"].eq(2.0).all()
+# --------------------------------------- missing directories: only the last level is ever made
+def _tensorboard(path):
+    from torchloom.observers.tensorboard import TensorBoardLogger
+
+    return TensorBoardLogger(path)
+
+
+# Every observer that writes files: (factory, whether the path names a file (else a directory))
+WRITERS = {
+    "Checkpoint": (lambda p: Checkpoint(p), True),
+    "CSVLogger": (lambda p: CSVLogger(p), True),
+    "LossPlot": (lambda p: LossPlot(p), True),
+    "TensorBoardLogger": (_tensorboard, False),
+}
+
+
+def _writer(owner):
+    if owner == "TensorBoardLogger":
+        pytest.importorskip("tensorboard")
+    return WRITERS[owner]
+
+
+def _target(tmp_path, is_file, *levels):
+    """The path an observer is given: ``levels`` of directories under ``tmp_path``, then a file."""
+    d = tmp_path.joinpath(*levels)
+    return d / "out.bin" if is_file else d
+
+
+@pytest.mark.parametrize("owner", sorted(WRITERS))
+def test_a_mistyped_directory_is_an_error_before_anything_is_made(tmp_path, owner):
+    """Two missing levels (``typo/run1``): a ``ValueError`` naming the argument, the missing parent and
+    the rule, at construction; nothing is created."""
+    make, is_file = _writer(owner)
+    path = _target(tmp_path, is_file, "typo", "run1")
+    name = "path" if is_file else "log_dir"
+    err = _raises_exactly(ValueError, make, path)
+    run1, typo = str(tmp_path / "typo" / "run1"), str(tmp_path / "typo")
+    assert str(err) == (
+        f"{owner}: {name} {str(path)!r} cannot be written: the directory {run1!r} does not exist and its parent "
+        f"{typo!r} does not exist either. torchloom makes only the last missing directory level (a mistyped path "
+        f"should fail, not become a new tree of folders): create {typo!r} first, or fix the path"
+    )
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("owner", sorted(WRITERS))
+def test_a_path_changed_to_a_mistyped_directory_fails_before_training_changes_anything(tmp_path, owner):
+    from torchloom.layers.dense import Dense
+    from torchloom.layers.network import Network
+    from torchloom.trainers.train import TrainingConfig, train
+
+    make, is_file = _writer(owner)
+    obs = make(_target(tmp_path, is_file, "run0"))
+    setattr(obs, "path" if is_file else "log_dir", str(_target(tmp_path, is_file, "typo", "run1")))
+    net = Network(Dense(2, 2))
+    state = _weights(net)
+    batches = [(torch.randn(4, 2), torch.randn(4, 2))]
+    err = _raises_exactly(ValueError, train, net, batches, TrainingConfig(epochs=2, verbose=0, observers=[obs]))
+    assert "torchloom makes only the last missing directory level" in str(err)
+    assert _same(net, state) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("owner", sorted(WRITERS))
+def test_the_last_missing_level_is_made_when_training_writes_not_before(tmp_path, owner):
+    from torchloom.layers.dense import Dense
+    from torchloom.layers.network import Network
+    from torchloom.trainers.train import TrainingConfig, train
+
+    make, is_file = _writer(owner)
+    path = _target(tmp_path, is_file, "run1")
+    obs = make(path)
+    assert os.listdir(tmp_path) == []  # construction makes nothing
+    batches = [(torch.randn(4, 2), torch.randn(4, 2))]
+    train(Network(Dense(2, 2)), batches, TrainingConfig(epochs=2, verbose=0, observers=[obs]))
+    assert os.listdir(tmp_path) == ["run1"]
+    assert path.is_file() if is_file else os.listdir(path)
+
+
+def test_atomic_write_makes_only_the_last_level(tmp_path):
+    """The write itself never makes parents either (a directory removed after the check)."""
+    with pytest.raises(OSError, match="could not write"):
+        _files.atomic_write("T", str(tmp_path / "a" / "b" / "f.bin"), lambda f: f.write(b"x"))
+    assert os.listdir(tmp_path) == []
+    _files.atomic_write("T", str(tmp_path / "a" / "f.bin"), lambda f: f.write(b"x"))
+    assert (tmp_path / "a" / "f.bin").read_bytes() == b"x"
 
 
 BAD_SETTINGS = [

@@ -8,10 +8,15 @@
   JSON (float32 weights), which Loom's ``DeserializeNetwork`` loads.
 
 Layers run in Loom's flat order ``((z·rows + y)·cols + x)·layers_per_cell + l``; disabled layers are
-skipped, as Loom's forward skips them (a disabled Parallel branch still runs, as in Loom). Loom passes flat buffers between layers; the import makes the
-reshapes explicit: a ``Flatten`` before a Dense that follows a convolution / RNN / LSTM, and a
-``LoomReshape`` (``[B, …] → [B, C, *spatial]`` or ``[B, T, I]``) before a convolution / RNN / LSTM that
-follows a flat layer.
+skipped, as Loom's forward skips them (a disabled Parallel branch still runs, as in Loom). Loom passes
+flat buffers between layers and every layer reads its input with its own sizes from the file; the
+import follows the shape from layer to layer, refuses sizes that do not chain (``ValueError`` naming
+both layers and their sizes) and makes Loom's reshapes explicit: a ``Flatten`` before a Dense that
+follows a layer with a structured output (convolution, RNN, LSTM, Embedding, ...) and before a norm
+that normalises a whole structured sample, a ``LoomReshape`` (``[B, …] → [B, C, *spatial]`` or
+``[B, T, I]``) before a convolution / RNN / LSTM that follows a layer of another shape, and a
+flattened output for every Parallel branch whose output is not flat (Loom joins flat per-sample
+buffers). The network's first layer takes its input as the caller gives it.
 
 Layer mapping (Loom → torchloom; weights in Loom's flat order):
 
@@ -25,11 +30,14 @@ MultiHeadAttention  ``MultiHeadAttention(d, H, K, causal=True, rope=True)``: ``W
                     bk | bv | bo`` (grouped-query heads when ``num_kv_heads < num_heads``)
 SwiGLU              ``SwiGLU(h, m)``: ``W_gate [m, h] | W_up [m, h] | W_down [h, m] | b_gate | b_up | b_down``
 RMSNorm/LayerNorm   ``RMSNorm(n, eps=1e-6)`` (γ) / ``LayerNorm(n, eps=1e-5)`` (γ | β)
-Embedding           ``Embedding(V, E)``, weights ``[V, E]``
-Softmax             ``Softmax(dim=-1, temperature)`` (Loom's ``Standard`` / ``Temperature``)
+Embedding           ``Embedding(V, E, activation=…)``, weights ``[V, E]`` (must be the first layer)
+Softmax             ``Softmax(dim=-1, temperature)`` (Loom's ``Standard`` / ``Temperature``, and ``Grid``
+                    with ``softmax_cols`` = the input's last dimension); ``LoomGridSoftmax(cols,
+                    temperature)`` for a ``Grid`` softmax over groups of ``softmax_cols`` values
 Parallel            ``Parallel(combine=…)`` for ``concat`` (also ``""``, ``grid_scatter``), ``add``, ``avg``
 Sequential          ``Sequential`` (nested); a ``Residual`` inside it wraps the sub-layer before it:
-                    ``Residual(prev)``. Loom's top-level Residual (no skip input) is an identity.
+                    ``Residual(prev)``. Loom's top-level Residual (no skip input), and one after a
+                    sub-layer whose output has another size than its input, is an identity.
 ==================  ============================================================================
 
 Weights in every dtype Loom writes (float64/32/16, bfloat16, fp8, int64…int2, uint*, fp4, ternary,
@@ -38,10 +46,16 @@ binary) are dequantised as Loom's ``GetActive`` does (``code · scale``) and cas
 The loader treats the file as untrusted data: it is parsed with ``json`` (no ``NaN``/``Infinity``),
 every field's type is checked (``is_disabled`` must be a JSON bool), the parameter count is computed
 and capped (``max_parameters``) and every weight blob's length checked before anything is allocated;
-non-finite weights, an empty ``weights`` string, malformed base64, wrong nesting and nesting deeper
-than 32 levels are ``ValueError`` / ``TypeError`` naming the field. What Loom would run differently
-from the file's face value (``ReLU2``, which Loom reads as linear; unknown activations or layer
-types, which Loom silently replaces; a ``filter`` Parallel, whose gate Loom does not save) is refused.
+non-finite weights, an empty ``weights`` string, a ``null`` scalar field (Loom reads it as 0 / "" /
+false), malformed base64, wrong nesting and nesting deeper than 32 levels are ``ValueError`` /
+``TypeError`` naming the field. Every field that changes what Loom computes is honoured or refused:
+what Loom would run differently from the file's face value is refused (``ReLU2``, which Loom reads as
+linear; unknown activations or layer types, which Loom silently replaces; a ``filter`` Parallel,
+whose gate Loom does not save; KMeans and Metacognition layers; a convolution with ``kernel_size``
+0; a ``Grid`` softmax whose groups would span samples or whose ``softmax_rows × softmax_cols`` is no
+whole number of samples; an Embedding after another layer; ``add`` / ``avg`` over branches of
+different sizes). A ``str`` that is neither an existing file nor JSON text of a network raises
+``NotFileNorJSONError`` (a ``ValueError`` and a ``FileNotFoundError``) saying both.
 
 Loom's ``GELU`` is the tanh approximation: it imports as ``"gelu_tanh"`` (correct derivative) or, with
 ``gelu="gelu_loom"``, as the opt-in activation that reproduces Loom's own GELU training arithmetic.
@@ -58,10 +72,13 @@ from torch import Tensor, nn
 
 from ..layers.base import Layer
 from ..layers.network import Network, Sequential
-from ._codec import DEFAULT_MAX_PARAMETERS, max_bytes_for, parse_spec, read_json_source
-from ._convert import GELU_CHOICES, LoomReshape, build_network, export_layers
+from ._codec import DEFAULT_MAX_PARAMETERS, NotFileNorJSONError, max_bytes_for, parse_spec, read_json_source
+from ._convert import GELU_CHOICES, LoomGridSoftmax, LoomReshape, build_network, export_layers
 
-__all__ = ["from_loom_json", "to_loom_json", "load_loom", "save_loom", "LoomReshape", "DEFAULT_MAX_PARAMETERS"]
+__all__ = [
+    "from_loom_json", "to_loom_json", "load_loom", "save_loom", "LoomReshape", "LoomGridSoftmax",
+    "NotFileNorJSONError", "DEFAULT_MAX_PARAMETERS",
+]
 
 
 def _check_import_options(dtype, gelu, max_parameters, func: str) -> None:
@@ -84,7 +101,8 @@ def from_loom_json(
 
     Args:
         cfg: a dict, JSON text (``bytes``, or a ``str`` starting with ``{`` or ``[``), or a path (``os.PathLike``
-            or any other ``str``).
+            or any other ``str``; a ``str`` that names no file is a ``NotFileNorJSONError`` whose message
+            also says what it is as JSON text).
         dtype: the parameters' dtype (weights are dequantised to it).
         gelu: what Loom's ``GELU`` becomes: ``"gelu_tanh"`` (tanh approximation with its exact
             derivative, default) or ``"gelu_loom"`` (Loom's hybrid derivative, for bit-parity with
@@ -94,8 +112,9 @@ def from_loom_json(
             before reading).
 
     Layers with ``"weights"`` get them; a file without any ``"weights"`` (the build schema) keeps
-    torchloom's initialisation. Raises ``ValueError`` / ``TypeError`` naming the bad field, and
-    ``FileNotFoundError`` for a missing path.
+    torchloom's initialisation. Raises ``ValueError`` / ``TypeError`` naming the bad field (and, for
+    layer sizes that do not chain, both layers and their sizes), and ``FileNotFoundError`` for a
+    missing path.
     """
     _check_import_options(dtype, gelu, max_parameters, "from_loom_json")
     obj = read_json_source(cfg, "from_loom_json", max_bytes=max_bytes_for(max_parameters))

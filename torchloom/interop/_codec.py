@@ -28,6 +28,8 @@ __all__ = [
     "encode_float32",
     "read_json_source",
     "max_bytes_for",
+    "UNSUPPORTED_TYPES",
+    "NotFileNorJSONError",
 ]
 
 DEFAULT_MAX_PARAMETERS = 50_000_000  # 200 MB of float32 weights
@@ -47,6 +49,10 @@ _BOOL_FIELDS = ("is_disabled", "native", "use_tiling", "gumbel_noise", "is_remot
 _NUM_FIELDS = ("scale", "temperature", "rope_freq_base", "entmax_alpha", "kmeans_temperature")
 _LIST_FIELDS = ("parallel_branches", "sequential_layers", "meta_rules", "mask", "hierarchy_levels")
 _OTHER_FIELDS = ("softmax_type", "meta_observed_layer")
+# What Loom's decoder makes of a null (the Go zero value), for messages.
+_ZERO = {**{k: "0" for k in _INT_FIELDS + _NUM_FIELDS}, **{k: '""' for k in _STR_FIELDS},
+         **{k: "false" for k in _BOOL_FIELDS}, "softmax_type": "Standard", "activation": '"" (linear)',
+         "type": '"" (Dense)', "dtype": '"" (float32)', "weights": '"" (fresh random weights)'}
 _KNOWN = set(_INT_FIELDS + _STR_FIELDS + _BOOL_FIELDS + _NUM_FIELDS + _LIST_FIELDS + _OTHER_FIELDS)
 _KNOWN_LOWER = {k.lower(): k for k in _KNOWN}
 _NET_KNOWN = {"id": "id", "depth": "depth", "rows": "rows", "cols": "cols", "layers_per_cell": "layers_per_cell", "layers": "layers"}
@@ -61,6 +67,21 @@ LAYER_TYPES = {
     "CONVTRANSPOSED3D": "ConvTransposed3D", "EMBEDDING": "Embedding", "SOFTMAX": "Softmax",
     "PARALLEL": "Parallel", "SEQUENTIAL": "Sequential", "RESIDUAL": "Residual",
     "KMEANS": "KMeans", "META": "Metacognition", "METACOGNITION": "Metacognition",
+}
+
+# Loom layer types torchloom recognises but does not import, and why (refused before any other check).
+UNSUPPORTED_TYPES = {
+    "KMeans": (
+        "layer type KMeans is not supported: Loom's KMeans treats its whole input buffer (every sample of "
+        "the batch together) as one feature vector and fills only the first sample's outputs, so it is "
+        "defined for a batch of one sample only (a larger batch reads past its num_clusters × input_height "
+        "cluster centres); torchloom has no layer that computes this per sample"
+    ),
+    "Metacognition": (
+        "layer type Metacognition is not supported: Loom's Metacognition layer watches another layer's "
+        "statistics and rewrites layers of the network while it runs (its meta_rules); torchloom has no "
+        "equivalent, and the file alone does not say what the network computes"
+    ),
 }
 
 # dtype spelling (upper-cased) → (canonical name, values per stored unit, bytes per unit)
@@ -94,6 +115,11 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 
 def _short(v) -> str:
     """A short, depth-limited repr of an untrusted value for messages."""
     return _REPR.repr(v)
+
+
+def _short_path(p: str) -> str:
+    """The repr of a path for messages, cut in the middle beyond 200 characters."""
+    return repr(p) if len(p) <= 200 else repr(p[:97] + "..." + p[-100:])
 
 
 def _err(where: str, msg: str) -> ValueError:
@@ -146,28 +172,61 @@ def max_bytes_for(max_parameters: int) -> int:
     return 11 * max_parameters + 16 * 2**20
 
 
+class NotFileNorJSONError(FileNotFoundError, ValueError):
+    """``cfg`` is a ``str`` that names no existing file and is not the JSON text of a Loom network either.
+    A ``ValueError`` (a bad argument) that is also a ``FileNotFoundError`` (what a missing path raised
+    before, so ``except FileNotFoundError`` keeps working)."""
+
+
+def _read_file(path, func: str, max_bytes: int | None):
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if max_bytes is not None and size > max_bytes:
+                raise ValueError(f"{func}: file {os.fspath(path)!r} has {size:,} bytes, more than a network of "
+                                 f"max_parameters weights can need ({max_bytes:,}); pass a larger max_parameters "
+                                 "if the file is trusted")
+            data = fh.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{func}: no such file: {os.fspath(path)!r}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{func}: path {os.fspath(path)!r} is a directory, not a Loom JSON file") from None
+    return _loads(data, f"file {os.fspath(path)!r}")
+
+
+def _neither(cfg: str, func: str, max_bytes: int | None):
+    """The error for a ``str`` that is no existing file: say what it is as JSON text, too."""
+    where = f"no such file: {_short_path(os.path.abspath(cfg))}" if "\x00" not in cfg else "a path cannot hold a NUL character"
+    if max_bytes is not None and len(cfg) > max_bytes:
+        return NotFileNorJSONError(f"{func}: cfg is neither an existing file ({where}) nor JSON text of a size a "
+                                   f"network of max_parameters weights can need ({len(cfg):,} > {max_bytes:,} characters)")
+    try:
+        value = json.loads(cfg, parse_constant=float)
+    except (json.JSONDecodeError, RecursionError) as e:
+        return NotFileNorJSONError(f"{func}: cfg {_short(cfg)} is neither an existing file ({where}) nor valid "
+                                   f"JSON ({e.msg if isinstance(e, json.JSONDecodeError) else 'nested too deeply'}); "
+                                   "give a path, JSON text of a Loom network, or a dict")
+    kind = "null" if value is None else {bool: "a boolean", int: "a number", float: "a number", str: "a string"}.get(type(value), type(value).__name__)
+    return NotFileNorJSONError(f"{func}: cfg {_short(cfg)} is neither an existing file ({where}) nor JSON text of a "
+                               f"Loom network (as JSON it is {kind}; a Loom network is a JSON object)")
+
+
 def read_json_source(cfg, func: str, *, path_only: bool = False, max_bytes: int | None = None):
-    """The parsed JSON object of ``cfg``: a dict (taken as is), JSON text (``str``/``bytes``), or a
-    path (``os.PathLike``, or a ``str`` that does not start with ``{`` or ``[``). ``path_only``: ``cfg`` must
-    be a path. A file or text longer than ``max_bytes`` is refused before it is read or parsed."""
-    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and (path_only or not cfg.lstrip().startswith(("{", "[")))):
-        try:
-            with open(cfg, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if max_bytes is not None and size > max_bytes:
-                    raise ValueError(f"{func}: file {os.fspath(cfg)!r} has {size:,} bytes, more than a network of "
-                                     f"max_parameters weights can need ({max_bytes:,}); pass a larger max_parameters "
-                                     "if the file is trusted")
-                data = fh.read()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{func}: no such file: {os.fspath(cfg)!r}") from None
-        except IsADirectoryError:
-            raise ValueError(f"{func}: path {os.fspath(cfg)!r} is a directory, not a Loom JSON file") from None
-        return _loads(data, f"file {os.fspath(cfg)!r}")
+    """The parsed JSON object of ``cfg``: a dict (taken as is), JSON text (``bytes``, or a ``str``
+    starting with ``{`` or ``[``), or a path (``os.PathLike``, or any other ``str``). ``path_only``:
+    ``cfg`` must be a path. A file or text longer than ``max_bytes`` is refused before it is read or
+    parsed. A ``str`` that is neither an existing file nor JSON text of a network raises
+    ``NotFileNorJSONError`` (a ``ValueError`` and a ``FileNotFoundError``) whose message says both."""
+    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and path_only):
+        return _read_file(cfg, func, max_bytes)
     if path_only:
         raise TypeError(f"{func}: path must be a str or os.PathLike, got {type(cfg).__name__}")
     if isinstance(cfg, dict):
         return cfg
+    if isinstance(cfg, str) and not cfg.lstrip().startswith(("{", "[")):
+        if not os.path.exists(cfg):  # False too for a NUL character or a name too long for the file system
+            raise _neither(cfg, func, max_bytes)
+        return _read_file(cfg, func, max_bytes)
     if isinstance(cfg, (str, bytes, bytearray)):
         if max_bytes is not None and len(cfg) > max_bytes:
             raise ValueError(f"{func}: cfg holds {len(cfg):,} characters, more than a network of max_parameters "
@@ -194,13 +253,25 @@ def _check_keys(obj: dict, known_lower: dict, where: str) -> None:
             raise _err(where, f"key {k!r} differs from Loom's {canon!r} only in case (Loom matches keys case-insensitively); spell it {canon!r}")
 
 
+def _refuse_null(ls: dict, where: str) -> None:
+    """A scalar field given as ``null``. Loom's Go decoder leaves such a field at its zero value (``"z":
+    null`` reads as layer position 0, ``"activation": null`` as linear) and never writes one itself, so
+    a ``null`` means a damaged or hand-edited file: refused rather than guessed. (Lists and
+    ``meta_observed_layer`` may be ``null``: Go writes a nil slice or pointer that way.)"""
+    for k in _INT_FIELDS + _STR_FIELDS + _BOOL_FIELDS + _NUM_FIELDS + ("softmax_type",):
+        if k in ls and ls[k] is None:
+            raise _err(where, f"{k!r} is null; Loom would silently read it as {_ZERO[k]}. Give a value "
+                       "or leave the key out")
+
+
 def _layer_fields(ls, where: str) -> dict:
     if not isinstance(ls, dict):
         raise TypeError(f"Loom JSON: {where} must be a JSON object, got {type(ls).__name__}")
     _check_keys(ls, _KNOWN_LOWER, where)
+    _refuse_null(ls, where)
     f: dict = {}
     for k in _INT_FIELDS:
-        f[k] = _int(ls[k], where, k) if k in ls and ls[k] is not None else 0
+        f[k] = _int(ls[k], where, k) if k in ls else 0
     for k in _STR_FIELDS:
         v = ls.get(k)
         if v is not None and not isinstance(v, str):
@@ -298,7 +369,9 @@ class _Walker:
         kind = LAYER_TYPES.get(type_name.upper())
         if kind is None:
             raise _err(where, f"layer type {type_name!r} is not supported; Loom's types torchloom reads: "
-                       f"{sorted(set(LAYER_TYPES.values()) - {'KMeans', 'Metacognition'})}")
+                       f"{sorted(set(LAYER_TYPES.values()) - set(UNSUPPORTED_TYPES))}")
+        if kind in UNSUPPORTED_TYPES:
+            raise _err(where, UNSUPPORTED_TYPES[kind])
         dtype_name = f["dtype"] if f["dtype"] is not None else "float32"
         dtype = _DTYPES.get(dtype_name.upper()) if dtype_name else "float32"
         if dtype is None:

@@ -9,6 +9,8 @@ sequence lengths that torchloom layers do not hold).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,12 +26,12 @@ from ..layers.lstm import LSTM
 from ..layers.network import Network, Sequential
 from ..layers.norm import LayerNorm, RMSNorm
 from ..layers.rnn import RNN
-from ..layers.softmax import Softmax
+from ..layers.softmax import Softmax, softmax_backward, softmax_forward
 from ..layers.swiglu import SwiGLU
 from ..layers.attention import MultiHeadAttention
 from ._codec import LayerSpec, NetSpec, decode_weights, encode_float32
 
-__all__ = ["build_network", "export_layers", "LoomReshape", "ACT_FROM_LOOM", "GELU_CHOICES"]
+__all__ = ["build_network", "export_layers", "LoomReshape", "LoomGridSoftmax", "ACT_FROM_LOOM", "GELU_CHOICES"]
 
 # Loom activation spelling (upper-cased) → torchloom name. "GELU" is resolved by the gelu option.
 ACT_FROM_LOOM = {
@@ -80,8 +82,98 @@ class LoomReshape(Layer):
         return f"shape={self.shape}"
 
 
+class LoomGridSoftmax(Layer):
+    """Loom's ``Grid`` softmax: each sample's values, in C order, normalised in consecutive groups of
+    ``cols`` (``[B, …] → [B, n/cols, cols]``, softmax of ``x / temperature`` over each group, back to
+    the input's shape). Built on import where ``softmax_cols`` is not the input's last dimension (when
+    it is, the import builds ``Softmax(dim=-1)``, the same computation). Each sample must hold a
+    multiple of ``cols`` values: a group spanning two samples is a ``ValueError``. No parameters."""
+
+    kernel_modules = ("torchloom.kernels.softmax",)
+
+    def __init__(self, cols: int, temperature: float = 1.0) -> None:
+        super().__init__()
+        if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
+            raise ValueError(f"LoomGridSoftmax: cols must be an int >= 1, got {cols!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"LoomGridSoftmax: temperature must be a finite number > 0, got {temperature!r}")
+        self.cols, self.temperature = cols, float(temperature)
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"LoomGridSoftmax: input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"LoomGridSoftmax: input must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() < 2 or x[:1].numel() % self.cols:
+            raise ValueError(f"LoomGridSoftmax(cols={self.cols}): each sample must hold a multiple of {self.cols} "
+                             f"values (Loom's groups would span two samples), got input {list(x.shape)}")
+
+    def forward_saved(self, x: Tensor):
+        self._check(x)
+        p, saved = softmax_forward(x.reshape(x.shape[0], -1, self.cols), -1, self.temperature)
+        return p.reshape(x.shape), (saved, tuple(x.shape))
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        inner, shape = saved
+        g, _ = softmax_backward(grad_out.reshape(shape[0], -1, self.cols), inner, needs_input_grad)
+        return (g.reshape(shape) if g is not None else None), ()
+
+    def pre_activation(self, saved):
+        return None
+
+    def extra_repr(self) -> str:
+        return f"cols={self.cols}, temperature={self.temperature}"
+
+
 # =============================================================================== import
+@dataclass(frozen=True)
+class _Shape:
+    """What a Loom file says about the values passed between two layers, per sample: ``dims`` (an int
+    per dimension, ``None`` where the size is known only at run time), after leading dimensions of
+    unknown number when ``lead`` (an Embedding's token positions); ``src`` names the layer that made
+    them, for messages. Loom passes flat buffers and every layer reads its own sizes from the file, so
+    these shapes are what makes a file that does not chain an error at load time."""
+
+    dims: tuple[int | None, ...]
+    src: str
+    lead: bool = False
+
+    @property
+    def numel(self) -> int | None:
+        return None if self.lead or None in self.dims else math.prod(self.dims)
+
+    @property
+    def last(self) -> int | None:
+        return self.dims[-1] if self.dims else None
+
+    @property
+    def flat(self) -> bool:
+        return not self.lead and len(self.dims) == 1
+
+    def __str__(self) -> str:
+        dims = ["…"] * self.lead + ["?" if d is None else str(d) for d in self.dims]
+        return f"[{', '.join(dims)}]"
+
+
+class _Piece(NamedTuple):
+    """One Loom layer built: the reshapes torchloom makes explicit before it (``adapters``), its module
+    (``None`` for an empty container, which Loom passes through) and the shapes after the adapters
+    and after the module (``None``: unknown, the network's input)."""
+
+    adapters: list[nn.Module]
+    module: nn.Module | None
+    shape_in: _Shape | None
+    shape_out: _Shape | None
+
+
 class _Builder:
+    """Turns validated layer specs into modules, following the shape of the values from layer to
+    layer: Loom reads every layer's input from a flat buffer with that layer's own sizes, so the
+    builder checks that the sizes chain (a ``ValueError`` naming both layers otherwise) and makes
+    Loom's implicit reshapes explicit (``Flatten`` before a Dense or a norm that reads a whole
+    sample, ``LoomReshape`` before a convolution / RNN / LSTM, a flattened output per Parallel branch,
+    as Loom's Parallel concatenates flat per-sample buffers)."""
+
     def __init__(self, dtype: torch.dtype, gelu: str) -> None:
         self.dtype = dtype
         self.gelu = gelu
@@ -114,70 +206,205 @@ class _Builder:
         if f["gumbel_noise"]:
             raise _err(s.where, "Gumbel noise (gumbel_noise) is not supported")
 
+    # ------------------------------------------------------------------ chaining
+    @staticmethod
+    def _no_chain(s: LayerSpec, takes: str, shape: _Shape) -> ValueError:
+        if shape.flat and shape.numel is not None:
+            have = f"{shape.numel} values per sample"
+        elif shape.numel is not None:
+            have = f"{shape.numel} values per sample ({shape})"
+        else:
+            have = f"values of shape {shape} per sample"
+        return _err(s.where, f"{s.kind} takes {takes}, but {shape.src} outputs {have}; the layer sizes do not chain")
+
+    def _flat_input(self, s: LayerSpec, shape: _Shape | None, n: int, field: str) -> list[nn.Module]:
+        """Adapters for a layer that reads each sample as ``n`` flat values (Dense): a ``Flatten``
+        unless the input already is ``[B, n]``; the sizes must agree where the file fixes them."""
+        if shape is None:
+            return []
+        if shape.numel is not None and shape.numel != n:
+            raise self._no_chain(s, f"{field}={n} values per sample", shape)
+        return [] if shape.flat else [Flatten()]
+
+    def _structured_input(self, s: LayerSpec, shape: _Shape | None, need: tuple[int, ...], fields: str) -> list[nn.Module]:
+        """Adapters for a layer that reads each sample as ``need`` (convolutions, RNN, LSTM): a
+        ``LoomReshape(need)`` unless the input has that shape already or is the network's input (the
+        caller gives the first layer its structured input)."""
+        if shape is None or (not shape.lead and shape.dims == need):
+            return []
+        if shape.numel is not None and shape.numel != math.prod(need):
+            raise self._no_chain(s, f"{math.prod(need)} values per sample {list(need)} ({fields})", shape)
+        return [LoomReshape(need)]
+
+    def _last_dim(self, s: LayerSpec, shape: _Shape | None, n: int, field: str) -> None:
+        """A layer applied along the last dimension (attention, SwiGLU): it must be ``n``."""
+        if shape is not None and shape.last is not None and shape.last != n:
+            raise self._no_chain(s, f"inputs whose last dimension is {field}={n}", shape)
+
     # ------------------------------------------------------------------ containers
-    def build_list(self, specs: list[LayerSpec], *, in_sequential: bool) -> list[nn.Module]:
-        """Modules for a run of layers. Inside a Sequential, Loom's Residual adds the previous
-        (enabled) sub-layer's input to its output; with no previous sub-layer, and at the top level,
+    def build_list(self, specs: list[LayerSpec], shape: _Shape | None, *, in_sequential: bool) -> tuple[list[nn.Module], _Shape | None]:
+        """Modules for a run of layers, and the shape after them. Inside a Sequential, Loom's Residual
+        adds the previous (enabled) sub-layer's input to its output when the two have the same length,
+        and passes its input through otherwise; with no previous sub-layer, and at the top level,
         Loom's Residual has no skip input and passes its input through."""
         out: list[nn.Module] = []
+        last: _Piece | None = None
         last_was_residual = False
         for s in specs:
             if s.f["is_disabled"]:
                 continue  # Loom's forward skips disabled layers
             self.common_checks(s)
             if s.kind == "Residual":
-                if in_sequential and out:
+                if in_sequential and last is not None:
                     if last_was_residual:
                         raise _err(s.where, "two Residual layers in a row: Loom adds the first residual's "
                                    "input again, which torchloom's Residual cannot express")
-                    prev = out.pop()
-                    if isinstance(prev, Flatten):
-                        raise _err(s.where, "a Residual after a flattening step is not supported")
-                    out.append(Residual(prev))
+                    if last.module is None:
+                        raise _err(s.where, "a Residual after an empty Sequential / Parallel (Loom adds the "
+                                   "input to itself there) is not supported")
+                    if self._residual_adds(s, last):
+                        out[-1] = Residual(out[-1])
                     last_was_residual = True
-                continue  # identity: no skip input in Loom
+                continue  # otherwise an identity: no skip input of the right length in Loom
             last_was_residual = False
-            mod = self.build_one(s)
-            if mod is None:
-                continue
-            # Loom keeps activations as flat buffers; torchloom reshapes explicitly between layers.
-            if isinstance(mod, Dense) and out and isinstance(out[-1], (_ConvND, _ConvTransposeND, RNN, LSTM)):
-                out.append(Flatten())
-            elif out and isinstance(mod, (_ConvND, _ConvTransposeND)) and not isinstance(out[-1], (_ConvND, _ConvTransposeND)):
-                n_in, _ = _spatial(s.f, mod.ndim, conv=isinstance(mod, _ConvND))
-                out.append(LoomReshape((mod.in_channels, *n_in)))
-            elif out and isinstance(mod, (RNN, LSTM)) and not isinstance(out[-1], (RNN, LSTM)):
-                out.append(LoomReshape((max(s.f["seq_length"], 1), mod.input_size)))
-            out.append(mod)
-        return out
+            piece = self.build_piece(s, shape)
+            out.extend(piece.adapters)
+            if piece.module is not None:
+                out.append(piece.module)
+            last, shape = piece, piece.shape_out
+        return out, shape
 
-    def build_one(self, s: LayerSpec) -> nn.Module | None:
+    @staticmethod
+    def _residual_adds(s: LayerSpec, prev: _Piece) -> bool:
+        """Whether Loom's Residual after ``prev`` adds its skip (the same number of values in and out)
+        or passes the input through (different numbers; Loom compares the lengths)."""
+        if isinstance(prev.module, Embedding):  # skip: the token ids, T values; output T·E values
+            if prev.module.embedding_dim == 1:
+                raise _err(s.where, "Residual around an Embedding of embedding_dim 1: Loom adds the token ids to "
+                           "the embeddings; not supported")
+            return False
+        i, o = prev.shape_in, prev.shape_out
+        if i is None or o is None or i.numel is None or o.numel is None:
+            return True  # torchloom's Residual checks the shapes when it runs
+        if i.numel != o.numel:
+            return False
+        if i.dims != o.dims:
+            raise _err(s.where, f"Residual around a layer that maps {i} to {o}: Loom adds the two flat buffers, "
+                       "torchloom's Residual needs one shape; not supported")
+        return True
+
+    def build_piece(self, s: LayerSpec, shape: _Shape | None) -> _Piece:
+        k, f = s.kind, s.f
+        src = f"{s.where} ({k})"
+        if k == "Sequential":
+            mods, out = self.build_list(s.children, shape, in_sequential=True)
+            # empty: Loom passes the input through
+            return _Piece([], Sequential(*mods) if mods else None, shape, out if mods else shape)
+        if k == "Parallel":
+            return self._parallel(s, shape)
+        if k == "Softmax":
+            return self._softmax(s, shape)
+        if k == "Dense":
+            i, o = f["input_height"], f["output_height"]
+            return _Piece(self._flat_input(s, shape, i, "input_height"), self.make(s), _Shape((i,), ""), _Shape((o,), src))
+        if k in _CONV or k in _CONVT:
+            nd = _CONV[k][1] if k in _CONV else _CONVT[k][1]
+            n_in, n_out = _spatial(f, nd, conv=k in _CONV)
+            need = (f["input_channels"], *n_in)
+            adapters = self._structured_input(s, shape, need, "input_channels × input sizes")
+            return _Piece(adapters, self.make(s), _Shape(need, ""), _Shape((f["filters"], *n_out), src))
+        if k in ("RNN", "LSTM"):
+            need = (max(f["seq_length"], 1), f["input_height"])  # Loom reads seq_length 0 as 1
+            adapters = self._structured_input(s, shape, need, "seq_length × input_height")
+            return _Piece(adapters, self.make(s), _Shape(need, ""), _Shape((need[0], f["output_height"]), src))
+        if k in ("MultiHeadAttention", "SwiGLU"):
+            n = f["d_model"] if k == "MultiHeadAttention" else f["input_height"]
+            self._last_dim(s, shape, n, "d_model" if k == "MultiHeadAttention" else "input_height")
+            out = _Shape(shape.dims, src, shape.lead) if shape is not None else _Shape((n,), src, lead=True)
+            return _Piece([], self.make(s), shape, out)
+        if k in ("RMSNorm", "LayerNorm"):
+            n = f["input_height"]
+            adapters: list[nn.Module] = []
+            if shape is not None and shape.last is not None and shape.last != n:
+                if shape.numel != n:
+                    raise self._no_chain(s, f"rows of input_height={n} values", shape)
+                adapters = [Flatten()]  # Loom normalises the whole sample, as one row
+            out = _Shape((n,), src, lead=True) if shape is None else _Shape((n,) if adapters else shape.dims, src, shape.lead and not adapters)
+            return _Piece(adapters, self.make(s), shape if not adapters else _Shape((n,), ""), out)
+        if k == "Embedding":
+            if shape is not None:
+                raise _err(s.where, f"an Embedding after another layer ({shape.src}): Loom would read that layer's "
+                           "float outputs as token ids (truncated); torchloom's Embedding takes the network's "
+                           "integer token ids, so it must come first")
+            return _Piece([], self.make(s), None, _Shape((f["embedding_dim"],), src, lead=True))
+        raise _err(s.where, f"layer type {k} is not supported")  # pragma: no cover
+
+    def _parallel(self, s: LayerSpec, shape: _Shape | None) -> _Piece:
+        f = s.f
+        mode = f["combine_mode"] or ""
+        if mode == "filter":
+            raise _err(s.where, "combine_mode 'filter' needs Loom's gate layer, which Loom does not save "
+                       "(a loaded 'filter' Parallel outputs zeros in Loom)")
+        if mode not in _COMBINE:
+            raise _err(s.where, f"combine_mode {mode!r} is not one of Loom's {sorted(set(_COMBINE) | {'filter'})}")
+        if not s.children:
+            return _Piece([], None, shape, shape)  # Loom passes the input through
+        branches, sizes = [], []
+        for c in s.children:
+            self.common_checks(c)
+            if c.kind == "Residual":
+                raise _err(c.where, "a Residual as a Parallel branch (an identity in Loom) is not supported")
+            piece = self.build_piece(c, shape)  # Loom runs every branch, even a disabled one
+            if piece.module is None:
+                raise _err(c.where, "an empty branch is not supported")
+            mods = [*piece.adapters, piece.module]
+            out = piece.shape_out
+            if out is not None and not out.flat:
+                mods.append(Flatten())  # Loom's Parallel joins each sample's flat branch outputs
+            branches.append(mods[0] if len(mods) == 1 else Sequential(*mods))
+            sizes.append(out.numel if out is not None else None)
+        combine = _COMBINE[mode]
+        if combine != "concat" and None not in sizes and len(set(sizes)) > 1:
+            raise _err(s.where, f"combine_mode {mode!r} over branches of {sizes} values per sample: Loom adds them "
+                       "into a buffer of the first branch's size (a crash or a partial sum); not supported")
+        if combine == "concat":
+            n = None if None in sizes else sum(sizes)
+        else:
+            n = sizes[0]
+        return _Piece([], Parallel(branches, combine=combine), shape, _Shape((n,), f"{s.where} (Parallel)"))
+
+    def _softmax(self, s: LayerSpec, shape: _Shape | None) -> _Piece:
+        f = s.f
+        st = f["softmax_type"]
+        grid = st in ("Grid", 1)
+        if not grid and st not in (None, "", "Standard", "Temperature", 0, 3):
+            raise _err(s.where, f"softmax_type {st!r} is not supported (only 'Standard', 'Temperature', 'Grid')")
+        t = f["temperature"] or 1.0  # Loom reads temperature 0 as 1
+        if t <= 0:
+            raise _err(s.where, f"temperature must be > 0, got {t}")
+        out = _Shape(shape.dims, f"{s.where} (Softmax)", shape.lead) if shape is not None else None
+        if not grid:
+            return _Piece([], Softmax(dim=-1, temperature=t), shape, out)
+        rows, cols = f["softmax_rows"], f["softmax_cols"]
+        if rows < 1 or cols < 1:
+            raise _err(s.where, "a 'Grid' softmax needs softmax_rows and softmax_cols >= 1")
+        n = shape.numel if shape is not None else None
+        if n is not None and n % cols:
+            raise _err(s.where, f"a 'Grid' softmax with softmax_cols={cols} over the {n} values per sample that "
+                       f"{shape.src} outputs: Loom's groups of {cols} would span two samples; not supported")
+        if n is not None and (rows * cols) % n:
+            raise _err(s.where, f"a 'Grid' softmax of softmax_rows × softmax_cols = {rows}×{cols} values over "
+                       f"samples of {n} values: Loom normalises exactly {rows * cols} values of the whole batch "
+                       "and leaves the rest 0, and that is no whole number of samples; not supported")
+        if shape is not None and shape.last == cols:
+            return _Piece([], Softmax(dim=-1, temperature=t), shape, out)
+        return _Piece([], LoomGridSoftmax(cols, t), shape, out)
+
+    # ------------------------------------------------------------------ leaf layers
+    def make(self, s: LayerSpec) -> nn.Module:
+        """The torchloom module of one leaf layer, with the file's weights when it has them."""
         k = s.kind
         f = s.f
-        if k in ("KMeans", "Metacognition"):
-            raise _err(s.where, f"Loom layer type {k} has no torchloom equivalent")
-        if k == "Sequential":
-            mods = self.build_list(s.children, in_sequential=True)
-            return Sequential(*mods) if mods else None  # empty: Loom passes the input through
-        if k == "Parallel":
-            mode = f["combine_mode"] or ""
-            if mode == "filter":
-                raise _err(s.where, "combine_mode 'filter' needs Loom's gate layer, which Loom does not save "
-                           "(a loaded 'filter' Parallel outputs zeros in Loom)")
-            if mode not in _COMBINE:
-                raise _err(s.where, f"combine_mode {mode!r} is not one of Loom's {sorted(set(_COMBINE) | {'filter'})}")
-            if not s.children:
-                return None  # Loom passes the input through
-            branches = []
-            for c in s.children:
-                self.common_checks(c)
-                if c.kind == "Residual":
-                    raise _err(c.where, "a Residual as a Parallel branch (an identity in Loom) is not supported")
-                b = self.build_one(c)  # Loom runs every branch, even a disabled one
-                if b is None:
-                    raise _err(c.where, "an empty branch is not supported")
-                branches.append(b)
-            return Parallel(branches, combine=_COMBINE[mode])
         w = self.weights(s)
         dt = self.dtype
         if k == "Dense":
@@ -186,26 +413,25 @@ class _Builder:
             if w is not None:
                 self._set(m.weight, w, (o, i))
             return m
-        if k in _CONV:
-            cls, nd = _CONV[k]
-            kk, st, pd = f["kernel_size"] or 1, f["stride"], f["padding"]
+        if k in _CONV or k in _CONVT:
+            transposed = k in _CONVT
+            cls, nd = (_CONVT if transposed else _CONV)[k]
+            kk, st, pd = f["kernel_size"], f["stride"], f["padding"]
+            if kk < 1:
+                raise _err(s.where, f"{k} needs 'kernel_size' >= 1, got {kk} (Loom's kernel loop then sums nothing: "
+                           "every output would be the activation of 0)")
             if st < 1:
                 raise _err(s.where, f"{k} needs 'stride' >= 1, got {st}")
-            n_in, n_out = _spatial(f, nd, conv=True)
-            want = tuple((n + 2 * pd - kk) // st + 1 for n in n_in)
-            if any(n < 1 for n in n_in) or n_out != want:
-                raise _err(s.where, f"{k}: output size {n_out} does not follow from input size {n_in}, kernel {kk}, "
-                           f"stride {st}, padding {pd} (expected {want}); Loom would compute a different result")
-            m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=False, dtype=dt)
-            if w is not None:
-                self._set(m.weight, w)
-            return m
-        if k in _CONVT:
-            cls, nd = _CONVT[k]
-            kk, st, pd = f["kernel_size"] or 1, f["stride"], f["padding"]
-            if st < 1:
-                raise _err(s.where, f"{k} needs 'stride' >= 1, got {st}")
-            n_in, n_out = _spatial(f, nd, conv=False)
+            n_in, n_out = _spatial(f, nd, conv=not transposed)
+            if not transposed:
+                want = tuple((n + 2 * pd - kk) // st + 1 for n in n_in)
+                if any(n < 1 for n in n_in) or n_out != want:
+                    raise _err(s.where, f"{k}: output size {n_out} does not follow from input size {n_in}, kernel {kk}, "
+                               f"stride {st}, padding {pd} (expected {want}); Loom would compute a different result")
+                m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=False, dtype=dt)
+                if w is not None:
+                    self._set(m.weight, w)
+                return m
             natural = tuple((n - 1) * st - 2 * pd + kk for n in n_in)
             op = tuple(o - n for o, n in zip(n_out, natural))
             if any(n < 1 for n in n_in) or any(not 0 <= p < st for p in op):
@@ -281,21 +507,10 @@ class _Builder:
                     self._set(m.bias, w[n:])
             return m
         if k == "Embedding":
-            m = Embedding(f["vocab_size"], f["embedding_dim"], dtype=dt)
+            m = Embedding(f["vocab_size"], f["embedding_dim"], activation=self.activation(s), dtype=dt)
             if w is not None:
                 self._set(m.weight, w)
             return m
-        if k == "Softmax":
-            st = f["softmax_type"]
-            grid = st in ("Grid", 1)
-            if not grid and st not in (None, "", "Standard", "Temperature", 0, 3):
-                raise _err(s.where, f"softmax_type {st!r} is not supported (only 'Standard', 'Temperature', 'Grid')")
-            if grid and (f["softmax_rows"] < 1 or f["softmax_cols"] < 1):
-                raise _err(s.where, "a 'Grid' softmax needs softmax_rows and softmax_cols >= 1")
-            t = f["temperature"] or 1.0
-            if t <= 0:
-                raise _err(s.where, f"temperature must be > 0, got {t}")
-            return Softmax(dim=-1, temperature=t)
         raise _err(s.where, f"layer type {k} is not supported")  # pragma: no cover
 
 
@@ -317,7 +532,7 @@ def _spatial(f: dict, nd: int, conv: bool) -> tuple[tuple[int, ...], tuple[int, 
 
 
 def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str) -> Network:
-    mods = _Builder(dtype, gelu).build_list(spec.layers, in_sequential=False)
+    mods, _ = _Builder(dtype, gelu).build_list(spec.layers, None, in_sequential=False)
     if not mods:
         raise ValueError("Loom JSON: no layer computes anything (every layer is disabled or an identity)")
     return Network(*mods)
@@ -378,6 +593,11 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
     if isinstance(mod, Dense):
         if mod.bias is not None:
             raise _refuse(name, "Dense has a bias; Loom's Dense has none (use bias=False)")
+        if shape is not None and len(shape) > 2:
+            raise _refuse(name, f"Dense on an input of shape {list(shape)}: Loom's Dense reads each sample as one row "
+                          f"of input_height values (it would take the first {shape[0]}×{mod.in_features} values of the "
+                          "batch), not every position; flatten first (Flatten) or use a layer Loom applies per position "
+                          "(SwiGLU)")
         d = _base("Dense", _act(mod, name))
         d.update(input_height=mod.in_features, output_height=mod.out_features)
         return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
@@ -460,9 +680,17 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         parts = [(mod.weight, 0)] + ([(mod.bias, 0)] if isinstance(mod, LayerNorm) else [])
         return [_weights(d, _flat(*parts, like=mod.weight))]
     if isinstance(mod, Embedding):
-        d = _base("Embedding")
+        d = _base("Embedding", _act(mod, name))
         d.update(vocab_size=mod.num_embeddings, embedding_dim=mod.embedding_dim)
         return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+    if isinstance(mod, LoomGridSoftmax):
+        if shape is None:
+            raise _refuse(name, "LoomGridSoftmax: Loom fixes the number of rows of a 'Grid' softmax in the file; "
+                          "pass example_input= (a tensor or its shape) to to_loom_json / save_loom")
+        d = _base("Softmax")
+        d.update(temperature=mod.temperature, softmax_type="Grid", softmax_rows=math.prod(shape) // mod.cols,
+                 softmax_cols=mod.cols)
+        return [d]
     if isinstance(mod, Softmax):
         if mod.dim != -1 and not (shape is not None and mod.dim == len(shape) - 1):
             raise _refuse(name, f"Softmax(dim={mod.dim}): Loom normalises the last dimension only; use dim=-1")

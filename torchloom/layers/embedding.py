@@ -1,12 +1,14 @@
-"""``Embedding`` (Loom ``Embedding``): a row lookup with a hand-written backward.
+"""``Embedding`` (Loom ``Embedding``): a row lookup, then an optional activation, with a hand-written
+backward.
 
 Read top to bottom: ``embedding_forward`` / ``embedding_backward`` (the math, side by side),
 ``EmbeddingFunction`` (the autograd bridge), ``embedding`` (functional), ``Embedding`` (module).
 
-* forward: ``y[b, …] = W[x[b, …]]`` for integer indices ``x [B, …]`` → ``y [B, …, E]``;
-* backward: ``dW[v] = Σ_{positions with x = v} gOut`` — a scatter-add (``index_add_``) of the
-  output gradient rows into a zero ``[V, E]`` gradient. The indices are not differentiable: the input
-  gradient is ``None``.
+* forward: ``pre[b, …] = W[x[b, …]]`` for integer indices ``x [B, …]``, ``y = f(pre)`` → ``[B, …, E]``
+  (``f`` linear by default; Loom's Embedding applies its ``activation`` field the same way);
+* backward: ``gPre = gOut ⊙ f'(pre)``, then ``dW[v] = Σ_{positions with x = v} gPre`` — a scatter-add
+  (``index_add_``) into a zero ``[V, E]`` gradient. The indices are not differentiable: the input
+  gradient is ``None``. (Loom's backward skips ``f'``: PARITY.md.)
 
 Out-of-range indices are a ``ValueError`` (Loom silently skips them and outputs a zero row). The check
 reads two numbers (min and max) back from the indices' device: free on CPU, one host synchronisation
@@ -21,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .activations import Activation, get_activation
 from .base import forbid_double_backward, host_checks_enabled, Layer
 
 __all__ = [
@@ -38,11 +41,15 @@ _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class EmbeddingSaved(NamedTuple):
-    """What Embedding's backward needs: the indices ``[B, …]`` and the table size ``V``."""
+    """What Embedding's backward needs: the indices ``[B, …]``, the table size ``V``, and for a
+    non-linear activation the pre-activation rows and the activation (``None`` when linear: nothing
+    more is kept)."""
 
     indices: Tensor
     num_embeddings: int
     weight_dtype: torch.dtype | None = None  # dW's dtype (None: grad_out's)
+    pre: Tensor | None = None
+    activation: Activation | None = None
 
 
 def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", check_range: bool = True) -> None:
@@ -62,22 +69,27 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
             raise ValueError(f"{owner}: indices must lie in [0, {num_embeddings}), got values in [{lo}, {hi}]")
 
 
-def embedding_forward(x: Tensor, weight: Tensor) -> tuple[Tensor, EmbeddingSaved]:
-    """``x [B, …]`` (integer, in range) and ``weight [V, E]`` → ``(W[x] [B, …, E], saved)``. No autograd."""
-    y = weight.index_select(0, x.reshape(-1)).view(*x.shape, weight.shape[1])
-    return y, EmbeddingSaved(x, weight.shape[0], weight.dtype)
+def embedding_forward(x: Tensor, weight: Tensor, activation: Activation | None = None) -> tuple[Tensor, EmbeddingSaved]:
+    """``x [B, …]`` (integer, in range) and ``weight [V, E]`` → ``(f(W[x]) [B, …, E], saved)``; ``f``
+    the activation (``None`` or linear: the rows themselves). No autograd."""
+    pre = weight.index_select(0, x.reshape(-1)).view(*x.shape, weight.shape[1])
+    if activation is None or activation.name == "linear":
+        return pre, EmbeddingSaved(x, weight.shape[0], weight.dtype)
+    return activation.forward(pre), EmbeddingSaved(x, weight.shape[0], weight.dtype, pre, activation)
 
 
 def embedding_backward(
     grad_out: Tensor, saved: EmbeddingSaved, needs_input_grad: bool = True
 ) -> tuple[None, tuple[Tensor]]:
-    """Hand-written backward: ``dW = 0``, then ``dW[x[n]] += gOut[n]`` for every position ``n``
-    (``index_add_``; a row used k times gets the sum of its k gradients). Returns ``(None, (dW,))``:
-    integer indices have no gradient."""
-    indices, num_embeddings, weight_dtype = saved
+    """Hand-written backward: ``gPre = gOut ⊙ f'(pre)`` (for a non-linear activation), ``dW = 0``,
+    then ``dW[x[n]] += gPre[n]`` for every position ``n`` (``index_add_``; a row used k times gets the
+    sum of its k gradients). Returns ``(None, (dW,))``: integer indices have no gradient."""
+    indices, num_embeddings, weight_dtype, pre, activation = saved
     E = grad_out.shape[-1]
     if weight_dtype is not None and grad_out.dtype != weight_dtype:
         grad_out = grad_out.to(weight_dtype)  # e.g. a bfloat16 gradient for a float32 table
+    if activation is not None:
+        grad_out = activation.grad(grad_out, pre)
     grad_w = grad_out.new_zeros(num_embeddings, E)
     grad_w.index_add_(0, indices.reshape(-1), grad_out.reshape(-1, E))
     return None, (grad_w,)
@@ -85,30 +97,31 @@ def embedding_backward(
 
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight):
-        y, saved = embedding_forward(x, weight)
-        ctx.save_for_backward(x)
-        ctx.num_embeddings, ctx.weight_dtype = saved.num_embeddings, saved.weight_dtype
+    def forward(ctx, x, weight, activation=None):
+        y, saved = embedding_forward(x, weight, activation)
+        ctx.save_for_backward(x, saved.pre)
+        ctx.num_embeddings, ctx.weight_dtype, ctx.activation = saved.num_embeddings, saved.weight_dtype, saved.activation
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         forbid_double_backward("Embedding")
-        (x,) = ctx.saved_tensors
-        saved = EmbeddingSaved(x, ctx.num_embeddings, ctx.weight_dtype)
+        x, pre = ctx.saved_tensors
+        saved = EmbeddingSaved(x, ctx.num_embeddings, ctx.weight_dtype, pre, ctx.activation)
         _, (grad_w,) = embedding_backward(grad_out.contiguous(), saved)
-        return None, grad_w
+        return None, grad_w, None
 
 
-def embedding(x: Tensor, weight: Tensor) -> Tensor:
-    """Functional embedding lookup ``W[x]``: ``x [B, …]`` integer indices in ``[0, V)``, ``weight
-    [V, E]`` → ``[B, …, E]``; differentiable in ``weight`` through the hand-written backward."""
+def embedding(x: Tensor, weight: Tensor, activation: str | Activation = "linear") -> Tensor:
+    """Functional embedding lookup ``f(W[x])``: ``x [B, …]`` integer indices in ``[0, V)``, ``weight
+    [V, E]`` → ``[B, …, E]``; ``f`` an activation name (default linear). Differentiable in ``weight``
+    through the hand-written backward."""
     check_indices(x, weight.shape[0], "embedding")
-    return EmbeddingFunction.apply(x, weight)
+    return EmbeddingFunction.apply(x, weight, get_activation(activation))
 
 
 class Embedding(Layer):
-    """Lookup table ``y = W[x]``.
+    """Lookup table ``y = f(W[x])``.
 
     Args:
         num_embeddings: ``V``, the vocabulary size; embedding_dim: ``E``.
@@ -116,6 +129,8 @@ class Embedding(Layer):
             (``U(−0.1, 0.1)``, Loom ``poly``).
         check_indices: check on every forward that indices lie in ``[0, V)`` (``ValueError``
             otherwise). Costs one host sync per forward on CUDA; ``False`` skips it.
+        activation: applied to the looked-up rows, see ``activation_names()`` (default
+            ``"linear"``: the rows themselves, as ``nn.Embedding``). Loom's Embedding has this field.
 
     Parameters: ``weight [V, E]``. Shapes: integer input ``[B, …]`` → output ``[B, …, E]``.
     """
@@ -126,6 +141,7 @@ class Embedding(Layer):
         embedding_dim: int,
         init: str = "normal",
         check_indices: bool = True,
+        activation: str | Activation = "linear",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -137,6 +153,7 @@ class Embedding(Layer):
             raise ValueError(f"Embedding: init must be one of {_EMB_INITS}, got {init!r}")
         if not isinstance(check_indices, bool):
             raise ValueError(f"Embedding: check_indices must be a bool, got {check_indices!r}")
+        self.activation = get_activation(activation)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.init, self.check_indices = init, check_indices
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
@@ -155,14 +172,15 @@ class Embedding(Layer):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        return EmbeddingFunction.apply(x, self.weight)
+        return EmbeddingFunction.apply(x, self.weight, self.activation)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, EmbeddingSaved]:
         self._check(x)
-        return embedding_forward(x, self.weight)
+        return embedding_forward(x, self.weight, self.activation)
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
         return embedding_backward(grad_out, saved, needs_input_grad)
 
     def extra_repr(self) -> str:
-        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+        act = "" if self.activation.name == "linear" else f", activation={self.activation.name}"
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}{act}"

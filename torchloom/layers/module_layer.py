@@ -15,6 +15,13 @@ through autograd. Train/eval mode is the module's own (``Network.train()`` / ``e
 Dropout is active and BatchNorm updates its running statistics exactly once per forward in train
 mode. ``Network`` wraps plain modules in a ``ModuleLayer`` by itself.
 
+In-place modules (``nn.ReLU(inplace=True)``, ``nn.Dropout(inplace=True)``, any submodule whose
+``inplace`` attribute is true) get a copy of their input: the input is the previous layer's output,
+which the network keeps (its history, that layer's saved tensors, the caller's batch), so it must not
+change. A module that writes into its input without saying so (``x.add_(1)`` in a user's
+``forward``) is a ``RuntimeError`` naming the module on the training path, where autograd catches
+the write.
+
 Shapes: whatever the module takes and returns (``[batch, ...]``).
 """
 
@@ -55,13 +62,31 @@ class ModuleLayer(Layer):
     def loom_type(self) -> str:
         return type(self.module).__name__
 
+    def _in_place(self) -> bool:
+        """Whether the module says it writes into its input (an ``inplace`` attribute that is true)."""
+        return any(getattr(m, "inplace", False) is True for m in self.module.modules())
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.module(x)  # ordinary autograd when used as a module
+        # ordinary autograd when used as a module; an in-place module works on a copy, so that the
+        # previous layer's output (which its backward may have saved) stays as it was
+        return self.module(x.clone() if self._in_place() and isinstance(x, Tensor) else x)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, ModuleSaved]:
         with torch.enable_grad():
             leaf = x.detach().requires_grad_(x.is_floating_point())
-            y = self.module(leaf)
+            try:
+                # the input is the previous layer's output, kept by the network: an in-place module
+                # gets a copy (the copy is part of the graph, so the input gradient still flows)
+                y = self.module(leaf.clone() if self._in_place() else leaf)
+            except RuntimeError as e:
+                if "in-place operation" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"ModuleLayer({type(self.module).__name__}): the module writes into its input in place, which "
+                    "torchloom keeps for the backward pass (and which may be the previous layer's output or your "
+                    "batch); give the module an inplace=True attribute (torchloom then passes it a copy) or "
+                    f"compute out of place. ({e})"
+                ) from None
         if not isinstance(y, Tensor):
             raise TypeError(f"ModuleLayer({type(self.module).__name__}): the module must return one tensor, got {type(y).__name__}")
         return y.detach(), ModuleSaved(leaf, y)

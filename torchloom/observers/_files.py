@@ -1,8 +1,14 @@
 """Output files of the observers: checking a path before training, and writing it atomically.
 
 ``check_output_path`` runs when an observer is made and again in its ``check_ready()`` (before a run
-changes anything): the path must name a regular file (or nothing yet) whose directory exists or can
-be created, and that directory must accept a new file (probed with an unnamed temporary file).
+changes anything): the path must name a regular file (or nothing yet) in a directory that exists, or
+that is missing only its last level under an existing directory (it is made at the first write), and
+that directory must accept a new file (probed with an unnamed temporary file). ``check_directory``
+is the same for a directory an observer writes into (TensorBoard's ``log_dir``).
+
+Only the last level is ever made (``mkdir``, never ``mkdir -p``): ``runs/exp1/best.pt`` makes
+``runs/exp1`` when ``runs`` exists, and is an error naming the missing ``runs`` otherwise, so that a
+mistyped directory fails before training instead of becoming a new tree of folders.
 
 ``atomic_write`` writes the whole content to a temporary file in the target's directory and then
 renames it over the target (``os.replace``, atomic on POSIX and Windows): an interrupted or failed
@@ -16,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["text_path", "nearest_existing", "probe_new_file", "check_output_path", "atomic_write"]
+__all__ = ["text_path", "probe_new_file", "check_output_path", "check_directory", "make_last_level", "atomic_write"]
 
 
 def text_path(owner: str, path: Any, name: str, kind: str) -> str:
@@ -32,17 +38,6 @@ def text_path(owner: str, path: Any, name: str, kind: str) -> str:
     return p
 
 
-def nearest_existing(path: str) -> str:
-    """``path`` (absolute) or its closest ancestor that exists."""
-    existing = path
-    while not os.path.exists(existing):
-        up = os.path.dirname(existing)
-        if up == existing:
-            break
-        existing = up
-    return existing
-
-
 def probe_new_file(owner: str, name: str, p: str, directory: str, where: str) -> None:
     """Raise ``ValueError`` unless ``directory`` accepts a new file (an unnamed temporary file, gone at
     once); ``where`` names that directory in the message."""
@@ -56,24 +51,59 @@ def probe_new_file(owner: str, name: str, p: str, directory: str, where: str) ->
         ) from None
 
 
+def _check_creatable_dir(owner: str, name: str, p: str, directory: str) -> None:
+    """``directory`` (absolute) must be a directory that accepts a new file, or be missing only its last
+    level under such a directory; ``ValueError`` naming ``owner``'s argument ``name`` (value ``p``)."""
+    if os.path.isdir(directory):
+        probe_new_file(owner, name, p, directory, "it" if directory == os.path.abspath(p) else "its directory")
+        return
+    if os.path.lexists(directory):
+        raise ValueError(f"{owner}: {name} {p!r} cannot be written: {directory!r} exists and is not a directory")
+    parent = os.path.dirname(directory)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise ValueError(f"{owner}: {name} {p!r} cannot be written: {parent!r} is a file, so the directory "
+                         f"{directory!r} cannot exist")
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"{owner}: {name} {p!r} cannot be written: the directory {directory!r} does not exist and its parent "
+            f"{parent!r} does not exist either. torchloom makes only the last missing directory level (a mistyped "
+            f"path should fail, not become a new tree of folders): create {parent!r} first, or fix the path"
+        )
+    probe_new_file(owner, name, p, parent, f"{parent!r}, where {os.path.basename(directory)!r} would be made")
+
+
 def check_output_path(owner: str, path: Any, name: str = "path") -> str:
     """``path`` as a ``str`` once it is known to be writable; ``TypeError``/``ValueError`` naming
-    ``owner``'s argument ``name`` otherwise. Creates nothing (missing directories are made when the
-    file is first written)."""
+    ``owner``'s argument ``name`` otherwise. Its directory must exist, or miss only its last level
+    (made at the first write). Creates nothing."""
     p = text_path(owner, path, name, "file")
     if os.path.isdir(p):
         raise ValueError(f"{owner}: {name} {p!r} is a directory; give the path of a file in it")
     if os.path.lexists(p) and not os.path.isfile(p):
         raise ValueError(f"{owner}: {name} {p!r} exists and is not a regular file (a device, socket or broken link)")
-    parent = os.path.dirname(os.path.abspath(p))
-    existing = nearest_existing(parent)
-    if not os.path.isdir(existing):
-        raise ValueError(
-            f"{owner}: {name} {p!r} cannot be written: {existing!r} is a file, so the directory {parent!r} cannot exist"
-        )
-    where = "its directory" if existing == parent else f"{existing!r}, where its directory {parent!r} would be made"
-    probe_new_file(owner, name, p, existing, where)
+    _check_creatable_dir(owner, name, p, os.path.dirname(os.path.abspath(p)))
     return p
+
+
+def check_directory(owner: str, path: Any, name: str) -> str:
+    """``path`` as a ``str`` once it is known to be usable as a directory of output files: a directory
+    that accepts a new file, or a missing last level under one (made when training starts);
+    ``TypeError``/``ValueError`` naming ``owner``'s argument ``name`` otherwise. Creates nothing."""
+    p = text_path(owner, path, name, "directory")
+    if os.path.lexists(p) and not os.path.isdir(p):
+        raise ValueError(f"{owner}: {name} {p!r} exists and is not a directory")
+    _check_creatable_dir(owner, name, p, os.path.abspath(p))
+    return p
+
+
+def make_last_level(directory: str) -> None:
+    """Make ``directory`` if it is missing; only that level (``os.mkdir``): a missing parent is a
+    ``FileNotFoundError``."""
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
 
 
 def _umask() -> int:
@@ -91,7 +121,7 @@ def atomic_write(owner: str, path: str, write: Callable[[IO[Any]], None], mode: 
     directory = os.path.dirname(os.path.abspath(path))
     tmp: str | None = None
     try:
-        os.makedirs(directory, exist_ok=True)
+        make_last_level(directory)
         bits = os.stat(path).st_mode & 0o777 if keep_mode and os.path.exists(path) else 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
         with os.fdopen(fd, mode) as f:

@@ -228,12 +228,12 @@ class Checkpoint(Observer):
 
     The file is written to a temporary file beside ``path`` and then renamed over it, so an
     interrupted or failed save leaves the previous checkpoint intact and no temporary file; a failed
-    save raises ``OSError`` naming the path. Missing directories of ``path`` are made at the first
-    save. An epoch whose monitored value is NaN or ±Inf is never saved as the best. Both kinds of
+    save raises ``OSError`` naming the path. The directory of ``path`` is made at the first save
+    when only its last level is missing (a missing parent is an error before training). An epoch whose monitored value is NaN or ±Inf is never saved as the best. Both kinds of
     file load with ``torch.load(path, weights_only=True)``: data, never code.
 
     Args:
-        path: the file to write (its directory must exist or be creatable, and be writable).
+        path: the file to write (its directory must exist, or miss only its last level; writable).
         monitor: the epoch log key that decides "best".
         save_best_only: save only when ``monitor`` improves (else every ``every_n_epochs`` epochs).
         mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` when the key contains ``"acc"``).

@@ -36,7 +36,7 @@ class CSVLogger(Observer):
     A failed write raises ``OSError`` naming the path.
 
     Args:
-        path: the CSV file (its directory must exist or be creatable, and be writable).
+        path: the CSV file (its directory must exist, or miss only its last level; writable).
         append: add rows to an existing file instead of replacing it. The file must be a log of this
             kind (first column ``epoch``, every row as long as the header, text in UTF-8), else
             ``ValueError`` at construction and in ``check_ready()``.

@@ -56,7 +56,7 @@ class LossPlot(Observer):
 
     Raises ``ImportError`` naming the ``plot`` extra when matplotlib is not installed, and
     ``ValueError``/``TypeError`` naming the argument for a path that cannot be written (a directory,
-    a directory that cannot be made, a read-only location) or a bad setting. Epochs whose loss is NaN
+    a directory missing more than its last level, a read-only location) or a bad setting. Epochs whose loss is NaN
     (no batch counted) leave a gap in the curve.
     """
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ._files import nearest_existing, probe_new_file, text_path
+from ._files import check_directory, make_last_level, text_path
 from .base import Observer, is_main_process
 
 __all__ = ["TensorBoardLogger"]
@@ -36,18 +36,12 @@ def _summary_writer_class() -> Any:
 def check_log_dir(owner: str, log_dir: Any, name: str = "log_dir", *, filesystem: bool = True) -> str:
     """``log_dir`` as a ``str`` once it is known to be usable as a directory of log files;
     ``TypeError``/``ValueError`` naming ``owner``'s argument ``name`` otherwise. With ``filesystem``
-    the path must be a directory, or nothing yet under a directory that accepts a new file (probed with
-    an unnamed temporary file). Creates nothing."""
-    p = text_path(owner, log_dir, name, "directory")
+    the path must be a directory that accepts a new file, or a missing last level under one (made
+    when training starts: only that level, never missing parents). Creates nothing."""
     if not filesystem:
-        return p
-    if os.path.lexists(p) and not os.path.isdir(p):
-        raise ValueError(f"{owner}: {name} {p!r} exists and is not a directory; give a directory for the event files")
-    existing = nearest_existing(os.path.abspath(p))
-    if not os.path.isdir(existing):
-        raise ValueError(f"{owner}: {name} {p!r} cannot be made: {existing!r} is a file")
-    probe_new_file(owner, name, p, existing, "it" if existing == os.path.abspath(p) else f"{existing!r}, where it would be made")
-    return p
+        return text_path(owner, log_dir, name, "directory")
+    return check_directory(owner, log_dir, name)
+
 
 class TensorBoardLogger(Observer):
     """Writes every numeric key of the epoch logs (``loss``, ``val_loss``, the metrics, the method's
@@ -64,8 +58,9 @@ class TensorBoardLogger(Observer):
     no directory and no file).
 
     Args:
-        log_dir: the directory of the event files (made at the start of training if missing; must be
-            a directory, or creatable under a writable directory).
+        log_dir: the directory of the event files: an existing directory, or a missing last level
+            under an existing writable directory (made at the start of training; missing parents are
+            an error, so that a mistyped path fails before training).
         prefix: put in front of every tag, e.g. ``"train/"`` (TensorBoard groups tags by the part
             before a ``/``).
         keys: write only these log keys (``None``, the default: every numeric key).
@@ -106,6 +101,7 @@ class TensorBoardLogger(Observer):
     def _open(self) -> None:
         self._close()
         if is_main_process():
+            make_last_level(os.path.abspath(self.log_dir))  # checked in check_ready(); SummaryWriter would make parents too
             self.writer = _summary_writer_class()(log_dir=self.log_dir)
 
     def _close(self) -> None:
