@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchloom import Checkpoint, ConsoleObserver, CSVLogger, Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig, train
 from torchloom.observers.base import Observer
+from test_examples import load_example
 
 WORLD = 2
 PERM = [(7 * i + 3) % 64 for i in range(64)]  # a row order of the user's own sampler
@@ -45,6 +46,9 @@ METHODS = {
     "tp-chain": dict(method=TargetPropConfig(learning_rate=0.05, gate_threshold=0.3)),
     "tp-pure": dict(method=TargetPropConfig(mode="pure", learning_rate=0.02)),
     "tween": dict(method=TweenConfig(base_rate=0.05), loss_type="cross_entropy"),
+    # a rule written outside torchloom (examples/08_custom_method.py): data-parallel like the others
+    "custom": dict(method=load_example("08_custom_method.py").FeedbackAlignment(seed=4), loss_type="cross_entropy",
+                   optimizer="momentum", learning_rate=0.05),
 }
 
 

@@ -29,13 +29,17 @@ from torchloom import (
     train,
 )
 from torchloom.engine.cuda_path import CudaRunner
+from test_examples import load_example
 
 METHODS = {
     "backprop": "backprop",
     "tp-chain": TargetPropConfig(learning_rate=0.05, gate_threshold=0.3),
     "tp-pure": TargetPropConfig(mode="pure", learning_rate=0.02),
     "tween": TweenConfig(base_rate=0.05),
+    # a rule written outside torchloom (examples/08_custom_method.py): every engine feature applies to it too
+    "custom": load_example("08_custom_method.py").FeedbackAlignment(seed=4),
 }
+GRADIENT_RULES = ("backprop", "custom")  # rules on backprop's machinery: an optimizer, a loss_type
 
 
 def _net(dtype=torch.float64, seed=0, sizes=(6, 12, 4), acts=("tanh", "sigmoid")):
@@ -56,7 +60,7 @@ def _data(n=5, bs=6, classes=4, dtype=torch.float64, seed=1, labels=True):
 
 def _cfg(name, **kw):
     method = copy.deepcopy(METHODS[name])
-    loss = "cross_entropy" if name == "backprop" else "mse"
+    loss = "cross_entropy" if name in GRADIENT_RULES else "mse"
     return TrainingConfig(**{"method": method, "epochs": 3, "verbose": 0, "loss_type": loss, **kw})
 
 
@@ -148,7 +152,7 @@ def test_observers_see_every_hook_with_method_logs(name):
     result = train(_net(), _data(), _cfg(name, observers=[rec]))
     assert rec.calls[0] == "train_begin" and rec.calls[-1] == "train_end" and rec.calls.count("batch") == 15
     assert len(rec.epoch_logs) == 3 and [e["loss"] for e in rec.epoch_logs] == result.loss_history
-    expected = {"backprop": set(), "tp-chain": {"mean_link_budget", "mean_gap"}, "tp-pure": {"mean_link_budget", "mean_gap"},
+    expected = {"backprop": set(), "custom": set(), "tp-chain": {"mean_link_budget", "mean_gap"}, "tp-pure": {"mean_link_budget", "mean_gap"},
                 "tween": {"mean_gap", "mean_link_budget", "adaptive_rate"}}[name]
     assert expected <= set(rec.epoch_logs[0])
     assert expected <= set(result.history.keys())
@@ -175,7 +179,7 @@ def test_seed_makes_runs_reproducible(name):
     assert ra.loss_history == rb.loss_history and _same(a, b) and torch.equal(after_a, after_b)
 
 
-@pytest.mark.parametrize("name", [n for n in METHODS if n != "backprop"])
+@pytest.mark.parametrize("name", [n for n in METHODS if n not in GRADIENT_RULES])
 def test_schedule_drives_the_method_rate(name):
     """A schedule constant at r equals the method configured with rate r; a decaying one differs."""
     data = _data()
@@ -228,13 +232,13 @@ def test_overflowing_updates_are_undone(name):
     data = [(x.float() * 1e3, y) for x, y in _data()]
     net = _net(torch.float32, acts=("linear", "linear"))  # gradients ~1e3: rate·gradient overflows
     before = copy.deepcopy(net)
-    kw = dict(learning_rate=1e37) if name == "backprop" else {}
+    kw = dict(learning_rate=1e37) if name in GRADIENT_RULES else {}
     method = copy.deepcopy(METHODS[name])
     if isinstance(method, TweenConfig):
         method.base_rate = 1e37
     elif isinstance(method, TargetPropConfig):
         method.learning_rate = 1e37
-    cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type="cross_entropy" if name == "backprop" else "mse", **kw)
+    cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type="cross_entropy" if name in GRADIENT_RULES else "mse", **kw)
     with pytest.warns(DivergenceWarning):
         result = train(net, data, cfg)
     assert all(torch.isfinite(p).all() for p in net.parameters())
@@ -347,7 +351,7 @@ def test_two_epochs_plus_resume_equals_four_epochs_bit_for_bit(name, tmp_path):
     from torchloom import Checkpoint
 
     data = _data()
-    extra = dict(scheduler=lambda step: 0.05 / (1 + 0.1 * step)) if name != "backprop" else dict(optimizer="adamw", scheduler=lambda step: 0.01 / (1 + step))
+    extra = dict(scheduler=lambda step: 0.05 / (1 + 0.1 * step)) if name not in GRADIENT_RULES else dict(optimizer="adamw", scheduler=lambda step: 0.01 / (1 + step))
     full = _net()
     r_full = train(full, data, _cfg(name, epochs=4, **extra))
     path = tmp_path / "run.pt"
@@ -413,7 +417,7 @@ def test_validation_and_metrics_against_a_hand_computation(name):
         ys = torch.cat([y for _, y in val])
         with torch.no_grad():
             out = ref(xs)
-        if name in ("backprop", "tween"):  # Tween's loss for class labels: softmax cross-entropy
+        if name in (*GRADIENT_RULES, "tween"):  # Tween's loss for class labels: softmax cross-entropy
             want_loss = F.cross_entropy(out, ys).item()
         else:
             want_loss = F.mse_loss(out, F.one_hot(ys, 4).double()).item()
@@ -502,13 +506,13 @@ def test_cuda_overflowing_updates_are_undone_on_the_device(name, cuda_graph):
     net = _net(torch.float32, acts=("linear", "linear"))
     before = copy.deepcopy(net)
     method = copy.deepcopy(METHODS[name])
-    kw = dict(learning_rate=1e37) if name == "backprop" else {}
+    kw = dict(learning_rate=1e37) if name in GRADIENT_RULES else {}
     if isinstance(method, TweenConfig):
         method.base_rate = 1e37
     elif isinstance(method, TargetPropConfig):
         method.learning_rate = 1e37
     cfg = TrainingConfig(method=method, epochs=2, verbose=0, use_gpu=True, cuda_graph=cuda_graph,
-                         loss_type="cross_entropy" if name == "backprop" else "mse", **kw)
+                         loss_type="cross_entropy" if name in GRADIENT_RULES else "mse", **kw)
     with pytest.warns(DivergenceWarning):
         result = train(net, data, cfg)
     assert all(torch.isfinite(p).all() for p in net.parameters())
