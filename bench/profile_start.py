@@ -62,12 +62,12 @@ def _trace_triton() -> dict[str, list[float]]:
 # The steps of a run's start that --phases times: (module, class, methods)
 _PHASES = (
     ("torchloom.engine.loop", "Trainer", ("_get_ready", "_build_runner", "output_shape", "join_op_warm")),
-    ("torchloom.engine.loop", "BatchSource", ("__init__",)),
+    ("torchloom.engine.batches", "BatchSource", ("__init__",)),
     ("torchloom.kernels._preload", "Preload", ("join", "_imports", "_tools")),
     ("torchloom.engine.cuda_path", "CudaRunner", ("_capture", "_replay", "run_epoch")),
-    ("torchloom.methods.backprop", "BackpropTrainer", ("device_step",)),
-    ("torchloom.methods.target_prop", "TargetPropTrainer", ("device_step",)),
-    ("torchloom.methods.tween", "TweenTrainer", ("device_step",)),
+    ("torchloom.methods.backprop", "Backprop", ("device_step",)),
+    ("torchloom.methods.target_prop", "TargetProp", ("device_step",)),
+    ("torchloom.methods.tween", "Tween", ("device_step",)),
 )
 
 

@@ -164,7 +164,7 @@ def test_in_place_module_in_a_network_trains_and_changes_nothing_it_reads(name):
     """``nn.ReLU(inplace=True)`` and friends: the autograd path (``net(x)`` + ``backward``) and the
     training path (``train()``, hand-written backward) both give the gradients of the out-of-place
     network, and the caller's batch is never modified."""
-    from torchloom.trainers.train import TrainingConfig, train
+    from torchloom.engine.train import TrainingConfig, train
 
     net = _inplace_nets()[name]
     x = torch.randn(5, 3, dtype=f64)
@@ -185,7 +185,7 @@ def test_in_place_module_in_a_network_trains_and_changes_nothing_it_reads(name):
 
 
 def test_a_module_writing_into_its_input_unannounced_is_a_clear_error():
-    from torchloom.trainers.train import TrainingConfig, train
+    from torchloom.engine.train import TrainingConfig, train
 
     net = Network(Dense(3, 4, dtype=f64), _AddsInPlace(), Dense(4, 2, dtype=f64))
     before = [p.detach().clone() for p in net.parameters()]

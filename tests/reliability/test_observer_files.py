@@ -180,7 +180,7 @@ def test_a_mistyped_directory_is_an_error_before_anything_is_made(tmp_path, owne
 def test_a_path_changed_to_a_mistyped_directory_fails_before_training_changes_anything(tmp_path, owner):
     from torchloom.layers.dense import Dense
     from torchloom.layers.network import Network
-    from torchloom.trainers.train import TrainingConfig, train
+    from torchloom.engine.train import TrainingConfig, train
 
     make, is_file = _writer(owner)
     obs = make(_target(tmp_path, is_file, "run0"))
@@ -197,7 +197,7 @@ def test_a_path_changed_to_a_mistyped_directory_fails_before_training_changes_an
 def test_the_last_missing_level_is_made_when_training_writes_not_before(tmp_path, owner):
     from torchloom.layers.dense import Dense
     from torchloom.layers.network import Network
-    from torchloom.trainers.train import TrainingConfig, train
+    from torchloom.engine.train import TrainingConfig, train
 
     make, is_file = _writer(owner)
     path = _target(tmp_path, is_file, "run1")

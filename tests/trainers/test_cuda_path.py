@@ -209,3 +209,18 @@ def test_a_step_that_cannot_be_captured_warns_and_runs_eagerly():
     with pytest.raises(RuntimeError):
         train(copy.deepcopy(ref), batches, epochs=2, learning_rate=0.1, verbose=False, use_gpu=True, cuda_graph=True)
     torch.randn(3, device="cuda")  # CUDA's random-number state survived: no capture was left half done
+
+
+def test_host_reads_are_found_before_a_capture_without_any_process_setting():
+    """The warm-up before a capture runs under a dispatch mode of its own thread that refuses host
+    reads (a capture that failed half way would leave CUDA's random state unusable); ordinary ops pass,
+    and nothing process-wide (the sync debug mode) is touched."""
+    from torchloom.engine.cuda_path import _NoHostReads
+
+    x = torch.randn(4, 3)
+    with _NoHostReads():
+        y = torch.tanh(x @ x.T).sum(0)  # device work: fine
+        for read in (lambda: float(y.sum()), lambda: bool(y[0] > 0), lambda: torch.nonzero(y)):  # (a copy to the CPU: the CUDA test)
+            with pytest.raises(RuntimeError, match="reads a device value on the host"):
+                read()
+    assert float(y.sum()) == pytest.approx(float(torch.tanh(x @ x.T).sum()))  # outside the mode: allowed again

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layers.base import host_checks
 from .guards import UpdateGuard
@@ -94,6 +95,36 @@ def capturing(graph: "torch.cuda.CUDAGraph", pool: object | None = None) -> Iter
     finally:
         if enabled:
             gc.enable()
+
+
+# ops that read a device value on the host (a stream synchronisation a CUDA graph cannot hold)
+_HOST_READS = frozenset({
+    "_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "nonzero_static", "masked_select",
+    "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave", "bincount", "histc",
+})
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Raises ``RuntimeError`` at the first op of a step that reads a device value on the host
+    (``.item()``, ``bool(t)``, ``nonzero``, a copy to the CPU, ...): such a step cannot be captured, and
+    a capture that fails half way leaves CUDA's random-number state unusable. A dispatch mode of this
+    thread only, active around the warm-up steps before a capture."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _HOST_READS or (name in ("_to_copy", "copy_") and _to_host(name, args, kwargs)):
+            raise RuntimeError(f"the step reads a device value on the host ({func})")
+        return func(*args, **kwargs)
+
+
+def _to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``_to_copy`` / ``copy_`` moves a CUDA tensor's values to the CPU."""
+    if name == "_to_copy":
+        dst = kwargs.get("device")
+        return isinstance(args[0], Tensor) and args[0].is_cuda and dst is not None and torch.device(dst).type == "cpu"
+    dst, src = args[0], args[1]
+    return isinstance(src, Tensor) and src.is_cuda and isinstance(dst, Tensor) and dst.device.type == "cpu"
 
 
 def _needs_eager_checks(model: torch.nn.Module) -> bool:
@@ -307,8 +338,9 @@ class CudaRunner:
                 with t.op_recorder():  # a first run notes the kernels for the next (op_warm.py)
                     for k in warmups:
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
-                        try:  # (a host read in the step fails the capture below: the run goes on eagerly)
-                            t.device_step(*items[k], k, self)
+                        try:  # a host read would break the capture: found here, before it starts
+                            with _NoHostReads():
+                                t.device_step(*items[k], k, self)
                         finally:
                             self.dead.zero_()
                         t.device_epoch_begin(self, 1)  # state the warm-up created joins the layout

@@ -1,6 +1,6 @@
 """Tweening's explosion rule for one step as one tiny kernel (the Tween device step).
 
-The rule itself (``torchloom.trainers.tween.ExplosionRule``: a running log-space baseline of the mean
+The rule itself (``torchloom.methods.explosion.ExplosionRule``: a running log-space baseline of the mean
 gap, explosion = gap above ``explosion_limit`` × baseline, rate cut and recovery) is written once over
 an ``ops`` namespace and runs on Python floats in the host step. Over 0-d device tensors it costs
 about 80 scalar kernels per step, which in a captured Tween step was about half of its launches
