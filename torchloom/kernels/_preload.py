@@ -152,7 +152,7 @@ class Preload:
         _this_thread.imports = True
         try:
             try:
-                triton = _warm_triton()
+                _warm_triton()
             finally:
                 imported.set()
             for name in modules:
@@ -160,8 +160,6 @@ class Preload:
                     importlib.import_module(name)
                 except Exception:  # noqa: BLE001 - imported again where it is used, which raises there
                     pass
-            if triton:  # Triton's hash of its own installation, asked by every first launch: done here, beside the run's start
-                _ask("triton.runtime.cache", "triton_key")
         finally:
             _imports_ended(ended)
 
@@ -171,6 +169,9 @@ class Preload:
         # that is still being imported can each find the other's module half made
         imported.wait()
         if "triton" in sys.modules:
+            # Triton's hash of its own installation (~0.4 s, its files read and hashed with the
+            # interpreter lock released), asked by every first launch: first, beside the imports
+            _ask("triton.runtime.cache", "triton_key")
             _warm_tools(arch)
 
     def join(self) -> None:
