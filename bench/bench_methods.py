@@ -263,14 +263,14 @@ def verdicts(dataset: str, rows: list[Row], batches: list[int]) -> list[list[str
     lines = []
     run = {r.method for r in rows}
     for label, method, ref, value, only in TARGETS:
-        if (only and dataset not in only) or method not in run:
+        if (only and dataset not in only) or method not in run or (ref and ref not in run):
             continue
         cells = [label]
         for b in batches:
             got = _mean_acc(rows, method, b)
             goal = value if ref is None else (None if _mean_acc(rows, ref, b) is None else _mean_acc(rows, ref, b) - value)
             if got is None or goal is None:
-                cells.append("— (not run or refused)")
+                cells.append("— (refused)")
             else:
                 cells.append(f"{'met' if got >= goal else 'not met'} ({got:.2f} vs ≥ {goal:.2f})")
         lines.append(cells)
