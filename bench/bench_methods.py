@@ -31,10 +31,11 @@ which no step was refused (a refused step can abandon the rest of its epoch). Ta
 TargetProp chain and Tween ≥ backprop SGD+momentum − 1 point, TargetProp pure ≥ 85 % on Fashion-MNIST,
 with the same rate at both batch sizes.
 
-Run (from the repository root; about 35 min on 2 CPU cores)::
+Run from the repository root (times measured on this project's 2-core CPU machine, busy with other jobs;
+``--threads 1`` because two torch threads there made some epochs 10–30× slower)::
 
-    PYTHONPATH=. python bench/bench_methods.py --markdown
-    PYTHONPATH=. python bench/bench_methods.py --datasets fashion --max-train 10000 --seeds 3
+    PYTHONPATH=. python bench/bench_methods.py --threads 1 --markdown   # everything: ~40 min
+    PYTHONPATH=. python bench/bench_methods.py --datasets fashion --max-train 10000 --threads 1   # 7 min
     PYTHONPATH=. python bench/bench_methods.py --dry-run     # digits, 1 seed, 1 epoch, 2 methods: seconds
 
 Needs ``scikit-learn`` (digits), ``apt-get install dataset-fashion-mnist`` and ``pip install mnist1d``.
