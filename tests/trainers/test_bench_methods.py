@@ -1,0 +1,43 @@
+"""bench/bench_methods.py stays runnable: its --dry-run (digits, 1 seed, 1 epoch, two methods) prints the
+table and the targets, a loss TargetProp refuses becomes a reported row, and bad arguments are refused."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn", reason="the dry run trains on scikit-learn's digits")
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_methods.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_methods", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_prints_the_table_and_the_targets(capsys):
+    assert _bench().main(["--dry-run", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    for method in ("bp-sgdm", "tween"):
+        for batch in (32, 256):
+            assert f"| {method} | {batch} | 0.01 | cross_entropy | " in out
+    assert "refused" not in out
+    assert "| Tween ≥ backprop SGD+mom − 1 point | " in out
+
+
+def test_a_refused_loss_is_a_row_not_a_crash(capsys):
+    assert _bench().main(["--dry-run", "--methods", "tp-chain", "--loss-tp-chain", "cross_entropy", "--batch-sizes", "32"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("tp-chain"))
+    assert "refused: TrainingConfig: loss_type='cross_entropy' cannot be used with TargetProp" in row
+
+
+@pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"]])
+def test_bad_arguments_are_refused(args):
+    with pytest.raises(SystemExit):
+        _bench().main(["--dry-run", *args])
