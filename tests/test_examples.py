@@ -52,3 +52,10 @@ def test_validation_and_resume_example(method):
     out = load_example("06_validation_and_resume.py").main(method=method, epochs=6, verbose=False)
     assert out["resume_exact"] == 1.0  # 3 epochs + resume for 3 equals 6 in one run, bit for bit
     assert out["val_accuracy"] > 0.9 and out["predicted"] == pytest.approx(out["val_accuracy"])
+
+
+def test_custom_method_example():
+    pytest.importorskip("sklearn")
+    out = load_example("08_custom_method.py").main(epochs=6, verbose=False)
+    assert out["resume_exact"] == 1.0  # half the epochs + resume equals the whole run, bit for bit
+    assert out["val_accuracy"] > 0.85
