@@ -47,7 +47,7 @@ def main() -> dict[str, float]:
     backprop_net.load_state_dict(tween_net.state_dict())  # the same starting weights
 
     # Tween: the document's defaults (base_rate 0.01, momentum 0.9, gap threshold 0.1, ...).
-    trainer = TweenTrainer(tween_net, TweenConfig())
+    trainer = TweenTrainer(tween_net, TweenConfig(loss_type="cross_entropy"))  # the document's defaults, softmax cross-entropy
     tween = trainer.fit((x_tr, y_tr), epochs=EPOCHS, batch_size=BATCH)
 
     # Backprop: SGD with momentum 0.9 at the same rate, cross-entropy on the same batches.

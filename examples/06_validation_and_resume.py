@@ -43,8 +43,8 @@ def main(method: str = "backprop", epochs: int = 12, verbose: bool = True) -> di
         method=method, epochs=epochs, batch_size=32, shuffle=True, seed=0,
         validation_data=(x_va, y_va), metrics=("accuracy",), verbose=2 if verbose else 0,
         **({"loss_type": "cross_entropy", "learning_rate": 0.1} if method == "backprop" else {}),
-        **({"learning_rate": 0.05} if method == "tween" else {}),
-        **({"learning_rate": 0.005} if method == "target_prop" else {}),
+        **({"learning_rate": 0.05, "loss_type": "cross_entropy"} if method == "tween" else {}),
+        **({"learning_rate": 0.1, "loss_type": "cross_entropy"} if method == "target_prop" else {}),
     )
     with tempfile.TemporaryDirectory() as tmp:
         best, last = Path(tmp) / "best.pt", Path(tmp) / "last.pt"

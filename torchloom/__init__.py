@@ -62,6 +62,7 @@ from .observers import (
     Observer,
     ProgressObserver,
     TensorBoardLogger,
+    TerminateOnDivergence,
     print_gradient_stats,
 )
 from .engine import (
@@ -193,6 +194,7 @@ __all__ = [
     "TensorBoardLogger",
     "EarlyStopping",
     "Checkpoint",
+    "TerminateOnDivergence",
     # Loom interop
     "from_loom_json",
     "to_loom_json",

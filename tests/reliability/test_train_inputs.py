@@ -78,7 +78,7 @@ BAD_SETTINGS = [
     (dict(scheduler_interval="step"), ValueError, "scheduler_interval"),
     (dict(scheduler_monitor=1), TypeError, "scheduler_monitor"),
     (dict(precision="fp16"), ValueError, "precision"),
-    (dict(method="target_prop", loss_type="cross_entropy"), ValueError, "loss_type"),
+    (dict(method="target_prop", loss_type="crossentropy"), ValueError, "loss_type"),
 ]
 
 

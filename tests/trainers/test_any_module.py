@@ -110,4 +110,4 @@ def test_plain_models_are_accepted_and_modulelayer_rejects_non_modules():
     with pytest.raises(TypeError, match="torchloom layer already"):
         ModuleLayer(Dense(2, 2))
     with pytest.raises(ValueError, match="cannot be used with TargetProp"):
-        TrainingConfig(method="target_prop", loss_type="cross_entropy")
+        TrainingConfig(method="target_prop", loss_type="crossentropy")  # Loom's probability form: no target for the logits

@@ -31,10 +31,10 @@ def test_dry_run_prints_the_table_and_the_targets(capsys):
 
 
 def test_a_refused_loss_is_a_row_not_a_crash(capsys):
-    assert _bench().main(["--dry-run", "--methods", "tp-chain", "--loss-tp-chain", "cross_entropy", "--batch-sizes", "32"]) == 0
+    assert _bench().main(["--dry-run", "--methods", "tp-chain", "--loss-tp-chain", "crossentropy", "--batch-sizes", "32"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("tp-chain"))
-    assert "refused: TrainingConfig: loss_type='cross_entropy' cannot be used with TargetProp" in row
+    assert "refused: TrainingConfig: loss_type='crossentropy' cannot be used with TargetProp" in row
 
 
 @pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"]])

@@ -417,7 +417,7 @@ def test_validation_and_metrics_against_a_hand_computation(name):
         ys = torch.cat([y for _, y in val])
         with torch.no_grad():
             out = ref(xs)
-        if name in (*GRADIENT_RULES, "tween"):  # Tween's loss for class labels: softmax cross-entropy
+        if name in GRADIENT_RULES:  # their loss_type: cross_entropy; TargetProp's and Tween's: "mse" to one-hot
             want_loss = F.cross_entropy(out, ys).item()
         else:
             want_loss = F.mse_loss(out, F.one_hot(ys, 4).double()).item()

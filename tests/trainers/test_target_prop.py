@@ -147,7 +147,7 @@ def _assert_params(net, p, rtol=1e-12):
 @pytest.mark.parametrize("chain", [True, False], ids=["chain_rule", "pure"])
 def test_hand_sized_network_targets_budgets_gaps_rates_and_two_momentum_steps(chain):
     net = _hand_net()
-    cfg = TargetPropConfig(use_chain_rule=chain, learning_rate=0.3)
+    cfg = TargetPropConfig(reduction="sum", use_chain_rule=chain, learning_rate=0.3)
     state = TargetPropState(net, cfg)
     p, vel = _params_of(net), _zeros_like(_params_of(net))
     for step in range(2):  # the second step sees the momentum of the first
@@ -174,7 +174,7 @@ def test_hand_sized_network_targets_budgets_gaps_rates_and_two_momentum_steps(ch
 def test_rate_is_lr_times_half_plus_half_budget_times_depth_factor_power():
     """Budgets set by hand, momentum 0: each layer moves by exactly rate_i · direction."""
     net = _hand_net()
-    cfg = TargetPropConfig(learning_rate=0.2, momentum=0.0, depth_scale_factor=1.7, gate_threshold=0.2)
+    cfg = TargetPropConfig(reduction="sum", learning_rate=0.2, momentum=0.0, depth_scale_factor=1.7, gate_threshold=0.2)
     state = TargetPropState(net, cfg)
     target_prop_forward(net, state, torch.tensor(X, dtype=F64))
     target_prop_backward(net, state, torch.tensor(T, dtype=F64))
@@ -193,7 +193,7 @@ def test_gate_leaves_a_layer_with_budget_below_threshold_untouched():
     with torch.no_grad():
         y = net(torch.tensor(X, dtype=F64))
     t = (-2.0 * y).tolist()  # the target points away from the output: cos = −1, budget 0
-    cfg = TargetPropConfig(learning_rate=0.3)
+    cfg = TargetPropConfig(reduction="sum", learning_rate=0.3)
     state = TargetPropState(net, cfg)
     p = _params_of(net)
     new_p, _, ref = _reference_step(p, _zeros_like(p), X, t, chain=True, lr=0.3)
@@ -207,7 +207,7 @@ def test_gate_leaves_a_layer_with_budget_below_threshold_untouched():
     assert not torch.equal(net[0].weight, torch.tensor(W0, dtype=F64))
     # without the gate the same layer does move
     net2 = _hand_net()
-    state2 = TargetPropState(net2, TargetPropConfig(learning_rate=0.3, gate_threshold=0.0))
+    state2 = TargetPropState(net2, TargetPropConfig(reduction="sum", learning_rate=0.3, gate_threshold=0.0))
     assert _run_functional(net2, state2, X, t, 0.3) == []
     assert not torch.equal(net2[1].weight, torch.tensor(W1, dtype=F64))
 
@@ -241,7 +241,7 @@ def _sgd_reference(net, forward, batches, lr):
 
 
 def _sgd_property(net, batches, lr):
-    cfg = TargetPropConfig(momentum=0.0, gate_threshold=0.0, depth_scale_factor=1.0, learning_rate=lr)
+    cfg = TargetPropConfig(reduction="sum", momentum=0.0, gate_threshold=0.0, depth_scale_factor=1.0, learning_rate=lr)
     state = TargetPropState(net, cfg)
     for x, t in batches:
         target_prop_forward(net, state, x)
@@ -327,7 +327,7 @@ def test_pure_mode_dense_estimate_matches_the_formula_for_every_row_non_square()
     net = Network(Dense(5, 3, "tanh", dtype=F64), Dense(3, 4, "sigmoid", dtype=F64), Dense(4, 2, dtype=F64))
     with torch.no_grad():
         net[1].weight[:, 2] = torch.tensor([0.002, -0.003, 0.001, 0.002], dtype=F64)  # Σ|W| = 0.008: no target
-    state = TargetPropState(net, TargetPropConfig(mode="pure"))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", mode="pure"))
     x = torch.randn(4, 5, dtype=F64)
     t = torch.randn(4, 2, dtype=F64)
     target_prop_forward(net, state, x)
@@ -349,7 +349,7 @@ def test_pure_mode_dense_estimate_matches_the_formula_for_every_row_non_square()
 def test_pure_mode_rnn_and_lstm_estimates_per_time_step():
     rnn, lstm = RNN(3, 4, dtype=F64), LSTM(4, 2, dtype=F64)
     net = Network(rnn, lstm)
-    state = TargetPropState(net, TargetPropConfig(mode="pure"))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", mode="pure"))
     x = torch.randn(2, 5, 3, dtype=F64)
     t = torch.randn(2, 5, 2, dtype=F64)
     target_prop_forward(net, state, x)
@@ -376,7 +376,7 @@ def test_pure_mode_attention_estimate_goes_back_through_o_then_v_with_grouped_he
     d, H, K, D = 8, 4, 2, 2  # 4 query heads share 2 kv heads: query head h reads kv head h // 2
     mha = MultiHeadAttention(d, H, num_kv_heads=K, dtype=F64)
     net = Network(mha)
-    state = TargetPropState(net, TargetPropConfig(mode="pure"))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", mode="pure"))
     x, t = torch.randn(2, 3, d, dtype=F64), torch.randn(2, 3, d, dtype=F64)
     target_prop_forward(net, state, x)
     target_prop_backward(net, state, t)
@@ -397,7 +397,7 @@ def test_pure_mode_update_of_a_recurrent_layer_is_its_local_loss_gradient():
     """Documented choice: non-Dense layers follow −∇ of ½‖t − a‖² through their own backward only."""
     rnn = RNN(3, 4, dtype=F64)
     net = Network(rnn, Dense(4, 2, dtype=F64))
-    state = TargetPropState(net, TargetPropConfig(mode="pure"))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", mode="pure"))
     x, t = torch.randn(2, 5, 3, dtype=F64), torch.randn(2, 5, 2, dtype=F64)
     target_prop_forward(net, state, x)
     target_prop_backward(net, state, t)
@@ -417,7 +417,7 @@ def test_pure_mode_update_of_a_recurrent_layer_is_its_local_loss_gradient():
 
 def test_layers_without_an_estimate_pass_their_input_through():
     net = Network(RNN(3, 4, dtype=F64), LastStep(), Dense(4, 2, dtype=F64))  # LastStep: no weights
-    state = TargetPropState(net, TargetPropConfig(mode="pure"))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", mode="pure"))
     x = torch.randn(2, 3, 3, dtype=F64)
     target_prop_forward(net, state, x)
     target_prop_backward(net, state, torch.randn(2, 2, dtype=F64))
@@ -431,12 +431,12 @@ def test_layers_without_an_estimate_pass_their_input_through():
 
 def test_trainer_step_equals_the_four_functional_calls_and_accepts_labels():
     net_a, net_b = _hand_net(), _hand_net()
-    cfg = TargetPropConfig(learning_rate=0.3)
+    cfg = TargetPropConfig(reduction="sum", learning_rate=0.3)
     trainer = TargetPropTrainer(net_a, cfg)
     labels = torch.tensor([0, 0])
     x = torch.tensor(X, dtype=F64)
     out = trainer.step(x, labels)
-    state = TargetPropState(net_b, TargetPropConfig(learning_rate=0.3))
+    state = TargetPropState(net_b, TargetPropConfig(reduction="sum", learning_rate=0.3))
     y = target_prop_forward(net_b, state, x)
     target_prop_backward(net_b, state, torch.ones(2, 1, dtype=F64))  # one-hot of label 0 with width 1
     state.calculate_link_budgets()
@@ -457,7 +457,7 @@ def test_fit_history_has_loss_accuracy_budget_gap_and_skipped_layers():
     x = torch.randn(24, 4)
     labels = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
     data = [(x[i : i + 8], labels[i : i + 8]) for i in range(0, 24, 8)]
-    result = TargetPropTrainer(net, TargetPropConfig(learning_rate=0.05)).fit(data, 40)
+    result = TargetPropTrainer(net, TargetPropConfig(reduction="sum", learning_rate=0.05)).fit(data, 40)
     h = result.history
     for key in ("loss", "accuracy", "mean_link_budget", "mean_gap", "skipped_layers"):
         assert len(h[key]) == 40, key
@@ -466,7 +466,7 @@ def test_fit_history_has_loss_accuracy_budget_gap_and_skipped_layers():
     assert all(0.0 <= b <= 1.0 for b in h["mean_link_budget"])
     # float targets of the output's shape: no accuracy is logged
     one_hot = [(a, F.one_hot(b, 3).float()) for a, b in data]
-    r2 = TargetPropTrainer(Network(Dense(4, 8, "tanh"), Dense(8, 3)), TargetPropConfig()).fit(one_hot, 2)
+    r2 = TargetPropTrainer(Network(Dense(4, 8, "tanh"), Dense(8, 3)), TargetPropConfig(reduction="sum")).fit(one_hot, 2)
     assert "accuracy" not in r2.history and "mean_gap" in r2.history
 
 
@@ -484,7 +484,7 @@ def test_labels_and_their_one_hot_targets_train_identically():
 def test_nan_input_skips_the_step_and_leaves_weights_alone():
     net = _hand_net()
     before = [p.clone() for p in net.parameters()]
-    trainer = TargetPropTrainer(net, TargetPropConfig())
+    trainer = TargetPropTrainer(net, TargetPropConfig(reduction="sum"))
     bad = torch.tensor([[float("nan"), 1.0], [0.0, 1.0]], dtype=F64)
     assert trainer.step(bad, torch.tensor(T, dtype=F64)).status is StepStatus.NAN_LOSS
     result = trainer.fit([(bad, torch.tensor(T, dtype=F64))], 2)
@@ -507,7 +507,7 @@ def test_per_layer_observer_events_carry_outputs_and_loss_gradients():
     net = _hand_net()
     ref = copy.deepcopy(net)
     rec = Recorder()
-    TargetPropTrainer(net, TargetPropConfig(), observers=[rec]).fit([(torch.tensor(X, dtype=F64), torch.tensor(T, dtype=F64))], 1)
+    TargetPropTrainer(net, TargetPropConfig(reduction="sum"), observers=[rec]).fit([(torch.tensor(X, dtype=F64), torch.tensor(T, dtype=F64))], 1)
     assert [(k, i) for k, i, _ in rec.events] == [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
     # against autograd on the untouched copy: outputs, and d(½Σ(y−t)²)/d(input of each layer)
     x = torch.tensor(X, dtype=F64, requires_grad=True)
@@ -527,8 +527,8 @@ def test_trainer_on_cuda_matches_cpu():
     net_gpu = copy.deepcopy(net_cpu).to("cuda")
     x, labels = torch.randn(16, 4, dtype=F64), torch.randint(0, 3, (16,))
     for mode in ("chain_rule", "pure"):
-        r_cpu = TargetPropTrainer(net_cpu, TargetPropConfig(mode=mode)).fit([(x, labels)], 3)
-        r_gpu = TargetPropTrainer(net_gpu, TargetPropConfig(mode=mode)).fit([(x, labels)], 3)  # batches moved to the GPU
+        r_cpu = TargetPropTrainer(net_cpu, TargetPropConfig(reduction="sum", mode=mode)).fit([(x, labels)], 3)
+        r_gpu = TargetPropTrainer(net_gpu, TargetPropConfig(reduction="sum", mode=mode)).fit([(x, labels)], 3)  # batches moved to the GPU
         assert r_gpu.loss_history == pytest.approx(r_cpu.loss_history, rel=1e-9)
         for p, q in zip(net_gpu.parameters(), net_cpu.parameters()):
             assert p.is_cuda
@@ -564,7 +564,7 @@ def _same(a, b) -> bool:
 
 def _trained_trainer(mode="chain_rule"):
     net = _hand_net()
-    trainer = TargetPropTrainer(net, TargetPropConfig(mode=mode, learning_rate=0.3))
+    trainer = TargetPropTrainer(net, TargetPropConfig(reduction="sum", mode=mode, learning_rate=0.3))
     trainer.step(torch.tensor(X, dtype=F64), torch.tensor(T, dtype=F64))  # non-trivial state
     return net, trainer
 
@@ -585,13 +585,13 @@ def _trained_trainer(mode="chain_rule"):
 )
 def test_bad_config_is_a_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TargetPropConfig(**kwargs)
+        TargetPropConfig(reduction="sum", **kwargs)
 
 
 def test_mode_and_use_chain_rule_are_one_switch():
-    assert TargetPropConfig(mode="pure").use_chain_rule is False
-    assert TargetPropConfig(use_chain_rule=False).mode == "pure"
-    assert TargetPropConfig().mode == "chain_rule"
+    assert TargetPropConfig(reduction="sum", mode="pure").use_chain_rule is False
+    assert TargetPropConfig(reduction="sum", use_chain_rule=False).mode == "pure"
+    assert TargetPropConfig(reduction="sum").mode == "chain_rule"
 
 
 @pytest.mark.parametrize("mode", ["chain_rule", "pure"])
@@ -687,7 +687,7 @@ def test_digits_chain_rule_reaches_95_percent(one_thread):
     batches, xte, yte = _digits()
     torch.manual_seed(0)
     net = Network(Dense(64, 64, "tanh"), Dense(64, 10))
-    result = TargetPropTrainer(net, TargetPropConfig(learning_rate=0.01)).fit(batches, 30)
+    result = TargetPropTrainer(net, TargetPropConfig(reduction="sum", learning_rate=0.01)).fit(batches, 30)
     assert _accuracy(net, xte, yte) >= 0.95
     assert result.history["skipped_layers"][-1] == 0.0
 
@@ -701,7 +701,7 @@ def test_digits_pure_mode_hidden_targets_help(one_thread):
     for frozen in (False, True):
         torch.manual_seed(0)
         net = Network(Dense(64, 64, "tanh"), Dense(64, 10))
-        trainer = TargetPropTrainer(net, TargetPropConfig(mode="pure", learning_rate=0.001))
+        trainer = TargetPropTrainer(net, TargetPropConfig(reduction="sum", mode="pure", learning_rate=0.001))
         hidden = [p.clone() for p in net[0].parameters()]
         for _ in range(10):
             for xb, yb in batches:
@@ -725,7 +725,7 @@ def test_digits_pure_mode_is_on_par_with_a_linear_classifier(one_thread):
     batches, xte, yte = _digits()
     torch.manual_seed(0)
     net = Network(Dense(64, 64, "tanh"), Dense(64, 10))
-    TargetPropTrainer(net, TargetPropConfig(mode="pure", learning_rate=0.001)).fit(batches, 10)
+    TargetPropTrainer(net, TargetPropConfig(reduction="sum", mode="pure", learning_rate=0.001)).fit(batches, 10)
     torch.manual_seed(0)
     linear = Network(Dense(64, 10))
     one_hot = [(xb, F.one_hot(yb, 10).float()) for xb, yb in batches]

@@ -175,7 +175,7 @@ def _pure_step(case: str, lr: float = LR):
     spec = CASES[case]
     net = _net([W_FIRST, W_SECOND], ACTS)
     before = [p.detach().clone() for p in net.parameters()]
-    cfg = TargetPropConfig(mode="pure", learning_rate=lr, depth_scale_factor=1.0)  # Loom: momentum 0.9, gate 0.2
+    cfg = TargetPropConfig(reduction="sum", mode="pure", learning_rate=lr, depth_scale_factor=1.0)  # Loom: momentum 0.9, gate 0.2
     trainer = TargetPropTrainer(net, cfg)
     trainer.step(torch.tensor([spec["input"]]), torch.tensor([spec["target"]]))
     return net, before, trainer.state
@@ -217,7 +217,7 @@ def test_chain_rule_tween_state_forward_and_ungated_nothing(loom):
     exactly as torchloom's apply_target_prop_gaps does before calculate_link_budgets."""
     answer = loom["chain_rule"]
     net = _net(CHAIN_WEIGHTS, ACTS)
-    state = TargetPropState(net, TargetPropConfig(learning_rate=LR))
+    state = TargetPropState(net, TargetPropConfig(reduction="sum", learning_rate=LR))
     out = target_prop_forward(net, state, torch.tensor([CHAIN_CASE["input"]]))
     np.testing.assert_allclose(out[0].numpy(), answer["outputs"][0], rtol=1e-6, atol=1e-7)
     target_prop_backward(net, state, torch.tensor([CHAIN_CASE["target"]]))

@@ -521,7 +521,7 @@ def _digits():
 def test_digits_64_32_10_reaches_95_percent():
     xtr, xte, ytr, yte = _digits()
     net = Network(Dense(64, 32, "relu"), Dense(32, 10))
-    trainer = TweenTrainer(net, TweenConfig())  # the document's defaults
+    trainer = TweenTrainer(net, TweenConfig(loss_type="cross_entropy"))  # the document's defaults, softmax cross-entropy
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 64-32-10 steps are too small to gain from threads; on busy cores they cost
     try:

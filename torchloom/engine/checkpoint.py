@@ -42,6 +42,7 @@ def state_of(trainer: Any) -> dict[str, Any]:
         "loss_history": list(trainer.loss_history),
         "epoch_times": list(trainer.epoch_times),
         "skipped_per_epoch": list(trainer.skipped_per_epoch),
+        "divergence": trainer.divergence.state_dict(),
     }
 
 
@@ -84,6 +85,8 @@ def restore(trainer: Any, state: dict[str, Any], history: History) -> int:
     trainer.epoch_times = list(state["epoch_times"])
     trainer.skipped_per_epoch = list(state["skipped_per_epoch"])
     trainer.global_step = int(state["global_step"])
+    if "divergence" in state:  # (a checkpoint of an earlier release has none: the watch starts afresh)
+        trainer.divergence.load_state_dict(state["divergence"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], trainer.device)

@@ -82,6 +82,7 @@ class TrainingConfig:
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
+    divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,7 +91,7 @@ class TrainingConfig:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. ``train()`` calls it again
         when a run starts, so a field changed after construction is checked too. Numbers may be given
         as numpy scalars or one-element tensors (stored as Python numbers)."""
-        for name in ("learning_rate", "gradient_clip"):
+        for name in ("learning_rate", "gradient_clip", "divergence_factor"):
             setattr(self, name, _as_number(getattr(self, name)))
         if isinstance(self.epochs, numbers.Integral) and not isinstance(self.epochs, (bool, int)):
             self.epochs = int(self.epochs)
@@ -104,6 +105,12 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig: {e}") from None
         if not _is_number(self.gradient_clip) or not math.isfinite(self.gradient_clip) or self.gradient_clip < 0:
             raise ValueError(f"TrainingConfig: gradient_clip must be a finite number >= 0 (0 = off), got {self.gradient_clip!r}")
+        if (not _is_number(self.divergence_factor) or not math.isfinite(self.divergence_factor)
+                or not (self.divergence_factor == 0 or self.divergence_factor > 1)):
+            raise ValueError(
+                "TrainingConfig: divergence_factor must be 0 (off) or a finite number > 1 (an epoch whose loss exceeds "
+                f"this × the best, or whose weights' norm exceeds this × the start's, diverged), got {self.divergence_factor!r}"
+            )
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.verbose not in (True, False, 0, 1, 2):

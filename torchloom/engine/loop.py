@@ -43,6 +43,7 @@ from ..observers.progress import EpochLinePrinter, ProgressObserver, print_line
 from . import checkpoint
 from .batches import BatchSource, moved
 from .config import as_scheduler, is_plateau, resolve_device, resolve_method
+from .divergence import DivergenceWatch
 from .cuda_path import CudaRunner
 from .distributed import resolve_distributed
 from .evaluate import evaluate
@@ -353,10 +354,14 @@ class Trainer(WarmStart):
             self._runner = None  # the old runner's graphs and buffers go before the new ones are made
             self._runner = CudaRunner(self)
 
+    def guarded_params(self) -> list[Tensor]:
+        """The trainable parameters (what an update changes in the model)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def guarded_tensors(self) -> list[Tensor]:
         """The tensors a step's update changes (checked after it, restored when it overflowed):
         the trainable parameters and the method's ``state_tensors()``."""
-        return [*(p for p in self.model.parameters() if p.requires_grad), *self.method.state_tensors()]
+        return [*self.guarded_params(), *self.method.state_tensors()]
 
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (the model, the schedule and the method's ``state_dict()``), as
@@ -437,8 +442,10 @@ class Trainer(WarmStart):
         self.epoch_times: list[float] = []
         self.skipped_per_epoch: list[int] = []
         first_epoch = 0
+        self.divergence = DivergenceWatch(cfg.divergence_factor)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
+        self.divergence.start(self.guarded_params())
         if preload is not None:  # the runner imports and launches Triton's kernels on this thread
             preload.join()
         self._build_runner()
@@ -482,6 +489,15 @@ class Trainer(WarmStart):
                     DivergenceWarning,
                     stacklevel=user_stacklevel(),
                 )
+            diverged = self.divergence.check(epoch, avg_loss, self.guarded_params(), bool(out.counted), self.method.diagnose())
+            if diverged and out.counted and self.is_main:
+                rates = sorted({float(g["lr"]) for g in self.rate_groups()})
+                rate = f" ({rates[0]:g})" if len(rates) == 1 else ""
+                warnings.warn(
+                    f"epoch {epoch + 1} diverged: {'; '.join(diverged)}. The learning rate{rate} is likely too high.",
+                    DivergenceWarning,
+                    stacklevel=user_stacklevel(),
+                )
             self.loss_history.append(avg_loss)
             self.epoch_times.append(epoch_time)
             self.skipped_per_epoch.append(skipped)
@@ -498,6 +514,7 @@ class Trainer(WarmStart):
                 {
                     "skipped": float(skipped),
                     "counted": float(out.counted),
+                    "diverged": float(bool(diverged)),
                     "epoch_time": epoch_time,
                     "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),

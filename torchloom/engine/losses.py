@@ -26,7 +26,7 @@ from torch import Tensor
 
 __all__ = [
     "LOSS_TYPES", "check_loss_type", "check_target", "loss_and_grad", "compute_loss", "loss_gradient", "label_bounds",
-    "prefetched_label_bounds",
+    "prefetched_label_bounds", "as_float_target", "mse_to_target",
 ]
 
 LOSS_TYPES = ("mse", "cross_entropy", "crossentropy")
@@ -56,6 +56,22 @@ def check_loss_type(loss_type: Any) -> Any:
 
 def is_label_target(target: Tensor) -> bool:
     return target.dtype in _INT_DTYPES
+
+
+def as_float_target(output: Tensor, target: Tensor) -> Tensor:
+    """A checked target as a float tensor like ``output``: class labels one-hot over the last
+    dimension (a scatter: ``F.one_hot`` checks the label range on the host, a sync on CUDA)."""
+    if target.dtype in _INT_DTYPES:
+        labels = target.to(output.device, torch.long)
+        hot = torch.zeros(*labels.shape, output.shape[-1], dtype=output.dtype, device=output.device)
+        return hot.scatter_(-1, labels.unsqueeze(-1), 1.0)
+    return target.to(output.device, output.dtype)
+
+
+def mse_to_target(output: Tensor, target: Tensor) -> Tensor:
+    """The ``"mse"`` loss of a method that trains towards targets (TargetProp, Tweening):
+    ``mean((output − t)²)``, class labels one-hot encoded (backprop's ``"mse"`` takes float targets only)."""
+    return ((output - as_float_target(output, target)) ** 2).mean()
 
 
 # ------------------------------------------------------------------ label ranges, read in one go

@@ -224,6 +224,12 @@ class Method:
     def setup(self) -> None:
         """Called once data and checkpoint are checked, before the model moves to the training device."""
 
+    def diagnose(self) -> str | None:
+        """At an epoch's end: a sentence saying how the run collapsed, if the method sees it (the
+        engine then reports the epoch as diverged), else ``None``. The engine itself watches the loss
+        and the weights' norm."""
+        return None
+
     # ---------------------------------------------------------------- device step
     def device_ready(self) -> bool:
         """Whether this method has a device step (decisions in device tensors, no host read)."""

@@ -178,14 +178,15 @@ class FusedStep:
 
         return stats_into(pairs)
 
-    def _lr(self) -> Tensor:
+    def _lr(self, rows: int = 1) -> Tensor:
+        """The rate as a 1-element device tensor, divided by ``rows`` (a step averaged over the batch)."""
         lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
         if isinstance(lr, Tensor):
             self._lr_value = None
-            return self.lr.copy_(lr.reshape(1))
-        if lr != self._lr_value:  # a fixed rate is written once, not by every (captured) step
-            self.lr.fill_(float(lr))
-            self._lr_value = lr
+            return self.lr.copy_(lr.reshape(1)) if rows == 1 else torch.div(lr.reshape(1), rows, out=self.lr)
+        if (lr, rows) != self._lr_value:  # a fixed rate is written once, not by every (captured) step
+            self.lr.fill_(float(lr) / rows)
+            self._lr_value = (lr, rows)
         return self.lr
 
     def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:

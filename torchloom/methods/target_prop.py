@@ -11,21 +11,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
+from ..engine.method import DEFAULT_LR, Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import column_sum
 from ._fused import FlatLayout, FusedStep, into_views
 from .target_prop_rules import (
+    LOSSES,
     MODES,
     TargetPropConfig,
     TargetPropState,
-    _as_float_target,
     _fill_backward,
     _mse_to_target,
     apply_target_prop_gaps,
     check_target,
     estimate_input_target,
     layer_sums,
+    output_target,
+    target_loss,
     target_prop_backward,
     target_prop_forward,
 )
@@ -80,17 +82,33 @@ class TargetProp(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TargetPropConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""
+        """By name: the default settings, with ``TrainingConfig.learning_rate`` as the rate when it is
+        set (else ``TargetPropConfig``'s own default rate, measured for this rule: backprop's default
+        0.01 is not one)."""
+        if training.learning_rate == DEFAULT_LR:
+            return TargetPropConfig()
         return TargetPropConfig(learning_rate=training.learning_rate)
 
     @classmethod
     def check_training(cls, training: Any, config: Any) -> None:
         super().check_training(training, config)
-        if not (isinstance(training.loss_type, str) and training.loss_type == "mse"):
+        own = getattr(config, "loss_type", None)
+        if own is not None and training.loss_type != "mse" and training.loss_type != own:
             raise ValueError(
-                f"TrainingConfig: loss_type={training.loss_type!r} cannot be used with TargetProp, which trains on "
-                "½Σ(y − t)² and reports the 'mse' loss (leave loss_type='mse')"
+                f"TrainingConfig: loss_type={training.loss_type!r} disagrees with the TargetPropConfig's "
+                f"loss_type={own!r}; set the loss in one place"
             )
+        loss = own or training.loss_type
+        if not (isinstance(loss, str) and loss in LOSSES):
+            raise ValueError(
+                f"TrainingConfig: loss_type={loss!r} cannot be used with TargetProp, which moves the output towards a "
+                f"target: use one of {', '.join(map(repr, LOSSES))} ('mse': t − y; 'cross_entropy': onehot − softmax(y))"
+            )
+
+    @staticmethod
+    def loss_of(training: Any, config: TargetPropConfig) -> str:
+        """The loss a run trains on: the config's ``loss_type``, else the ``TrainingConfig``'s."""
+        return config.loss_type or training.loss_type
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -99,6 +117,7 @@ class TargetProp(Method):
             raise ValueError("TargetPropTrainer: model has no trainable parameters (all have requires_grad=False)")
         self.state = TargetPropState(self.model, self.config)
         self.rates = RateHolder(params, self.config.learning_rate)
+        self.loss = self.loss_of(self.training, self.config)
 
     # ------------------------------------------------------------------ engine hooks
     def schedulable(self) -> RateHolder:
@@ -126,8 +145,9 @@ class TargetProp(Method):
             self.rates.param_groups[0]["lr"] = saved["lr"]
 
     def eval_loss_type(self) -> Any:
-        """``val_loss`` is the training loss's MSE ``mean((y − t)²)``, labels one-hot encoded."""
-        return _mse_to_target
+        """``val_loss`` is the training loss: the MSE ``mean((y − t)²)`` (labels one-hot), or the
+        softmax cross-entropy."""
+        return "cross_entropy" if self.loss == "cross_entropy" else _mse_to_target
 
     def convert_batch(self, x: Any, y: Any, index: int | None = None) -> tuple[Tensor, Tensor]:
         """Move one batch to the model's device (floats to its dtype; labels stay integers) and check it
@@ -149,8 +169,8 @@ class TargetProp(Method):
             for i, layer in enumerate(self.model.layers):
                 events.forward(i, layer, state.forward_acts[i + 1])
         labels = y if y.dtype == torch.long else None
-        target = _as_float_target(out, y)
-        stats = [((out - target) ** 2).mean(dtype=torch.float64)]
+        target = output_target(out, y, self.loss)
+        stats = [target_loss(out, y, self.loss)]
         if labels is not None:
             stats.append((out.argmax(-1) == labels).double().mean())
         stats_t = torch.stack(stats)
@@ -173,8 +193,9 @@ class TargetProp(Method):
             self.dist.all_reduce_(directions, "sum")
         if not all_finite(directions):
             return StepOutput(loss, StepStatus.NAN_GRAD)
-        self._clip(directions)
-        skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr))
+        rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the samples the directions sum over
+        self._clip(directions, rows)
+        skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr), rows=rows)
         logs = {
             "mean_link_budget": sum(state.link_budgets) / len(state.link_budgets),
             "mean_gap": sum(state.gaps) / len(state.gaps),
@@ -184,16 +205,22 @@ class TargetProp(Method):
             logs["accuracy"] = values[1]
         return StepOutput(loss, StepStatus.OK, logs)
 
-    def _clip(self, directions: list[Tensor]) -> None:
+    def _clip_bound(self, rows: int) -> float:
+        """``gradient_clip`` for the directions as they are held (sums over ``rows`` samples): with
+        ``reduction="mean"`` the clip bounds the averaged step, so the bound on the sums is ``rows×``."""
+        return self.clip * (rows if self.config.reduction == "mean" else 1)
+
+    def _clip(self, directions: list[Tensor], rows: int) -> None:
         if self.clip <= 0:
             return
+        bound = self._clip_bound(rows)
         if self.clip_mode == "value":
             for d in directions:
-                d.clamp_(-self.clip, self.clip)
+                d.clamp_(-bound, bound)
         else:
             from ..kernels.grad_norm import clip_grad_norm_
 
-            clip_grad_norm_(directions, self.clip)
+            clip_grad_norm_(directions, bound)
 
     # ---------------------------------------------------------------------- device step
     def device_ready(self) -> bool:
@@ -245,11 +272,13 @@ class TargetProp(Method):
         out = target_prop_forward(model, st, x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None
-        target = _as_float_target(out, y)
-        loss = ((out - target) ** 2).mean(dtype=torch.float64)
+        target = output_target(out, y, self.loss)
+        loss = target_loss(out, y, self.loss)
         _fill_backward(model, st, target, input_target=False)
         directions = [d for ds in st.weight_gradients if ds for d in ds]
-        clip_norm = self.clip if self.clip_mode == "norm" else 0.0
+        rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the samples the directions sum over
+        bound = self._clip_bound(rows)
+        clip_norm = bound if self.clip_mode == "norm" else 0.0
         if self.dist is not None:  # data-parallel: directions summed, loss averaged over the ranks, in the step
             self.dist.all_reduce_(directions, "sum")
             self.dist.all_reduce_([loss], "mean")
@@ -276,11 +305,13 @@ class TargetProp(Method):
         open_gate = budgets >= cfg.gate_threshold
         lr = self.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
         rates = (lr.double() if isinstance(lr, Tensor) else lr) * (0.5 + 0.5 * budgets) * self._depth
+        if cfg.reduction == "mean":
+            rates = rates / rows
         if clip_norm > 0:
             rates = rates * runner.grad_scale.double()
         elif self.clip > 0:
-            torch._foreach_clamp_min_(directions, -self.clip)
-            torch._foreach_clamp_max_(directions, self.clip)
+            torch._foreach_clamp_min_(directions, -bound)
+            torch._foreach_clamp_max_(directions, bound)
         mu = cfg.momentum
         flat = self._flat
         with runner.guard_update(slot):
@@ -306,7 +337,12 @@ class TargetProp(Method):
 
 class _FusedTargetProp(FusedStep):
     """TargetProp's device step in about eighteen launches (``FusedStep``): chain rule or pure mode;
-    the gate, rates and momentum decided by one single-program kernel (``method_steps.tp_rule_``)."""
+    the gate, rates and momentum decided by one single-program kernel (``method_steps.tp_rule_``).
+    Taken for the ``"mse"`` target (the kernels' ``t − y``); ``"cross_entropy"`` runs the torch-op step."""
+
+    @classmethod
+    def accepts(cls, trainer: Any) -> bool:
+        return trainer.loss == "mse"
 
     def pure_into_flat(self, gap: Tensor, target: Tensor, acts: list[Tensor]) -> list[Tensor | None]:
         """Pure TargetProp's backward pass from the output's ``gap = target − out``: each layer's
@@ -354,13 +390,15 @@ class _FusedTargetProp(FusedStep):
             targets = self.pure_into_flat(g, target, acts)
             st.gradients, st.backward_targets = [None] * (self.n + 1), targets
             part = self._stats([(acts[i + 1], targets[i + 1], None, None) for i in range(self.n)])
-        clip_norm = t.clip if t.clip_mode == "norm" else 0.0
+        rows = x.shape[0]  # (never data-parallel: the fused step is not taken there)
+        bound = t._clip_bound(rows)
+        clip_norm = bound if t.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
         if t.clip > 0 and clip_norm == 0:
-            self.flat.g.clamp_(-t.clip, t.clip)
+            self.flat.g.clamp_(-bound, bound)
         a, c, apply = tp_rule_(
             part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
-            self._lr(), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
+            self._lr(rows if cfg.reduction == "mean" else 1), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
             x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
         )
         self._update(runner, slot, a, c, apply)

@@ -63,7 +63,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..engine.losses import label_bounds
+from ..engine.losses import as_float_target, label_bounds, mse_to_target
 from ..layers.attention import MultiHeadAttention
 from ..layers.base import Layer
 from ..layers.dense import Dense
@@ -73,6 +73,10 @@ from ..layers.rnn import RNN
 
 __all__ = [
     "MODES",
+    "REDUCTIONS",
+    "LOSSES",
+    "output_target",
+    "target_loss",
     "TargetPropConfig",
     "TargetPropState",
     "layer_sums",
@@ -84,6 +88,8 @@ __all__ = [
 ]
 
 MODES = ("chain_rule", "pure")
+REDUCTIONS = ("mean", "sum")
+LOSSES = ("mse", "cross_entropy")  # the losses TargetProp can train on (the output target of each: output_target)
 
 # Below this total |weight| into an input unit, the pure-mode estimate leaves that unit's target at 0
 # (Loom: "only assign target if enough weight connects this neuron").
@@ -116,6 +122,8 @@ class TargetPropConfig:
     momentum: float = 0.9  # v = μv + (1−μ)·rate·grad; in [0, 1)
     learning_rate: float = 0.01  # base rate of the trainer; > 0
     gate_threshold: float = 0.2  # layers with link budget below this are not updated; in [0, 1]
+    reduction: str = "mean"  # "mean": the step averaged over the batch (one rate serves every batch size); "sum": Loom's summed step
+    loss_type: str | None = None  # the output target: "mse" (t − y) | "cross_entropy" (onehot − softmax(y)); None = TrainingConfig.loss_type ("mse" outside train())
 
     def __post_init__(self) -> None:
         if self.use_chain_rule is not None and not isinstance(self.use_chain_rule, bool):
@@ -157,6 +165,17 @@ class TargetPropConfig:
         for name, value, ok, allowed in checks:
             if not _is_number(value) or not ok(value):
                 raise ValueError(f"TargetPropConfig: {name} must be a finite number {allowed}, got {value!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"TargetPropConfig: reduction must be one of {', '.join(map(repr, REDUCTIONS))} ('mean': the step averaged "
+                f"over the batch; 'sum': Loom's summed step), got {self.reduction!r}"
+            )
+        if self.loss_type is not None and self.loss_type not in LOSSES:
+            raise ValueError(
+                f"TargetPropConfig: loss_type must be None (TrainingConfig's) or one of {', '.join(map(repr, LOSSES))}, "
+                f"got {self.loss_type!r} (TargetProp moves the output towards a target: Loom's probability "
+                "'crossentropy' and loss callables give it none)"
+            )
 
 
 # ================================================================================================
@@ -206,6 +225,7 @@ class TargetPropState:
         self.saved: list[Any] = [None] * n
         self.skipped_layers: list[int] = []
         self.steps = 0
+        self.rows = 0  # samples of the last forward's batch (the "mean" reduction divides by them)
 
     @torch.no_grad()
     def calculate_link_budgets(self, reduce: Callable[[Tensor], None] | None = None) -> None:
@@ -285,6 +305,7 @@ def target_prop_forward(model: Network, state: TargetPropState, x: Tensor) -> Te
     state.backward_targets = [None] * (n + 1)
     state.gradients = [None] * (n + 1)
     state.weight_gradients = [None] * n
+    state.rows = int(x.shape[0])
     return out
 
 
@@ -316,9 +337,29 @@ def check_target(output_shape: tuple[int, ...], target: Any, fn: str = "target")
         raise ValueError(f"{fn}: target must have the output's shape {list(out_shape)}, got {list(target.shape)}")
 
 
-def _mse_to_target(output: Tensor, target: Tensor) -> Tensor:
-    """TargetProp's reported loss: ``mean((output − t)²)`` with ``t`` the target (labels one-hot)."""
-    return ((output - _as_float_target(output, target)) ** 2).mean()
+_mse_to_target = mse_to_target  # (the name this module used)
+_as_float_target = as_float_target
+
+
+def output_target(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """The output's target ``t_L`` for a checked ``target`` (labels or a float target): ``"mse"``: the
+    target itself (labels one-hot), so ``g_L = t_L − y``; ``"cross_entropy"``: ``y + p − softmax(y)``
+    with ``p`` the target's probabilities (labels one-hot), so that ``g_L = p − softmax(y)``, the negative
+    gradient of the sample's cross-entropy (Welvet's target: MSE on a one-hot target "never leaves
+    chance" for classification). No host read."""
+    t = _as_float_target(output, target)
+    if loss_type == "cross_entropy":
+        return output + (t - torch.softmax(output, dim=-1))
+    return t
+
+
+def target_loss(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """The loss TargetProp reports, a 0-d float64 tensor: ``mean((y − t)²)`` for ``"mse"`` (the
+    ``"mse"`` loss of every method), the mean softmax cross-entropy for ``"cross_entropy"``."""
+    if loss_type == "cross_entropy":
+        t = _as_float_target(output, target).double()
+        return -(t * torch.log_softmax(output.double(), dim=-1)).sum(-1).mean()
+    return ((output - _as_float_target(output, target)) ** 2).mean(dtype=torch.float64)
 
 
 def _as_float_target(output: Tensor, target: Tensor) -> Tensor:
@@ -336,7 +377,8 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
     """Fill ``backward_targets``, ``gradients`` (chain rule) and ``weight_gradients`` from the output's
     ``target`` (float, the output's shape, or integer class labels ``[batch]`` one-hot encoded).
 
-    Chain rule: ``g_L = t − y`` through every layer's hand-written backward,
+    Chain rule: ``g_L = t_L − y`` (``t_L``: ``output_target`` of the config's ``loss_type``, "mse"
+    when unset) through every layer's hand-written backward,
     ``backward_targets[i] = a_i + gradient_scale·g_i``. Pure: weight-based estimates layer by layer
     (``estimate_input_target``), update directions from each layer's gap. Validates everything first:
     on bad input nothing in ``state`` changes."""
@@ -346,7 +388,7 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
         raise RuntimeError("target_prop_backward: run target_prop_forward(model, state, x) first")
     acts = state.forward_acts
     check_target(tuple(acts[n].shape), target, "target_prop_backward")
-    _fill_backward(model, state, _as_float_target(acts[n], target))
+    _fill_backward(model, state, output_target(acts[n], target, state.config.loss_type or "mse"))
 
 
 def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input_target: bool = True) -> None:
@@ -463,12 +505,17 @@ def _pure_direction(layer: Layer, x: Tensor, out: Tensor, target: Tensor, saved:
 
 
 @torch.no_grad()
-def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | None = None) -> list[int]:
+def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | None = None, *, rows: int | None = None) -> list[int]:
     """Update every layer from ``state.weight_gradients`` (after ``target_prop_backward`` and
     ``state.calculate_link_budgets()``); ``lr`` defaults to ``state.config.learning_rate``.
 
+    The directions are sums over the batch's samples; with ``reduction="mean"`` (the default) the step
+    is divided by ``rows``, the number of samples they sum over (default: the last forward's batch,
+    ``state.rows``; data-parallel training passes the global batch's), so one rate means the same step
+    at every batch size. ``reduction="sum"`` is Loom's summed step.
+
     Layer i is skipped when ``link_budgets[i] < gate_threshold``; otherwise
-    ``rate_i = lr·(0.5 + 0.5·budget_i)·depth_scale_factor^i``, ``v = μv + (1−μ)·rate_i·direction``,
+    ``rate_i = lr·(0.5 + 0.5·budget_i)·depth_scale_factor^i`` (÷ rows for the mean), ``v = μv + (1−μ)·rate_i·direction``,
     ``p += v`` for each parameter (a parameter with ``requires_grad=False`` is left alone). Returns the indices of the layers with parameters the gate skipped
     (also kept in ``state.skipped_layers``)."""
     _check_model_state(model, state, "apply_target_prop_gaps")
@@ -476,6 +523,9 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
     lr = cfg.learning_rate if lr is None else lr
     if not _is_number(lr) or lr <= 0:
         raise ValueError(f"apply_target_prop_gaps: lr must be a finite number > 0, got {lr!r}")
+    rows = state.rows if rows is None else rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or (cfg.reduction == "mean" and rows < 1):
+        raise ValueError(f"apply_target_prop_gaps: rows must be an int >= 1 (the samples the directions sum over), got {rows!r}")
     layer_params = [tuple(layer.parameters()) for layer in model.layers]
     for i, params in enumerate(layer_params):
         direction = state.weight_gradients[i]
@@ -498,6 +548,8 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
             skipped.append(i)
             continue
         rate = lr * (0.5 + 0.5 * budget) * cfg.depth_scale_factor**i
+        if cfg.reduction == "mean":
+            rate /= rows
         velocity = state.velocities[i]
         if velocity is None or any(v.shape != p.shape or v.device != p.device for v, p in zip(velocity, params)):
             velocity = tuple(torch.zeros_like(p) for p in params)

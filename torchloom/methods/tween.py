@@ -6,14 +6,15 @@ device. The rules themselves (settings and ``TweenState``, Loom's ``TweenStep``)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..engine.losses import is_label_target, loss_and_grad
-from ..engine.method import Method, RateHolder, as_flat, flatten_tensors_, register_method
+from ..engine.losses import LOSS_TYPES, is_label_target, loss_and_grad, mse_to_target
+from ..engine.method import DEFAULT_LR, Method, RateHolder, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ._fused import FlatLayout, FusedStep
 from .explosion import EXPLOSION_RULE, ExplosionRule, _TensorOps
@@ -24,7 +25,6 @@ from .tween_rules import (
     _check_target_shape,
     _is_bias,
     _sum_squares,
-    _tween_auto_loss,
     tween_metrics,
     tween_sums,
 )
@@ -56,13 +56,35 @@ class Tween(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TweenConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` and a
-        ``loss_type`` other than the default ``"mse"`` as Tween's loss."""
-        return TweenConfig(base_rate=training.learning_rate, loss_type=None if training.loss_type == "mse" else training.loss_type)
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` and its
+        ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
+        if training.learning_rate == DEFAULT_LR:  # not set: Tween's own default rate
+            return TweenConfig(loss_type=training.loss_type)
+        return TweenConfig(base_rate=training.learning_rate, loss_type=training.loss_type)
+
+    @classmethod
+    def check_training(cls, training: Any, config: Any) -> None:
+        super().check_training(training, config)
+        own = getattr(config, "loss_type", None)
+        if own is not None and training.loss_type != "mse" and training.loss_type != own:
+            raise ValueError(
+                f"TrainingConfig: loss_type={training.loss_type!r} disagrees with the TweenConfig's "
+                f"loss_type={own!r}; set the loss in one place"
+            )
+        loss = own or training.loss_type
+        if not (isinstance(loss, str) and loss in LOSS_TYPES):
+            raise ValueError(
+                f"TrainingConfig: loss_type={loss!r} cannot be used with Tweening, whose backward targets come from "
+                f"a named loss: use one of {', '.join(map(repr, LOSS_TYPES))}"
+            )
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
-        self.state = TweenState(self.model, self.config)
+        # the loss: the config's, else the TrainingConfig's (never Tween's automatic choice, which only
+        # the functional TweenState API keeps: through train(), loss_type means the same for every method)
+        self.loss = self.config.loss_type or self.training.loss_type
+        settings = self.config if self.config.loss_type else dataclasses.replace(self.config, loss_type=self.loss)
+        self.state = TweenState(self.model, settings)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("TweenTrainer: model has no trainable parameters (all have requires_grad=False)")
@@ -72,12 +94,25 @@ class Tween(Method):
     def schedulable(self) -> RateHolder:
         return self.rates
 
+    def diagnose(self) -> str | None:
+        """A collapse the explosion watch cannot see (the gaps stay small when nothing passes): a layer
+        whose outputs were all 0 in the last step although its input was not (its link budget is 0
+        after a non-zero one below): every unit died, and the output no longer depends on the input."""
+        st = self.state
+        if not st.steps or not st.link_budgets:
+            return None
+        budgets = list(st.link_budgets)
+        for i, b in enumerate(budgets):
+            if b == 0.0 and (i == 0 or budgets[i - 1] > 0.0):
+                layer = self.model.layers[i]
+                return (f"layer {i} ({type(layer).__name__}) passes no signal: all its outputs were 0 in the last step "
+                        "(its units died), so the output no longer depends on the input")
+        return None
+
     def eval_loss_type(self) -> Any:
-        """``val_loss`` is Tween's loss: ``config.loss_type``, or cross-entropy for class labels and
-        MSE for float targets."""
-        if self.config.loss_type is not None:
-            return self.config.loss_type
-        return _tween_auto_loss
+        """``val_loss`` is the training loss (the run's ``loss_type``; ``"mse"`` to one-hot targets for
+        class labels)."""
+        return mse_to_target if self.loss == "mse" else self.loss
 
     def setup(self) -> None:
         """The engine moves the model to the training device; the velocities go first (the device
@@ -209,7 +244,7 @@ class Tween(Method):
             saved.append(s_i)
         out = acts[-1]
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
-        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
+        loss_type = self.loss
         if is_label_target(y):  # scatter one-hot: F.one_hot reads the labels on the host
             t_out = torch.zeros_like(out).scatter_(-1, y.unsqueeze(-1), 1.0)
         else:
@@ -389,7 +424,7 @@ class _FusedTween(FusedStep):
 
     @classmethod
     def accepts(cls, trainer: Any) -> bool:
-        return trainer.config.loss_type in (None, "mse", "cross_entropy")
+        return trainer.loss in ("mse", "cross_entropy")
 
     def step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         from ..kernels.grad_norm import grad_sq_partials
@@ -404,7 +439,7 @@ class _FusedTween(FusedStep):
             saved.append(s_i)
         out = acts[-1]
         t.observe_outputs(out, y)
-        loss_type = cfg.loss_type or ("cross_entropy" if is_label_target(y) else "mse")
+        loss_type = t.loss
         mode = TWEEN_CE if loss_type == "cross_entropy" else TWEEN_MSE
         loss_rows, g, t_out, y_hat, _ = target_rows(out, y, mode, cfg.gap_threshold)
         grads = self.backward_into_flat(g, saved)

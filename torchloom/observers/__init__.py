@@ -1,7 +1,7 @@
 """Observers of training: the protocol, history, console output, files and callbacks."""
 
 from .base import HOOKS, Observer, ObserverList
-from .callbacks import Checkpoint, EarlyStopping
+from .callbacks import Checkpoint, EarlyStopping, TerminateOnDivergence
 from .console import ConsoleObserver
 from .csv_logger import CSVLogger
 from .gradient_stats import print_gradient_stats
@@ -28,6 +28,7 @@ __all__ = [
     "TensorBoardLogger",
     "EarlyStopping",
     "Checkpoint",
+    "TerminateOnDivergence",
     "format_duration",
     "format_epoch_line",
     "human_duration",

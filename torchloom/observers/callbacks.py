@@ -28,7 +28,7 @@ import torch
 from ._files import atomic_write, check_output_path
 from .base import Observer
 
-__all__ = ["EarlyStopping", "Checkpoint"]
+__all__ = ["EarlyStopping", "Checkpoint", "TerminateOnDivergence"]
 
 _MODES = ("min", "max", "auto")
 
@@ -93,6 +93,8 @@ class _Tracker:
         self.seen = False
 
     def value(self, logs: dict[str, Any]) -> float:
+        if logs.get("diverged"):  # an epoch the engine found diverged is never an improvement
+            return math.nan
         if self.monitor not in logs:
             if self.seen or _nothing_counted(logs):
                 return math.nan
@@ -308,3 +310,24 @@ class Checkpoint(Observer):
             self.saved_epochs.append(epoch)
         if improved:  # recorded once saved: after a failed save, best still names the file's epoch
             self._tracker.record(value, epoch)
+
+
+class TerminateOnDivergence(Observer):
+    """Stops training at the end of an epoch that diverged (Keras' ``TerminateOnNaN``, for every kind
+    of divergence the engine finds: a NaN/Inf epoch, a loss far above its best, blown-up weights, a
+    method's collapse; ``logs["diverged"]``). The weights stay as that epoch left them; with
+    ``Checkpoint(save_best_only=True)`` beside it the best epoch's file is untouched.
+
+    ``stopped_epoch``: the 0-based epoch it stopped at (``None`` when it did not)."""
+
+    def __init__(self) -> None:
+        self.stopped_epoch: int | None = None
+
+    def on_train_begin(self, trainer: Any) -> None:
+        self.stopped_epoch = None
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        loss = logs.get("loss", 0.0)
+        if logs.get("diverged") or (isinstance(loss, float) and not math.isfinite(loss)):
+            self.stopped_epoch = epoch
+            trainer.stop_training = True

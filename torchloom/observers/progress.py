@@ -30,13 +30,14 @@ order (``format_epoch_extras``):
    ``mean_gap``, ``mean_link_budget``, ``explosion``, ``adaptive_rate``; TargetProp's
    ``mean_link_budget``, ``mean_gap``), in log order;
 4. ``skipped: 2`` when batches of the epoch did not count (NaN/Inf loss or gradients, an undone
-   update, batches an abandoned epoch did not reach).
+   update, batches an abandoned epoch did not reach), then ``DIVERGED`` when the engine found the
+   epoch diverged (``logs["diverged"]``: engine/divergence.py).
 
 Values print with 4 decimals (``0.9500``) when ``1e-3 <= |v| < 1e5`` or ``v == 0``, else with 4
 significant digits in scientific notation (``2.500e-05``); NaN and ±Inf as ``nan``, ``inf``,
 ``-inf``. The keys that make the fixed fields (``loss``, ``epoch_time``, ``samples_per_second``,
-``eta``) and the batch counts (``counted``, ``skipped``) never appear as extras. A diverged epoch
-prints ``Loss: nan``.
+``eta``), the batch counts (``counted``, ``skipped``) and ``diverged`` never appear as values. An
+epoch in which no batch counted prints ``Loss: nan``.
 
 Durations
 ---------
@@ -98,7 +99,7 @@ __all__ = [
 ]
 
 # keys of the epoch logs that make the fixed fields of the line, or batch counts: never extras
-_FIXED_KEYS = frozenset({"loss", "epoch_time", "samples_per_second", "eta", "skipped", "counted"})
+_FIXED_KEYS = frozenset({"loss", "epoch_time", "samples_per_second", "eta", "skipped", "counted", "diverged"})
 _DURATION_STYLES = ("go", "human")
 
 
@@ -239,6 +240,8 @@ def format_epoch_extras(
     skipped = logs.get("skipped", 0.0)
     if _is_number(skipped) and skipped > 0:
         parts.append(f"skipped: {int(skipped)}")
+    if logs.get("diverged"):
+        parts.append("DIVERGED")
     return "".join(f" | {p}" for p in parts)
 
 
