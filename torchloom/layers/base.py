@@ -14,13 +14,14 @@ never ask autograd for the layer's gradients (like Loom's ``DispatchLayerBackwar
 ``LayerFunction`` is a generic ``autograd.Function`` over that contract, used by container layers;
 leaf ops such as Dense have their own named Function with a functional API.
 
-Mixed precision. Under ``torch.autocast`` the layers with matrix products (Dense, Conv, SwiGLU) cast
-their floating inputs and parameters to the autocast dtype in ``forward_saved`` (as autocast does for
-``F.linear``), save those casts, and their backward runs with autocast off in the saved dtypes and
-returns every gradient in its own input's / parameter's dtype. Norms and softmax compute in float32
-and return the input's dtype. ``backward_saved`` works with half-precision tensors and parameters
-too. Outside autocast, an input to Dense, Conv or SwiGLU whose dtype differs from the parameters'
-is a ``TypeError`` naming both dtypes (norms and softmax accept it: they compute in float32).
+Mixed precision. Under ``torch.autocast`` the layers with matrix products (Dense, Conv,
+ConvTranspose, SwiGLU) cast their floating inputs and parameters to the autocast dtype in
+``forward_saved`` (as autocast does for ``F.linear``), save those casts, and their backward runs with
+autocast off in the saved dtypes and returns every gradient in its own input's / parameter's dtype.
+Norms and softmax compute in float32 and return the input's dtype. ``backward_saved`` works with
+half-precision tensors and parameters too. Outside autocast, an input to Dense, Conv, ConvTranspose
+or SwiGLU whose dtype differs from the parameters' is a ``TypeError`` naming both dtypes (norms and
+softmax accept it: they compute in float32).
 
 What the hand-written backwards do not support, and how it fails:
 
