@@ -206,7 +206,11 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     132 MB for ``[8192, 3072]``), which set the peak memory of attention's and SwiGLU's backward. The
     result is close to ``sum(0)``'s, not bit-equal (another summation order). Elsewhere — and for an
     ``out`` of another dtype, or a ``t`` with neither dimension contiguous, which the GEMV would
-    first copy — ``t.sum(0)``."""
+    first copy — ``t.sum(0)``. Under ``torch.compile``, ``t.sum(0)`` too: the compiler plans the
+    reduction's memory itself, and reading strides while it traces a backward makes Dynamo trace that
+    backward again (which, inside the backward's ``autocast_off``, leaves autocast switched off)."""
+    if torch.compiler.is_compiling():
+        return t.sum(0) if out is None else torch.sum(t, 0, out=out)
     gemv = t.is_cuda and t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type)
     gemv = gemv and (out is None or out.dtype == t.dtype) and (t.stride(1) == 1 or t.stride(0) == 1)
     if gemv:
