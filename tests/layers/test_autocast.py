@@ -17,6 +17,7 @@ import torch
 
 from torchloom.layers.containers import Parallel, Residual
 from torchloom.layers.conv import Conv1D, Conv2D, Flatten
+from torchloom.layers.conv_transpose import ConvTranspose1D, ConvTranspose2D
 from torchloom.layers.dense import Dense
 from torchloom.layers.embedding import Embedding
 from torchloom.layers.network import Network, Sequential
@@ -36,6 +37,8 @@ def _cases():
         "dense_nobias_relu": (lambda: Dense(7, 5, "relu", bias=False), f(6, 7)),
         "conv1d": (lambda: Conv1D(3, 4, 3, padding=1, activation="tanh"), f(2, 3, 9)),
         "conv2d": (lambda: Conv2D(3, 4, 3, stride=2, activation="relu"), f(2, 3, 7, 9)),
+        "conv_transpose1d": (lambda: ConvTranspose1D(3, 4, 3, stride=2, padding=1, activation="tanh"), f(2, 3, 5)),
+        "conv_transpose2d_nobias": (lambda: ConvTranspose2D(3, 2, (3, 2), stride=2, bias=False), f(2, 3, 4, 3)),
         "swiglu": (lambda: SwiGLU(6, 11), f(5, 6)),
         "swiglu_nobias_3d": (lambda: SwiGLU(6, 11, bias=False), f(2, 3, 6)),
         "rmsnorm": (lambda: RMSNorm(9), f(5, 9)),

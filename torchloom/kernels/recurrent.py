@@ -102,6 +102,16 @@ def _lstm_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------- references
+def _store(op, *args: Tensor, out: Tensor) -> None:
+    """``op(*args, out=out)``; under ``torch.compile``, ``out.copy_(op(*args))`` (the same values).
+    Dynamo traces no ``out=`` into a strided view such as one time step of a ``[B, T, H]`` buffer (a
+    graph break); eager keeps the one-kernel form that the CUDA-graphed loops capture."""
+    if torch.compiler.is_compiling():
+        out.copy_(op(*args))
+    else:
+        op(*args, out=out)
+
+
 def lstm_cell_ref(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tensor) -> None:
     """Reference forward step: writes ``c_t`` into ``c_out`` and ``h_t`` into ``h_out``."""
     hsz = c_out.shape[-1]
@@ -110,7 +120,7 @@ def lstm_cell_ref(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tens
     g = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
     c = i * g if c_prev is None else torch.addcmul(i * g, f, c_prev)
     c_out.copy_(c)
-    torch.mul(o, torch.tanh(c), out=h_out)
+    _store(torch.mul, o, torch.tanh(c), out=h_out)
 
 
 def lstm_cell_backward_ref(
@@ -191,7 +201,11 @@ _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 
 
 def graphs_usable(t: Tensor) -> bool:
-    """True when the recurrent loops on ``t``'s device may run as CUDA graphs."""
+    """True when the recurrent loops on ``t``'s device may run as CUDA graphs: never while
+    ``torch.compile`` traces (its tensors are fake: no buffer to keep, no graph to capture; the loop is
+    traced step by step into the compiled graph)."""
+    if torch.compiler.is_compiling():
+        return False
     return USE_CUDA_GRAPHS and t.is_cuda and not torch.cuda.is_current_stream_capturing()
 
 
@@ -370,7 +384,7 @@ def rnn_forward_loop_ref(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None
     for t in range(pre.shape[1]):
         if t > 0:  # h_0 = 0 contributes nothing
             pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
-        torch.tanh(pre[:, t], out=hidden[:, t])
+        _store(torch.tanh, pre[:, t], out=hidden[:, t])
 
 
 def rnn_backward_loop_ref(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh: Tensor) -> None:

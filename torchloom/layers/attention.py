@@ -108,8 +108,12 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     and making them is ~9 small kernels of host launch time per call. Read only on the stream that made
     them (their kernels are ordered before every later use) and never written. The store is neither
     read nor filled during a CUDA graph capture (a captured graph would hold the address of kept tables
-    that a later drop frees; tables made in the capture come from the graph's own pool) nor under a
-    ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are not real ones)."""
+    that a later drop frees; tables made in the capture come from the graph's own pool), under a
+    ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are not real ones), nor while
+    ``torch.compile`` traces: there the tables are made by the compiled graph itself (its own
+    tensors, no host-side store or lock inside the traced region)."""
+    if torch.compiler.is_compiling():
+        return rope_tables(seq_len, head_dim, theta, device, dtype)
     if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or _dispatch_mode_active():
         return rope_tables(seq_len, head_dim, theta, device, dtype)
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None

@@ -14,13 +14,14 @@ never ask autograd for the layer's gradients (like Loom's ``DispatchLayerBackwar
 ``LayerFunction`` is a generic ``autograd.Function`` over that contract, used by container layers;
 leaf ops such as Dense have their own named Function with a functional API.
 
-Mixed precision. Under ``torch.autocast`` the layers with matrix products (Dense, Conv, SwiGLU) cast
-their floating inputs and parameters to the autocast dtype in ``forward_saved`` (as autocast does for
-``F.linear``), save those casts, and their backward runs with autocast off in the saved dtypes and
-returns every gradient in its own input's / parameter's dtype. Norms and softmax compute in float32
-and return the input's dtype. ``backward_saved`` works with half-precision tensors and parameters
-too. Outside autocast, an input to Dense, Conv or SwiGLU whose dtype differs from the parameters'
-is a ``TypeError`` naming both dtypes (norms and softmax accept it: they compute in float32).
+Mixed precision. Under ``torch.autocast`` the layers with matrix products (Dense, Conv,
+ConvTranspose, SwiGLU) cast their floating inputs and parameters to the autocast dtype in
+``forward_saved`` (as autocast does for ``F.linear``), save those casts, and their backward runs with
+autocast off in the saved dtypes and returns every gradient in its own input's / parameter's dtype.
+Norms and softmax compute in float32 and return the input's dtype. ``backward_saved`` works with
+half-precision tensors and parameters too. Outside autocast, an input to Dense, Conv, ConvTranspose
+or SwiGLU whose dtype differs from the parameters' is a ``TypeError`` naming both dtypes (norms and
+softmax accept it: they compute in float32).
 
 What the hand-written backwards do not support, and how it fails:
 
@@ -205,7 +206,11 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     132 MB for ``[8192, 3072]``), which set the peak memory of attention's and SwiGLU's backward. The
     result is close to ``sum(0)``'s, not bit-equal (another summation order). Elsewhere — and for an
     ``out`` of another dtype, or a ``t`` with neither dimension contiguous, which the GEMV would
-    first copy — ``t.sum(0)``."""
+    first copy — ``t.sum(0)``. Under ``torch.compile``, ``t.sum(0)`` too: the compiler plans the
+    reduction's memory itself, and reading strides while it traces a backward makes Dynamo trace that
+    backward again (which, inside the backward's ``autocast_off``, leaves autocast switched off)."""
+    if torch.compiler.is_compiling():
+        return t.sum(0) if out is None else torch.sum(t, 0, out=out)
     gemv = t.is_cuda and t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type)
     gemv = gemv and (out is None or out.dtype == t.dtype) and (t.stride(1) == 1 or t.stride(0) == 1)
     if gemv:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .activations import Activation, get_activation
-from .base import Layer, check_dtype, forbid_double_backward
+from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 from .conv import _ntuple
 
 __all__ = [
@@ -46,7 +46,8 @@ _INITS = ("he_normal", "loom_uniform")
 
 class ConvTransposeSaved(NamedTuple):
     """What the backward needs: input ``[B, C, *n]``, weight ``[C, F, *k]``, pre-activation
-    ``[B, F, *out]``, the activation, whether there is a bias, stride, padding, output padding."""
+    ``[B, F, *out]``, the activation, whether there is a bias, stride, padding, output padding and,
+    when the forward cast for autocast, ``(input dtype, parameter dtype)``."""
 
     input: Tensor
     weight: Tensor
@@ -56,6 +57,7 @@ class ConvTransposeSaved(NamedTuple):
     stride: tuple[int, ...]
     padding: tuple[int, ...]
     output_padding: tuple[int, ...]
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None  # (input, parameters) when cast for autocast
 
 
 def conv_transpose_forward(
@@ -68,12 +70,18 @@ def conv_transpose_forward(
     activation: Activation,
 ) -> tuple[Tensor, ConvTransposeSaved]:
     """``x [B, C, *n]``, ``weight [C, F, *k]``, ``bias [F]`` → ``(y [B, F, *out], saved)`` with
-    ``out = (n − 1)·s − 2p + k + output_padding``. No autograd graph is built."""
+    ``out = (n − 1)·s − 2p + k + output_padding``. No autograd graph is built. Under
+    ``torch.autocast`` the input and parameters are cast to the autocast dtype first (as autocast does
+    for ``F.conv_transpose2d``) and ``y`` has that dtype."""
     nd = weight.dim() - 2
-    with torch.no_grad():
+    dev = x.device.type
+    dtypes = (x.dtype, weight.dtype)
+    cast_to, (x, weight, bias) = cast_for_autocast(dev, x, weight, bias)
+    with torch.no_grad(), autocast_off(dev):
         pre = _FNS[nd](x, weight, bias, stride, padding, output_padding)
         y = activation.forward(pre)
-    return y, ConvTransposeSaved(x, weight, pre, activation, bias is not None, stride, padding, output_padding)
+    dtypes = dtypes if cast_to is not None else None
+    return y, ConvTransposeSaved(x, weight, pre, activation, bias is not None, stride, padding, output_padding, dtypes)
 
 
 def conv_transpose_backward(
@@ -81,12 +89,14 @@ def conv_transpose_backward(
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor | None]]:
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)``; ``dx = gPre ⋆ W`` (strided
     cross-correlation), ``dW[c, f, κ] = Σ_{b, i} x[b, c, i]·gPre[b, f, i·s − p + κ]``,
-    ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``."""
-    x, weight, pre, activation, has_bias, stride, padding, output_padding = saved
+    ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``. Runs in the saved
+    tensors' dtype with autocast off; after an autocast cast the gradients come back in the input's
+    and the parameters' own dtypes."""
+    x, weight, pre, activation, has_bias, stride, padding, output_padding, dtypes = saved
     nd = weight.dim() - 2
     if grad_out.dtype != pre.dtype:
         grad_out = grad_out.to(pre.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), autocast_off(x.device.type):
         g_pre = activation.grad(grad_out, pre)
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
             g_pre.contiguous(),
@@ -101,6 +111,10 @@ def conv_transpose_backward(
             1,  # groups
             [needs_input_grad, True, has_bias],
         )
+    if dtypes is not None:
+        grad_x = grad_x.to(dtypes[0]) if grad_x is not None else None
+        grad_w = grad_w.to(dtypes[1])
+        grad_b = grad_b.to(dtypes[1]) if grad_b is not None else None
     return (grad_x if needs_input_grad else None), (grad_w, grad_b if has_bias else None)
 
 
@@ -111,7 +125,7 @@ class ConvTransposeFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, stride, padding, output_padding, activation):
         y, saved = conv_transpose_forward(x, weight, bias, stride, padding, output_padding, activation)
         ctx.save_for_backward(saved.input, saved.weight, saved.pre)
-        ctx.meta = (activation, bias is not None, stride, padding, output_padding)
+        ctx.meta = (activation, bias is not None, stride, padding, output_padding, saved.dtypes)
         return y
 
     @staticmethod
@@ -234,8 +248,6 @@ class _ConvTransposeND(Layer):
                 f"(n − 1)·stride − 2·padding + kernel_size + output_padding >= 1, got {list(x.shape)}"
             )
         check_dtype(x, "input", self.weight.dtype, name)
-        if torch.is_autocast_enabled(x.device.type) and x.dtype != self.weight.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} must equal the layer's {self.weight.dtype} (no autocast support)")
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)

@@ -14,6 +14,8 @@ Out-of-range indices are a ``ValueError`` (Loom silently skips them and outputs 
 reads two numbers (min and max) back from the indices' device: free on CPU, one host synchronisation
 per forward on CUDA; ``Embedding(..., check_indices=False)`` drops it for a hot loop over data already
 known to be in range (an out-of-range index then hits PyTorch's own device-side index assertion).
+Under ``torch.compile`` the check is a device-side assertion inside the compiled graph: a
+``RuntimeError`` with the same message, and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class EmbeddingSaved(NamedTuple):
 def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", check_range: bool = True) -> None:
     """Raise ``TypeError`` unless ``x`` is an integer tensor of at least 1 dimension, and (when
     ``check_range``) ``ValueError`` unless every index lies in ``[0, num_embeddings)``. The range
-    check reads back min and max (one host sync on CUDA)."""
+    check reads back min and max (one host sync on CUDA). Under ``torch.compile`` it is a
+    device-side assertion in the graph instead (``torch._assert_async``: no host read, no graph
+    break), which raises ``RuntimeError`` with the same message when the graph runs."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{owner}: input must be a torch.Tensor of integer indices, got {type(x).__name__}")
     if x.dtype not in _INDEX_DTYPES:
@@ -63,6 +67,10 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
     if x.dim() < 1:
         raise ValueError(f"{owner}: input must have shape [batch, ...] (at least 1-d), got {list(x.shape)}")
     if check_range and x.numel() > 0 and host_checks_enabled():
+        if torch.compiler.is_compiling():  # no host read in a compiled graph: a device-side assertion
+            in_range = ((x >= 0) & (x < num_embeddings)).all()
+            torch._assert_async(in_range, f"{owner}: indices must lie in [0, {num_embeddings})")
+            return
         lo, hi = torch.aminmax(x)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= num_embeddings:

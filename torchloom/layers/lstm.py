@@ -152,9 +152,9 @@ def lstm_backward(
     H = weight_hh.shape[1]
     K = _cell_kernels()
     step_backend = _step_backend(x, backend)
-    grad_out = grad_out.to(x.dtype)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
+    # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
+    grad_out = grad_out.to(x.dtype).contiguous()
     if step_backend == "triton" and K.graphs_usable(x):
         entry = _graph_entry(K, B, T, H, x)
         buf = entry["buffers"]

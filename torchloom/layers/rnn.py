@@ -134,9 +134,9 @@ def rnn_backward(
     x, weight_ih, weight_hh, _, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[0]
-    grad_out = grad_out.to(x.dtype)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
+    # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
+    grad_out = grad_out.to(x.dtype).contiguous()
     K = _kernels()
     if not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)

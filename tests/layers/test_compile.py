@@ -1,0 +1,371 @@
+"""Every layer under ``torch.compile(fullgraph=True)`` on the CPU: no graph break, the hand-written
+backward kept (each layer's ``autograd.Function`` is one ``autograd_function_apply`` node of the captured
+graph), compiled forward and backward equal to eager, no recompile across training steps of one
+shape, ``dynamic=True`` over batch sizes, float32 and ``torch.autocast(bfloat16)``, and a model mixing
+torchloom layers with plain ``nn.Module``s compiled as one graph.
+
+References: the same layer run eagerly with the same weights (the compiled graph runs the same
+hand-written math, so the match is tight), and a float64 copy of it run eagerly (checked against
+``gradcheck`` and PyTorch's own modules in the other layer tests), with float32 / bfloat16 tolerances.
+The compiled functions use the ``aot_eager`` backend (AOTAutograd traces forward and backward,
+then runs the graphs eagerly: the trace is what is under test, and it is fast); one test compiles a
+mixed model with Inductor, the backend users get by default.
+
+Dynamo is reset before and after every test, and every setting is changed only through
+``torch._dynamo.config.patch``, which puts it back.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch import nn
+
+from helpers import assert_close
+from torchloom.layers.attention import MultiHeadAttention
+from torchloom.layers.containers import Parallel, Residual
+from torchloom.layers.conv import Conv1D, Conv2D, Conv3D, Flatten
+from torchloom.layers.conv_transpose import ConvTranspose1D, ConvTranspose2D, ConvTranspose3D
+from torchloom.layers.dense import Dense
+from torchloom.layers.embedding import Embedding
+from torchloom.layers.lstm import LSTM
+from torchloom.layers.network import Network, Sequential
+from torchloom.layers.norm import LayerNorm, RMSNorm
+from torchloom.layers.rnn import RNN, LastStep
+from torchloom.layers.softmax import Softmax
+from torchloom.layers.swiglu import SwiGLU
+
+
+def _randn(*trailing):
+    return lambda batch: torch.randn(batch, *trailing)
+
+
+# name -> (layer factory, input factory of the batch size); odd sizes throughout.
+CASES = {
+    "dense": (lambda: Dense(7, 5, "gelu"), _randn(7)),
+    "conv1d": (lambda: Conv1D(3, 4, 3, padding=1, activation="tanh"), _randn(3, 9)),
+    "conv2d": (lambda: Conv2D(3, 4, 3, stride=2, padding=1, activation="relu"), _randn(3, 7, 5)),
+    "conv3d": (lambda: Conv3D(2, 3, 2, activation="silu"), _randn(2, 4, 3, 4)),
+    "conv_transpose1d": (lambda: ConvTranspose1D(3, 4, 3, stride=2, padding=1, output_padding=1, activation="tanh"), _randn(3, 5)),
+    "conv_transpose2d": (lambda: ConvTranspose2D(3, 2, (3, 2), stride=2, padding=1), _randn(3, 4, 3)),
+    "conv_transpose3d": (lambda: ConvTranspose3D(2, 3, 2, activation="sigmoid"), _randn(2, 3, 2, 3)),
+    "rnn": (lambda: RNN(5, 7), _randn(4, 5)),
+    "lstm": (lambda: LSTM(5, 6), _randn(4, 5)),
+    "lstm_nobias_one_step": (lambda: LSTM(3, 5, bias=False), _randn(1, 3)),
+    "mha": (lambda: MultiHeadAttention(12, 3, causal=False, rope=False), _randn(5, 12)),
+    "mha_causal": (lambda: MultiHeadAttention(12, 3, causal=True, rope=False), _randn(5, 12)),
+    "mha_rope": (lambda: MultiHeadAttention(12, 3, causal=True, rope=True), _randn(5, 12)),
+    "mha_gqa": (lambda: MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True), _randn(5, 16)),
+    "swiglu": (lambda: SwiGLU(6, 11), _randn(6)),
+    "rmsnorm": (lambda: RMSNorm(9), _randn(3, 9)),
+    "layernorm": (lambda: LayerNorm(9), _randn(9)),
+    "softmax": (lambda: Softmax(temperature=1.5), _randn(9)),
+    "embedding": (lambda: Embedding(11, 6), lambda batch: torch.randint(0, 11, (batch, 3))),
+    "residual": (lambda: Residual(Dense(6, 6, "silu")), _randn(6)),
+    "parallel": (lambda: Parallel([Dense(6, 3, "tanh"), SwiGLU(6, 5)], combine="concat"), _randn(6)),
+    "sequential": (lambda: Sequential(Conv1D(2, 3, 3), Flatten(), Dense(15, 4), LayerNorm(4)), _randn(2, 7)),
+    "network": (lambda: Network(LSTM(4, 6), LastStep(), Dense(6, 8, "relu"), RMSNorm(8), Dense(8, 3), Softmax()), _randn(3, 4)),
+}
+# The compiled-vs-eager training runs take ~1 s each: under autocast and dynamic=True they cover one
+# case per autograd.Function and the containers (every case is traced in those modes by the explain
+# test).
+BF16_CASES = ["dense", "conv2d", "conv_transpose1d", "rnn", "lstm", "mha", "mha_gqa", "swiglu", "rmsnorm",
+              "layernorm", "softmax", "embedding", "residual", "parallel", "sequential", "network"]
+DYNAMIC_CASES = ["dense", "conv2d", "conv_transpose2d", "rnn", "mha_gqa", "swiglu", "layernorm", "softmax",
+                 "embedding", "parallel", "network"]
+BATCH = 4
+LR = 0.05  # the plain SGD step between training steps (the parameters change, the graph must not)
+
+
+ATTENTION = importlib.import_module("torchloom.layers.attention")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(monkeypatch):
+    """Each test compiles from scratch and leaves no compiled code behind, with an empty store of
+    RoPE tables (eager attention keeps its tables there; a traced region must not touch it)."""
+    monkeypatch.setattr(ATTENTION, "_ROPE_CACHE", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _randomize(layer: nn.Module) -> nn.Module:
+    """Non-trivial parameters (biases away from zero), from one seed."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (0.3 if p.dim() == 1 else 0.0))
+    return layer
+
+
+def _loss_fn(layer: nn.Module, autocast: bool):
+    """``x, g -> (y, loss)``: the layer's output and ``Σ y·g`` (float32; ``Σ y²`` when ``g`` is None),
+    under bfloat16 autocast when asked (the autocast context inside the compiled region)."""
+
+    def step(x, g=None):
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x)
+        else:
+            y = layer(x)
+        return y, (y.float() * (y.float() if g is None else g)).sum()
+
+    return step
+
+
+def _run(step, layer, x, g):
+    """One forward and backward: ``(output, input grad or None, parameter grads)``."""
+    layer.zero_grad(set_to_none=True)
+    xa = x.clone().requires_grad_() if x.is_floating_point() else x
+    y, loss = step(xa, g)
+    loss.backward()
+    grads = [p.grad for p in layer.parameters()]
+    assert all(gp is not None for gp in grads)
+    return y.detach(), (xa.grad if x.is_floating_point() else None), grads
+
+
+def _sgd(layer: nn.Module) -> None:
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.sub_(p.grad, alpha=LR)
+
+
+def _compare(tag, got, ref, rtol, atol):
+    (y, gx, grads), (y_ref, gx_ref, grads_ref) = got, ref
+    assert y.dtype == y_ref.dtype, f"{tag}: output dtype {y.dtype} != eager's {y_ref.dtype}"
+    assert_close(y, y_ref, name=f"{tag} output", rtol=rtol, atol=atol)
+    if gx_ref is not None:
+        assert gx.dtype == gx_ref.dtype
+        assert_close(gx, gx_ref, name=f"{tag} input grad", rtol=rtol, atol=atol)
+    for i, (gp, gr) in enumerate(zip(grads, grads_ref)):
+        assert gp.dtype == gr.dtype, f"{tag}: grad of parameter {i} has dtype {gp.dtype}, eager {gr.dtype}"
+        assert_close(gp, gr, name=f"{tag} grad of parameter {i}", rtol=rtol, atol=atol)
+
+
+def _float64_reference(layer, x, g):
+    """The same layer (current weights) in float64, eagerly: output and gradients."""
+    ref = copy.deepcopy(layer).double()
+    xr = x.double() if x.is_floating_point() else x
+    return _run(_loss_fn(ref, False), ref, xr, g.double())
+
+
+def _assert_hand_written_backward_kept(counter, name):
+    """The captured graph calls the layers' ``autograd.Function``s (Dynamo's ``autograd_function_apply``
+    node holds the hand-written backward); autograd would otherwise differentiate the forward's ops."""
+    targets = [str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("autograd_function_apply" in t for t in targets), f"{name}: no autograd.Function in the graph: {targets}"
+
+
+def _rel(a, ref):
+    """``‖a − ref‖ / max(‖ref‖, 1)``: relative error, at unit scale at least (some gradients are exactly
+    zero in theory, e.g. attention's key bias, whose shift the softmax ignores: float32 leaves ~1e-6)."""
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1.0))
+
+
+def _train_and_compare(name, *, autocast, dynamic, batches, rtol, atol, floor):
+    """Train an eager copy and a compiled copy of one layer side by side (SGD steps between), comparing
+    outputs and every gradient at each step with eager's (``rtol``, ``atol``) and with float64's: the
+    compiled error may be at most twice eager's own error at that precision, plus ``floor``. Returns
+    the compile counter."""
+    make_layer, make_x = CASES[name]
+    torch.manual_seed(0)
+    eager = _randomize(make_layer())
+    compiled_layer = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss_fn(compiled_layer, autocast), backend=counter, fullgraph=True, dynamic=dynamic)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step, batch in enumerate(batches):
+            x = make_x(batch)
+            with torch.no_grad():
+                y0 = eager(x)  # only for the shape of the upstream gradient
+            g = torch.randn(y0.shape, generator=torch.Generator().manual_seed(10 + step))
+            ref = _run(_loss_fn(eager, autocast), eager, x, g)
+            got = _run(compiled, compiled_layer, x, g)
+            _compare(f"{name} step {step} (batch {batch}) compiled vs eager", got, ref, rtol, atol)
+            y64, gx64, grads64 = _float64_reference(eager, x, g)
+            pairs = [("output", got[0], ref[0], y64), ("input grad", got[1], ref[1], gx64)]
+            pairs += [(f"grad of parameter {i}", gp, gr, g64) for i, (gp, gr, g64) in enumerate(zip(got[2], ref[2], grads64))]
+            for what, a, e, r in pairs:
+                if r is not None:
+                    err, eager_err = _rel(a, r), _rel(e, r)
+                    assert err <= 2 * eager_err + floor, (
+                        f"{name} step {step}: {what} vs float64, rel. error {err:.1e} (eager's {eager_err:.1e})")
+            _sgd(eager)
+            _sgd(compiled_layer)
+            if step == 0:
+                first_compiles = counter.frame_count
+    # Under dynamic=True the first compile may call the backend twice: Dynamo restarts once when a float
+    # it traced as symbolic gets specialised (attention's rope_theta). The later steps add nothing.
+    allowed = 2 if dynamic else 1
+    assert counter.frame_count == first_compiles <= allowed, f"{name}: {counter.frame_count} compiles, {first_compiles} at step 0"
+    _assert_hand_written_backward_kept(counter, name)
+    return counter
+
+
+# ------------------------------------------------------------------------------------- graph breaks
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "dynamic"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_explain_no_graph_breaks(name, mode):
+    """``torch._dynamo.explain`` of the forward (which traces the hand-written backward too): one
+    graph, no break; in float32, under bfloat16 autocast, and with every size symbolic (what
+    ``torch.compile(dynamic=True)`` sets: ``assume_static_by_default=False``)."""
+    make_layer, make_x = CASES[name]
+    layer = _randomize(make_layer())
+    x = make_x(8)  # a batch size equal to no other dimension (Dynamo would tie equal sizes together)
+    if x.is_floating_point():
+        x.requires_grad_()
+    # (no eager call first: the traced code meets every store and cache cold, as in a fresh process)
+    with torch._dynamo.config.patch(assume_static_by_default=mode != "dynamic"):
+        explanation = torch._dynamo.explain(_loss_fn(layer, mode == "bf16"))(x)
+    reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert explanation.graph_break_count == 0, f"{name}: {explanation.graph_break_count} graph breaks: {reasons}"
+    assert explanation.graph_count == 1, f"{name}: {explanation.graph_count} graphs"
+
+
+# ------------------------------------------------------------------------ compiled == eager, 3 steps
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_float32_matches_eager(name):
+    """fullgraph=True, three SGD steps of one shape: one compile, outputs and gradients equal to eager
+    (to float32 rounding: the same ops, possibly fused or reordered) and to float64."""
+    _train_and_compare(name, autocast=False, dynamic=None, batches=(BATCH,) * 3, rtol=1e-5, atol=1e-6, floor=1e-6)
+
+
+@pytest.mark.parametrize("name", BF16_CASES)
+def test_compiled_bf16_autocast_matches_eager(name):
+    """The same under ``torch.autocast("cpu", bfloat16)`` inside the compiled region: outputs in the
+    eager dtypes, gradients in the parameters' dtype, equal to eager within two bfloat16 units of
+    rounding (the same ops run: bit-equal with torch 2.13) and within bfloat16 error of float64."""
+    _train_and_compare(name, autocast=True, dynamic=None, batches=(BATCH,) * 3, rtol=8e-3, atol=1e-4, floor=1e-3)
+
+
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_compiled_dynamic_batch(name):
+    """``dynamic=True``: three batch sizes, one graph (``error_on_recompile``), eager's numbers. (Sizes
+    that equal no other dimension of the inputs: Dynamo would tie equal sizes into one symbol.)"""
+    counter = _train_and_compare(name, autocast=False, dynamic=True, batches=(8, 13, 10), rtol=1e-5, atol=1e-6, floor=1e-6)
+    placeholders = [n for n in counter.graphs[-1].graph.nodes if n.op == "placeholder"]
+    assert any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in placeholders) or any(
+        not isinstance(s, int) for n in placeholders for s in getattr(n.meta.get("example_value"), "shape", ())
+    ), f"{name}: the graph has no symbolic size"
+
+
+# ------------------------------------------------------------------------------------ mixed models
+class _Mixed(nn.Module):
+    """torchloom layers and plain PyTorch modules in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embedding(13, 16)
+        self.norm = nn.LayerNorm(16)
+        self.attn = MultiHeadAttention(16, 4, num_kv_heads=2)
+        self.head = nn.Sequential(RMSNorm(16), nn.Linear(16, 8), nn.GELU(), Dense(8, 5, "tanh"))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.attn(self.norm(h))
+        return self.head(h)
+
+
+def _mixed_network():
+    """A ``Network`` whose chain holds plain modules (wrapped as ``ModuleLayer``)."""
+    return Network(Conv2D(2, 4, 3, padding=1, activation="relu"), nn.BatchNorm2d(4), Flatten(), Dense(4 * 5 * 5, 10, "silu"),
+                   nn.Dropout(0.0), RMSNorm(10), nn.Linear(10, 3))
+
+
+def test_mixed_model_inductor():
+    """A model of torchloom layers and plain modules compiles as one graph (explain: no break) with
+    Inductor, the default backend (generated C++ here); forward and backward equal eager over two SGD
+    steps with one compile. Scalar C++ (``cpp.vec_isa_ok=False``, restored after): on a cold cache the
+    vectorised build first probes the compiler for each instruction set, ~10 s of this test's ~17."""
+    import torch._inductor.config
+
+    torch.manual_seed(0)
+    eager = _randomize(_Mixed())
+    compiled_model = copy.deepcopy(eager)
+    g = torch.randn(3, 6, 5)
+    explanation = torch._dynamo.explain(_loss_fn(eager, False))(torch.randint(0, 13, (3, 6)), g)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_loss_fn(compiled_model, False), backend=counter, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        for step in range(2):
+            tokens = torch.randint(0, 13, (3, 6))
+            ref = _run(_loss_fn(eager, False), eager, tokens, g)
+            got = _run(compiled, compiled_model, tokens, g)
+            _compare(f"mixed model (inductor) step {step}", got, ref, rtol=1e-4, atol=1e-5)
+            _sgd(eager)
+            _sgd(compiled_model)
+    assert counter.frame_count == 1
+    _assert_hand_written_backward_kept(counter, "mixed model")
+
+
+def test_network_of_plain_modules_compiles():
+    """A torchloom ``Network`` holding plain modules (BatchNorm in train mode: its running statistics
+    are updated by the compiled graph as by eager)."""
+    torch.manual_seed(0)
+    eager = _randomize(_mixed_network())
+    compiled_net = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss_fn(compiled_net, False), backend=counter, fullgraph=True)
+    g = torch.randn(4, 3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2):
+            x = torch.randn(4, 2, 5, 5)
+            ref = _run(_loss_fn(eager, False), eager, x, g)
+            got = _run(compiled, compiled_net, x, g)
+            _compare(f"network step {step}", got, ref, rtol=1e-5, atol=1e-6)
+            _sgd(eager)
+            _sgd(compiled_net)
+    assert counter.frame_count == 1
+    bn_eager, bn_compiled = eager[1].module, compiled_net[1].module
+    assert_close(bn_compiled.running_mean, bn_eager.running_mean, name="running_mean", rtol=1e-6, atol=1e-7)
+    assert_close(bn_compiled.running_var, bn_eager.running_var, name="running_var", rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------- checks compiled
+def test_compiled_embedding_still_checks_indices():
+    """The index range check survives compilation as a device-side assertion: an out-of-range index
+    fails the compiled call with the layer's message (eagerly it is a ``ValueError``)."""
+    layer = Embedding(11, 6)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    ok = torch.randint(0, 11, (4, 3))
+    assert_close(compiled(ok), layer(ok), name="lookup", rtol=0, atol=0)
+    for bad in (torch.tensor([[0, 11, 2]]), torch.tensor([[-1, 0, 1]])):
+        with pytest.raises(RuntimeError, match=r"indices must lie in \[0, 11\)"):
+            compiled(bad)
+        with pytest.raises(ValueError, match=r"indices must lie in \[0, 11\)"):
+            layer(bad)
+
+
+def test_compiled_attention_keeps_no_rope_tables():
+    """Eager attention keeps its RoPE tables in a host-side store; a compiled graph makes its own and
+    neither reads nor fills the store (its tensors are fake while it traces; a kept table would also
+    pin the sequence length)."""
+    layer = _randomize(MultiHeadAttention(16, 4, num_kv_heads=2))
+    x = torch.randn(2, 7, 16)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert ATTENTION._ROPE_CACHE == {}
+    assert_close(y, layer(x), name="output", rtol=1e-5, atol=1e-6)
+    assert len(ATTENTION._ROPE_CACHE) == 1  # the eager call kept its tables
+
+
+def test_compiled_shape_check_raises():
+    """Shape validation is Python on the (traced) shapes: a wrong input shape still fails with the
+    layer's message — a ``ValueError`` where Dynamo may fall back to eager, Dynamo's own error quoting
+    it under ``fullgraph=True``."""
+    layer = Dense(7, 5)
+    bad = torch.randn(3, 6)
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=fullgraph)
+        compiled(torch.randn(3, 7))
+        with pytest.raises(ValueError if not fullgraph else Exception, match=r"input must have shape \[batch, \.\.\., 7\]"):
+            compiled(bad)
