@@ -8,14 +8,14 @@ at every batch size, several seeds; one table per data set:
   (``TrainingConfig``'s default rate): the reference every target is measured against;
 * ``bp-adamw``: backprop, AdamW (``optimizer="adamw"``), cross-entropy, lr 1e-3 (torch's default; 0.01
   is too large a step for Adam on these nets);
-* ``tp-chain``: ``method="target_prop"`` (chain rule), ``TargetPropConfig``'s defaults, lr 0.01;
-* ``tp-pure``: ``TargetPropConfig(use_chain_rule=False)``, the other defaults, lr 0.01;
+* ``tp-chain``: ``method="target_prop"`` (chain rule, the step averaged over the batch), cross-entropy,
+  lr 0.05 (``TargetPropConfig``'s default);
+* ``tp-pure``: ``TargetPropConfig(use_chain_rule=False)``, cross-entropy, lr 0.003 (it learns at no rate);
 * ``tween``: ``TweenConfig``'s defaults, base rate 0.01, cross-entropy.
 
-Each method trains on the loss of the ``LOSSES`` table: TargetProp refuses ``loss_type="cross_entropy"``
-today (it trains ½Σ(y − t)² on one-hot targets), so its rows train on ``mse``; ``--loss-<method>``
-tries another loss, and a combination ``TrainingConfig`` or ``train()`` refuses is reported as a
-``refused: <message>`` row. ``--lr-<method>`` changes a rate.
+Each method trains on the loss of the ``LOSSES`` table; ``--loss-<method>`` tries another loss, and a
+combination ``TrainingConfig`` or ``train()`` refuses is reported as a ``refused: <message>`` row.
+``--lr-<method>`` changes a rate.
 
 Data, all offline (nothing is downloaded): scikit-learn's bundled ``load_digits`` (1347 train / 450
 test, stratified, ``random_state=0``); Fashion-MNIST from the Debian package ``dataset-fashion-mnist``
@@ -64,7 +64,8 @@ import torchloom
 from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
 
 # ------------------------------------------------------------------------------------- data
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Debian's package puts the four files here; TORCHLOOM_FASHION_DIR names another folder holding them
+FASHION_DIR = Path(os.environ.get("TORCHLOOM_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 Split = tuple[Tensor, Tensor, Tensor, Tensor]  # x_train, y_train, x_test, y_test
@@ -144,10 +145,10 @@ DATASETS = {
 }
 
 # ---------------------------------------------------------------------------------- methods
-RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.01, "tp-pure": 0.01, "tween": 0.01}
-# TargetProp refuses "cross_entropy" today (it trains ½Σ(y − t)² on one-hot targets): switch its two
-# entries once it takes cross-entropy, and these rows measure that.
-LOSSES = {"bp-sgdm": "cross_entropy", "bp-adamw": "cross_entropy", "tp-chain": "mse", "tp-pure": "mse", "tween": "cross_entropy"}
+# the documented defaults (TargetPropConfig's 0.05 and TweenConfig's 0.01: chosen from the rate sweep of
+# bench/RESULTS.md §7); pure TargetProp learns at no rate measured (0.0003-0.3), 0.003 is its least bad
+RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.05, "tp-pure": 0.003, "tween": 0.01}
+LOSSES = {"bp-sgdm": "cross_entropy", "bp-adamw": "cross_entropy", "tp-chain": "cross_entropy", "tp-pure": "cross_entropy", "tween": "cross_entropy"}
 
 
 def method_fields(name: str, lr: float, loss: str) -> dict:

@@ -318,3 +318,18 @@ def test_resume_keeps_the_watchs_best_loss(tmp_path):
     with pytest.warns(DivergenceWarning):
         whole = train(_mlp(), data, TrainingConfig(epochs=4, **base))
     assert resumed.history["diverged"] == whole.history["diverged"] == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["tp-chain", "tp-pure", "tween-mse", "custom"])
+def test_cuda_device_path_equals_the_cpu(name):
+    """The averaged, cross-entropy (or one-hot MSE) steps on the CUDA device path (graph-captured)
+    give the CPU's numbers."""
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(5)]
+    runs = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(3)
+        net = Network(Dense(4, 16, "tanh"), Dense(16, 3))
+        runs.append(train(net, data, _cfg(name, epochs=4, device=device)).loss_history)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-4)

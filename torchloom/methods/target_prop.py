@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine.method import DEFAULT_LR, Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
+from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import column_sum
 from ._fused import FlatLayout, FusedStep, into_views
@@ -82,11 +82,7 @@ class TargetProp(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TargetPropConfig:
-        """By name: the default settings, with ``TrainingConfig.learning_rate`` as the rate when it is
-        set (else ``TargetPropConfig``'s own default rate, measured for this rule: backprop's default
-        0.01 is not one)."""
-        if training.learning_rate == DEFAULT_LR:
-            return TargetPropConfig()
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""
         return TargetPropConfig(learning_rate=training.learning_rate)
 
     @classmethod

@@ -120,7 +120,7 @@ class TargetPropConfig:
     gradient_scale: float = 0.1  # chain rule: backward_targets[i] = a_i + scale·g_i; >= 0
     depth_scale_factor: float = 1.1  # rate_i ∝ factor^i: "each deeper layer gets 1.1× the base rate"; > 0
     momentum: float = 0.9  # v = μv + (1−μ)·rate·grad; in [0, 1)
-    learning_rate: float = 0.01  # base rate of the trainer; > 0
+    learning_rate: float = 0.05  # base rate; > 0 (measured: bench/RESULTS.md §7, docs/target-prop.md's rate table)
     gate_threshold: float = 0.2  # layers with link budget below this are not updated; in [0, 1]
     reduction: str = "mean"  # "mean": the step averaged over the batch (one rate serves every batch size); "sum": Loom's summed step
     loss_type: str | None = None  # the output target: "mse" (t − y) | "cross_entropy" (onehot − softmax(y)); None = TrainingConfig.loss_type ("mse" outside train())

@@ -67,13 +67,7 @@ class TargetPropTrainer(Trainer):
         *,
         training: Any = None,
     ) -> None:
-        method = TargetProp(config)
-        if training is None:
-            training = TrainingConfig(method=method.config, observers=tuple(observers), verbose=verbose)
-        elif tuple(observers) or verbose:
-            raise ValueError("TargetPropTrainer: give observers and verbose in the TrainingConfig (training=...) only")
-        super().__init__(as_network(model), training, method)
-        self.config = method.config
+        _with_method(self, TargetProp(config), model, observers, verbose, training)
 
 
 class TweenTrainer(Trainer):
@@ -104,13 +98,7 @@ class TweenTrainer(Trainer):
         *,
         training: Any = None,
     ) -> None:
-        method = Tween(cfg)
-        if training is None:
-            training = TrainingConfig(method=method.config, observers=tuple(observers), verbose=verbose)
-        elif tuple(observers) or verbose:
-            raise ValueError("TweenTrainer: give observers and verbose in the TrainingConfig (training=...) only")
-        super().__init__(as_network(model), training, method)
-        self.config = method.config
+        _with_method(self, Tween(cfg), model, observers, verbose, training)
 
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None, track_perf: bool = False) -> TrainingResult:
         """Train for ``epochs`` passes over ``data`` and return a ``TrainingResult``.
@@ -133,3 +121,15 @@ class TweenTrainer(Trainer):
         elif batch_size is not None:
             raise ValueError("batch_size is only used when data is one (X, Y) pair of tensors")
         return super().fit(data, epochs, track_perf=track_perf)
+
+
+def _with_method(trainer: Trainer, method: Any, model: Any, observers: Iterable[Any], verbose: bool | int, training: Any) -> None:
+    """The engine's ``__init__`` for ``trainer`` with ``method``: its ``TrainingConfig`` is ``training``,
+    else one holding the method's settings, ``observers`` and ``verbose`` (given in one place only);
+    ``trainer.config`` is the method's settings."""
+    if training is None:
+        training = TrainingConfig(method=method.config, observers=tuple(observers), verbose=verbose)
+    elif tuple(observers) or verbose:
+        raise ValueError(f"{type(trainer).__name__}: give observers and verbose in the TrainingConfig (training=...) only")
+    Trainer.__init__(trainer, as_network(model), training, method)
+    trainer.config = method.config

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import LOSS_TYPES, is_label_target, loss_and_grad, mse_to_target
-from ..engine.method import DEFAULT_LR, Method, RateHolder, as_flat, flatten_tensors_, register_method
+from ..engine.method import Method, RateHolder, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ._fused import FlatLayout, FusedStep
 from .explosion import EXPLOSION_RULE, ExplosionRule, _TensorOps
@@ -58,8 +58,6 @@ class Tween(Method):
     def config_from_training(cls, training: Any) -> TweenConfig:
         """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` and its
         ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
-        if training.learning_rate == DEFAULT_LR:  # not set: Tween's own default rate
-            return TweenConfig(loss_type=training.loss_type)
         return TweenConfig(base_rate=training.learning_rate, loss_type=training.loss_type)
 
     @classmethod
