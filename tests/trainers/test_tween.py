@@ -555,6 +555,6 @@ def test_cuda_step_matches_cpu():
 def test_cuda_trainer_digits():
     xtr, xte, ytr, yte = _digits()
     net = Network(Dense(64, 32, "relu"), Dense(32, 10)).cuda()
-    TweenTrainer(net, TweenConfig()).fit((xtr, ytr), epochs=16, batch_size=16)
+    TweenTrainer(net, TweenConfig(loss_type="cross_entropy")).fit((xtr, ytr), epochs=16, batch_size=16)
     acc = (net(xte.cuda()).argmax(1).cpu() == yte).double().mean().item()
     assert acc >= 0.95
