@@ -28,7 +28,6 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -75,6 +75,9 @@ class Method:
     * ``uses_optimizer``: whether ``TrainingConfig.optimizer`` applies (a rule with its own update,
       like TargetProp's momentum, refuses any optimizer but the default);
     * ``rate_field``: the field of its config that holds its learning rate, if any;
+    * ``losses``: the ``loss_type`` names it can train on (``None``: any the engine knows), with
+      ``loss_hint`` saying why in the refusal; a config with a ``loss_type`` field of its own may name
+      the loss instead of the ``TrainingConfig`` (``loss_of``);
     * ``device_log_names``: the per-step logs its device step writes (``runner.log``).
 
     A method object is bound to one training run at a time (``bind``): its state is built then.
@@ -84,6 +87,8 @@ class Method:
     config_type: ClassVar[type | None] = None
     uses_optimizer: ClassVar[bool] = False
     rate_field: ClassVar[str | None] = None
+    losses: ClassVar[tuple[str, ...] | None] = None
+    loss_hint: ClassVar[str] = ""
     device_log_names: tuple[str, ...] = ()
     engine: Any = None
 
@@ -114,6 +119,18 @@ class Method:
                     f"TrainingConfig: precision='16-mixed' (float16 with loss scaling) is for backprop; {label} "
                     "updates from its own rule, not from a scaled loss: use 'bf16-mixed'"
                 )
+        own = getattr(config, "loss_type", None) if config is not None and not isinstance(config, Method) else None
+        if own is not None and training.loss_type != "mse" and training.loss_type != own:  # ("mse": the default)
+            raise ValueError(
+                f"TrainingConfig: loss_type={training.loss_type!r} disagrees with the {type(config).__name__}'s "
+                f"loss_type={own!r}; set the loss in one place"
+            )
+        loss = own or training.loss_type
+        if cls.losses is not None and not (isinstance(loss, str) and loss in cls.losses):
+            raise ValueError(
+                f"TrainingConfig: loss_type={loss!r} cannot be used with {cls.__name__}"
+                f"{', ' + cls.loss_hint if cls.loss_hint else ''}: use one of {', '.join(map(repr, cls.losses))}"
+            )
         if cls.rate_field is not None and config is not None and not isinstance(config, Method):
             own = getattr(config, cls.rate_field)
             if training.learning_rate != DEFAULT_LR and training.learning_rate != own:
@@ -121,6 +138,12 @@ class Method:
                     f"TrainingConfig: learning_rate={training.learning_rate!r} disagrees with the method config's "
                     f"{cls.rate_field}={own!r}; set the rate in the {type(config).__name__} only"
                 )
+
+    @staticmethod
+    def loss_of(training: Any, config: Any) -> Any:
+        """The loss a run trains on: its config's own ``loss_type`` when it has one, else the
+        ``TrainingConfig``'s."""
+        return getattr(config, "loss_type", None) or training.loss_type
 
     @classmethod
     def display_name(cls, config: Any = None) -> str:

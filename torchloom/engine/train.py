@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 
 from ..layers.base import Layer
 from ..layers.network import Network

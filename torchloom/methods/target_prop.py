@@ -72,6 +72,8 @@ class TargetProp(Method):
     name = "target_prop"
     config_type = TargetPropConfig
     rate_field = "learning_rate"
+    losses = LOSSES
+    loss_hint = "which moves the output towards a target ('mse': t − y; 'cross_entropy': onehot − softmax(y))"
 
     def __init__(self, config: TargetPropConfig | None = None) -> None:
         config = TargetPropConfig() if config is None else config
@@ -84,27 +86,6 @@ class TargetProp(Method):
     def config_from_training(cls, training: Any) -> TargetPropConfig:
         """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""
         return TargetPropConfig(learning_rate=training.learning_rate)
-
-    @classmethod
-    def check_training(cls, training: Any, config: Any) -> None:
-        super().check_training(training, config)
-        own = getattr(config, "loss_type", None)
-        if own is not None and training.loss_type != "mse" and training.loss_type != own:
-            raise ValueError(
-                f"TrainingConfig: loss_type={training.loss_type!r} disagrees with the TargetPropConfig's "
-                f"loss_type={own!r}; set the loss in one place"
-            )
-        loss = own or training.loss_type
-        if not (isinstance(loss, str) and loss in LOSSES):
-            raise ValueError(
-                f"TrainingConfig: loss_type={loss!r} cannot be used with TargetProp, which moves the output towards a "
-                f"target: use one of {', '.join(map(repr, LOSSES))} ('mse': t − y; 'cross_entropy': onehot − softmax(y))"
-            )
-
-    @staticmethod
-    def loss_of(training: Any, config: TargetPropConfig) -> str:
-        """The loss a run trains on: the config's ``loss_type``, else the ``TrainingConfig``'s."""
-        return config.loss_type or training.loss_type
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)

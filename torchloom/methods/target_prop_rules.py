@@ -362,16 +362,6 @@ def target_loss(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tenso
     return ((output - _as_float_target(output, target)) ** 2).mean(dtype=torch.float64)
 
 
-def _as_float_target(output: Tensor, target: Tensor) -> Tensor:
-    """A checked target as a float tensor like ``output``: labels one-hot over the last dimension."""
-    if target.dtype in _INT_DTYPES:
-        labels = target.to(output.device, torch.long)
-        # scatter, not F.one_hot: one_hot checks the label range on the host (a sync on CUDA)
-        hot = torch.zeros(*labels.shape, output.shape[-1], dtype=output.dtype, device=output.device)
-        return hot.scatter_(-1, labels.unsqueeze(-1), 1.0)
-    return target.to(output.device, output.dtype)
-
-
 @torch.no_grad()
 def target_prop_backward(model: Network, state: TargetPropState, target: Tensor) -> None:
     """Fill ``backward_targets``, ``gradients`` (chain rule) and ``weight_gradients`` from the output's

@@ -47,6 +47,8 @@ class Tween(Method):
     name = "tween"
     config_type = TweenConfig
     rate_field = "base_rate"
+    losses = LOSS_TYPES
+    loss_hint = "whose backward targets come from a named loss"
 
     def __init__(self, config: TweenConfig | None = None) -> None:
         config = TweenConfig() if config is None else config
@@ -60,27 +62,11 @@ class Tween(Method):
         ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
         return TweenConfig(base_rate=training.learning_rate, loss_type=training.loss_type)
 
-    @classmethod
-    def check_training(cls, training: Any, config: Any) -> None:
-        super().check_training(training, config)
-        own = getattr(config, "loss_type", None)
-        if own is not None and training.loss_type != "mse" and training.loss_type != own:
-            raise ValueError(
-                f"TrainingConfig: loss_type={training.loss_type!r} disagrees with the TweenConfig's "
-                f"loss_type={own!r}; set the loss in one place"
-            )
-        loss = own or training.loss_type
-        if not (isinstance(loss, str) and loss in LOSS_TYPES):
-            raise ValueError(
-                f"TrainingConfig: loss_type={loss!r} cannot be used with Tweening, whose backward targets come from "
-                f"a named loss: use one of {', '.join(map(repr, LOSS_TYPES))}"
-            )
-
     def bind(self, engine: Any) -> None:
         super().bind(engine)
         # the loss: the config's, else the TrainingConfig's (never Tween's automatic choice, which only
         # the functional TweenState API keeps: through train(), loss_type means the same for every method)
-        self.loss = self.config.loss_type or self.training.loss_type
+        self.loss = self.loss_of(self.training, self.config)
         settings = self.config if self.config.loss_type else dataclasses.replace(self.config, loss_type=self.loss)
         self.state = TweenState(self.model, settings)
         params = [p for p in self.model.parameters() if p.requires_grad]
