@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-
 from ..layers.base import Layer
 from ..layers.network import Network
 from .config import TrainingConfig, as_network, resolve_device
