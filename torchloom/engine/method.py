@@ -105,8 +105,9 @@ class Method:
         """Raise ``ValueError`` when ``training`` (a ``TrainingConfig``) asks for something this method
         cannot do with ``config`` (its settings). The base refuses, for a method with its own update
         rule (``uses_optimizer`` False), an optimizer other than the default and float16 loss scaling;
-        and, for a method whose config holds its rate (``rate_field``), a ``learning_rate`` that
-        disagrees with it (one rate, one place)."""
+        a loss it cannot train on (``losses``) or a config's ``loss_type`` that disagrees with the
+        ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
+        ``learning_rate`` that disagrees with it (one rate, one place)."""
         label = cls.display_name(config)
         if not cls.uses_optimizer:
             if not (isinstance(training.optimizer, str) and training.optimizer.lower() == "sgd"):
@@ -132,11 +133,11 @@ class Method:
                 f"{', ' + cls.loss_hint if cls.loss_hint else ''}: use one of {', '.join(map(repr, cls.losses))}"
             )
         if cls.rate_field is not None and config is not None and not isinstance(config, Method):
-            own = getattr(config, cls.rate_field)
-            if training.learning_rate != DEFAULT_LR and training.learning_rate != own:
+            rate = getattr(config, cls.rate_field)
+            if training.learning_rate != DEFAULT_LR and training.learning_rate != rate:
                 raise ValueError(
                     f"TrainingConfig: learning_rate={training.learning_rate!r} disagrees with the method config's "
-                    f"{cls.rate_field}={own!r}; set the rate in the {type(config).__name__} only"
+                    f"{cls.rate_field}={rate!r}; set the rate in the {type(config).__name__} only"
                 )
 
     @staticmethod
