@@ -333,3 +333,19 @@ def test_cuda_device_path_equals_the_cpu(name):
         net = Network(Dense(4, 16, "tanh"), Dense(16, 3))
         runs.append(train(net, data, _cfg(name, epochs=4, device=device)).loss_history)
     assert runs[1] == pytest.approx(runs[0], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["backprop", "tp-chain", "tween"])
+def test_an_epoch_with_most_batches_skipped_is_diverged_not_a_success(name, tmp_path):
+    """15 of 16 batches NaN: the one good batch makes the epoch's loss, so the epoch is reported as
+    diverged and no monitor keeps it (a run that skipped 4,095 of 4,096 batches once reported 0.0)."""
+    g = torch.Generator().manual_seed(8)
+    good = [(torch.randn(4, 4, generator=g, dtype=F64), torch.randint(0, 3, (4,), generator=g)) for _ in range(16)]
+    bad = [(torch.full_like(x, math.nan), y) if k else (x, y) for k, (x, y) in enumerate(good)]
+    best = tmp_path / "best.pt"
+    net = _mlp()
+    train(net, good, _cfg(name, epochs=1))  # an ordinary first epoch
+    with pytest.warns(DivergenceWarning, match=r"epoch 1 diverged: 15 of its 16 batches were skipped"):
+        r = train(net, bad, _cfg(name, epochs=1, observers=[Checkpoint(best, monitor="loss")]))
+    assert r.history["diverged"] == [1.0] and r.skipped_batches == 15
+    assert not best.exists()  # never saved as the best

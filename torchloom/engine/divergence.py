@@ -8,6 +8,8 @@ them. At the end of each epoch an epoch **diverged** when
   and then wobbles (1e-4 → 1e-3) is no alarm; the first epoch itself is judged by the weights;
 * the weights' L2 norm is more than ``factor`` times the norm at the start of the run, or
 * the method reports a collapse (``Method.diagnose``: Tweening's layers that pass no signal at all),
+* more than half of its batches were skipped by the NaN/Inf guards (the few that counted make its
+  loss; one run skipped 4,095 of 4,096 batches and reported 0.0),
 
 or when no batch counted (its loss is NaN). Such an epoch raises a ``DivergenceWarning`` naming the
 epoch, what grew and the likely cause (the learning rate), has ``diverged = 1.0`` in its logs and the
@@ -53,7 +55,8 @@ class DivergenceWatch:
         if self.start_norm is None and self.factor > 0:
             self.start_norm = weight_norm(params)
 
-    def check(self, epoch: int, loss: float, params: Sequence[Tensor], counted: bool, collapse: str | None = None) -> list[str]:
+    def check(self, epoch: int, loss: float, params: Sequence[Tensor], counted: bool, collapse: str | None = None,
+              skipped: int = 0, batches: int = 0) -> list[str]:
         """The reasons epoch ``epoch`` (0-based) diverged, empty when it did not. The run's first
         finite epoch loss is kept as a reference; a finite loss that did not diverge becomes the new
         best when it is lower."""
@@ -69,6 +72,8 @@ class DivergenceWatch:
             norm = weight_norm(params)
             if norm > self.factor * self.start_norm:
                 reasons.append(f"the weights' norm grew from {self.start_norm:.4g} to {norm:.4g}, more than {self.factor:g}× the start's")
+        if counted and 2 * skipped > batches:
+            reasons.append(f"{skipped} of its {batches} batches were skipped (non-finite loss, gradients or weights)")
         if collapse:
             reasons.append(collapse)
         if counted and math.isfinite(loss) and math.isnan(self.first):

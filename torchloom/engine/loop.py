@@ -488,7 +488,7 @@ class Trainer(WarmStart):
                     DivergenceWarning,
                     stacklevel=user_stacklevel(),
                 )
-            diverged = self.divergence.check(epoch, avg_loss, self.guarded_params(), bool(out.counted), self.method.diagnose())
+            diverged = self.divergence.check(epoch, avg_loss, self.guarded_params(), bool(out.counted), self.method.diagnose(), skipped, n_total)
             if diverged and out.counted and self.is_main:
                 rates = sorted({float(g["lr"]) for g in self.rate_groups()})
                 rate = f" ({rates[0]:g})" if len(rates) == 1 else ""
