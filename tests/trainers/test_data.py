@@ -360,3 +360,23 @@ def test_predict_inputs_forms():
 def test_predict_inputs_bad_input(data, batch_size, exc, match):
     with pytest.raises(exc, match=match):
         predict_inputs(data, batch_size)
+
+
+def test_numpy_x_y_trains_and_validates_like_tensors():
+    """An (X, Y) pair of NumPy arrays works wherever data is accepted (train() and validation_data),
+    batched and shuffled exactly as the same pair of tensors."""
+    import numpy as np
+
+    from torchloom import Dense, Network, TrainingConfig, train
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((40, 3)).astype(np.float32), rng.integers(0, 2, 40)
+    runs = []
+    for xs, ys in ((x, y), (torch.from_numpy(x), torch.from_numpy(y))):
+        torch.manual_seed(0)
+        net = Network(Dense(3, 5, "tanh"), Dense(5, 2))
+        r = train(net, (xs, ys), TrainingConfig(epochs=3, batch_size=8, shuffle=True, seed=1, loss_type="cross_entropy",
+                                                 validation_data=(xs[:10], ys[:10]), metrics=("accuracy",), verbose=0))
+        runs.append((r.loss_history, r.history["val_loss"], [p.detach().clone() for p in net.parameters()]))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))

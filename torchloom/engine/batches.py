@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .data import _is_array as is_array
 from .data import as_batch_iterable
 from .losses import prefetched_label_bounds
 from .types import TrainingBatch
@@ -49,7 +50,8 @@ class BatchSource:
         batch_size = getattr(config, "batch_size", None)
         shuffle = getattr(config, "shuffle", False) if shuffle is None else shuffle
         seed = getattr(config, "seed", None)
-        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(isinstance(t, Tensor) for t in batches)
+        # (X, Y) as tensors or NumPy arrays (anything with __array__ and a shape)
+        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(is_array(t) for t in batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
