@@ -93,6 +93,20 @@ class Method:
     engine: Any = None
 
     # ------------------------------------------------------------------ building
+    def __init__(self, config: Any = None) -> None:
+        """A method with a ``config_type`` keeps ``config`` (default settings when ``None``), checked
+        to be of that type and valid; one without takes no settings."""
+        kind = type(self).config_type
+        if kind is None:
+            if config is not None:
+                raise TypeError(f"{type(self).__name__}: takes no config, got {type(config).__name__}")
+            return
+        config = kind() if config is None else config
+        if not isinstance(config, kind):
+            raise TypeError(f"{type(self).__name__}: config must be a {kind.__name__}, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+
     @classmethod
     def config_from_training(cls, training: Any) -> Any:
         """The method's settings when ``TrainingConfig.method`` names it: by default ``config_type()``

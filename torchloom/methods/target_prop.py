@@ -75,13 +75,6 @@ class TargetProp(Method):
     losses = LOSSES
     loss_hint = "which moves the output towards a target ('mse': t − y; 'cross_entropy': onehot − softmax(y))"
 
-    def __init__(self, config: TargetPropConfig | None = None) -> None:
-        config = TargetPropConfig() if config is None else config
-        if not isinstance(config, TargetPropConfig):
-            raise TypeError(f"TargetProp: config must be a TargetPropConfig, got {type(config).__name__}")
-        config.validate()
-        self.config = config
-
     @classmethod
     def config_from_training(cls, training: Any) -> TargetPropConfig:
         """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""

@@ -25,6 +25,7 @@ from .tween_rules import (
     _check_target_shape,
     _is_bias,
     _sum_squares,
+    forward_layers,
     tween_metrics,
     tween_sums,
 )
@@ -49,12 +50,6 @@ class Tween(Method):
     rate_field = "base_rate"
     losses = LOSS_TYPES
     loss_hint = "whose backward targets come from a named loss"
-
-    def __init__(self, config: TweenConfig | None = None) -> None:
-        config = TweenConfig() if config is None else config
-        if not isinstance(config, TweenConfig):
-            raise TypeError(f"TweenTrainer: cfg must be a TweenConfig, got {type(config).__name__}")
-        self.config = config
 
     @classmethod
     def config_from_training(cls, training: Any) -> TweenConfig:
@@ -220,12 +215,7 @@ class Tween(Method):
         st, cfg = self.state, self.config
         layers = list(self.model.layers)
         n = len(layers)
-        acts: list[Tensor] = [x]
-        saved: list[Any] = []
-        for layer in layers:
-            out_i, s_i = layer.forward_saved(acts[-1])
-            acts.append(out_i)
-            saved.append(s_i)
+        acts, saved = forward_layers(layers, x)
         out = acts[-1]
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         loss_type = self.loss
@@ -416,11 +406,7 @@ class _FusedTween(FusedStep):
 
         t, cfg = self.t, self.t.config
         backend = getattr(t, "kernel_backend", None)
-        acts, saved = [x], []
-        for layer in t.model.layers:
-            out_i, s_i = layer.forward_saved(acts[-1])
-            acts.append(out_i)
-            saved.append(s_i)
+        acts, saved = forward_layers(t.model.layers, x)
         out = acts[-1]
         t.observe_outputs(out, y)
         loss_type = t.loss

@@ -38,7 +38,7 @@ from ..layers.base import Layer
 from ..layers.network import Network
 from .explosion import EXPLOSION_RULE, _FloatOps
 
-__all__ = ["TweenConfig", "TweenState", "tween_sums", "tween_metrics"]
+__all__ = ["TweenConfig", "TweenState", "tween_sums", "tween_metrics", "forward_layers"]
 
 
 def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -316,12 +316,7 @@ class TweenState:
         n = len(layers)
 
         # 1. Forward (no state is touched until the target is validated).
-        acts: list[Tensor] = [x]
-        saved: list[Any] = []
-        for layer in layers:
-            y, s = layer.forward_saved(acts[-1])
-            acts.append(y)
-            saved.append(s)
+        acts, saved = forward_layers(layers, x)
         out = acts[-1]
         t_out, loss_type = self._output_target(out, target, num_classes, check_labels)
         if events is not None:
@@ -444,6 +439,18 @@ class TweenState:
         old = getattr(self, bucket)[i]
         getattr(self, bucket)[i] = tuple(new if o is v else o for o in old)
         return new
+
+
+def forward_layers(layers: Any, x: Tensor) -> tuple[list[Tensor], list[Any]]:
+    """Every layer's explicit forward in turn: the activations ``[x, a_1, …, a_n]`` and each layer's
+    saved backward state (what every Tween step, host or device, starts with)."""
+    acts: list[Tensor] = [x]
+    saved: list[Any] = []
+    for layer in layers:
+        out, s = layer.forward_saved(acts[-1])
+        acts.append(out)
+        saved.append(s)
+    return acts, saved
 
 
 def _tween_auto_loss(output: Tensor, target: Tensor) -> Tensor:
