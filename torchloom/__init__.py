@@ -89,8 +89,16 @@ from .engine import (
     train,
 )
 from .methods import (
+    DFA,
     Backprop,
     BackpropTrainer,
+    DFAConfig,
+    FastProxy,
+    FastProxyConfig,
+    FeedbackAlignment,
+    FeedbackAlignmentConfig,
+    SignSymmetry,
+    SignSymmetryConfig,
     TargetProp,
     TargetPropConfig,
     TargetPropState,
@@ -170,6 +178,15 @@ __all__ = [
     "Backprop",
     "TargetProp",
     "Tween",
+    # feedback rules
+    "FeedbackAlignment",
+    "FeedbackAlignmentConfig",
+    "DFA",
+    "DFAConfig",
+    "SignSymmetry",
+    "SignSymmetryConfig",
+    "FastProxy",
+    "FastProxyConfig",
     # TargetProp
     "TargetPropConfig",
     "TargetPropState",

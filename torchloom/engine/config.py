@@ -83,6 +83,7 @@ class TrainingConfig:
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
+    alignment_every: int = 0  # every N steps, the angle per layer between the method's update and the exact gradient: alignment_bp/<layer> (0 = off; engine/alignment.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +111,17 @@ class TrainingConfig:
             raise ValueError(
                 "TrainingConfig: divergence_factor must be 0 (off) or a finite number > 1 (an epoch whose loss exceeds "
                 f"this × the best, or whose weights' norm exceeds this × the start's, diverged), got {self.divergence_factor!r}"
+            )
+        if isinstance(self.alignment_every, bool) or not isinstance(self.alignment_every, numbers.Integral) or self.alignment_every < 0:
+            raise ValueError(
+                "TrainingConfig: alignment_every must be an int >= 0 (0 = off; N: every N steps, the angle between the "
+                f"method's update and the exact gradient per layer), got {self.alignment_every!r}"
+            )
+        self.alignment_every = int(self.alignment_every)
+        if self.alignment_every and self.cuda_graph is True:
+            raise ValueError(
+                "TrainingConfig: alignment_every runs on the host path (it is measured in a separate pass), which "
+                "cuda_graph=True forbids; leave cuda_graph at None or False"
             )
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")

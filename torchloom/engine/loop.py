@@ -40,6 +40,7 @@ from ..observers.history import History
 from ..observers.layer_stats import LayerEvents
 from ..observers.progress import EpochLinePrinter, ProgressObserver, print_line
 from . import checkpoint
+from .alignment import AlignmentProbe
 from .batches import BatchSource, moved
 from .config import as_scheduler, is_plateau, resolve_device, resolve_method
 from .divergence import DivergenceWatch
@@ -76,6 +77,7 @@ class Trainer(WarmStart):
     model: Network
     method: Method
     scheduler: Any = None
+    alignment: Any = None  # the AlignmentProbe of a fit() run with TrainingConfig.alignment_every, else None
     metric_set: Any = None  # the training metrics of a fit() run (TrainingConfig.metrics), else None
     # kernels of the fused device steps: None = Triton on CUDA; "triton" runs them on CPU tensors
     # through Triton's interpreter (the tests), "reference" never (the torch-op device step)
@@ -297,13 +299,19 @@ class Trainer(WarmStart):
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
+        probe = self.__dict__.get("alignment")
         for x, y in source:
             out.batches_run += 1
             out.samples += x.shape[0]
             guard.save()
+            measure = probe is not None and probe.due(self.global_step)
+            if measure:  # alignment diagnostics: the exact gradient and the method's direction, before the step
+                probe.before(x, y)
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if measure:
+                probe.after(step.status is StepStatus.OK)
             if scheduler is not None:
                 scheduler.step()
             self.global_step += 1
@@ -442,6 +450,8 @@ class Trainer(WarmStart):
         self.skipped_per_epoch: list[int] = []
         first_epoch = 0
         self.divergence = DivergenceWatch(cfg.divergence_factor)
+        every = getattr(cfg, "alignment_every", 0)
+        self.alignment = AlignmentProbe(self, every) if every else None
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
         self.divergence.start(self.guarded_params())
@@ -504,6 +514,8 @@ class Trainer(WarmStart):
                 "loss": avg_loss,
                 **{k: v / out.counted for k, v in out.extra_sums.items() if out.counted},
             }
+            if self.alignment is not None:  # alignment_bp/<layer>: the epoch's mean angle to the exact gradient
+                logs.update(self.alignment.epoch_logs())
             if self.metric_set is not None and out.counted:
                 computed = self.metric_set.compute()
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value

@@ -262,6 +262,14 @@ class Method:
     def setup(self) -> None:
         """Called once data and checkpoint are checked, before the model moves to the training device."""
 
+    def update_direction(self, x: Tensor, y: Tensor) -> list[Tensor] | None:
+        """The direction this method's step on ``(x, y)`` would move the trainable parameters along,
+        one tensor per trainable parameter (the update subtracts it: for a gradient rule, its estimate
+        of the gradient, before the optimizer), computed without changing anything; ``None`` (the
+        default): the engine's alignment diagnostics (``TrainingConfig.alignment_every``) measure the
+        change the step applies instead."""
+        return None
+
     def diagnose(self) -> str | None:
         """At an epoch's end: a sentence saying how the run collapsed, if the method sees it (the
         engine then reports the epoch as diverged), else ``None``. The engine itself watches the loss
