@@ -27,12 +27,14 @@ from .target_prop import (
     target_prop_backward,
     target_prop_forward,
 )
-from .dfa import DFA, DFAConfig
-from .fast_proxy import FastProxy, FastProxyConfig
-from .feedback_alignment import FeedbackAlignment, FeedbackAlignmentConfig
-from .sign_symmetry import SignSymmetry, SignSymmetryConfig
 from .trainers import BackpropTrainer, TargetPropTrainer, TweenTrainer
 from .tween import Tween, TweenConfig, TweenState
+
+# the feedback rules, registered after the three above (method_names() lists them in this order)
+from .feedback_alignment import FeedbackAlignment, FeedbackAlignmentConfig  # noqa: E402
+from .dfa import DFA, DFAConfig  # noqa: E402
+from .sign_symmetry import SignSymmetry, SignSymmetryConfig  # noqa: E402
+from .fast_proxy import FastProxy, FastProxyConfig  # noqa: E402
 
 __all__ = [
     "Backprop", "BackpropTrainer", "LossScaler",
