@@ -41,11 +41,11 @@ __all__ = ["DFA", "DFAConfig"]
 @dataclass
 class DFAConfig:
     """Settings of direct feedback alignment: ``seed`` of the feedback matrices (drawn on the CPU, the
-    same on every device and rank) and ``scale``, their standard deviation relative to He-normal
+    same on every device and rank) and ``scale`` (0.1), their standard deviation relative to He-normal
     (``sqrt(2/n_l)``, > 0). The learning rate and optimizer are ``TrainingConfig``'s."""
 
     seed: int = 0
-    scale: float = 1.0
+    scale: float = 0.1
 
     def __post_init__(self) -> None:
         self.validate()

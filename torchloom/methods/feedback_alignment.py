@@ -38,11 +38,11 @@ __all__ = ["FeedbackAlignment", "FeedbackAlignmentConfig"]
 @dataclass
 class FeedbackAlignmentConfig:
     """Settings of feedback alignment: ``seed`` of the feedback matrices (drawn on the CPU, the same on
-    every device and rank) and ``scale``, their standard deviation relative to He-normal
+    every device and rank) and ``scale`` (0.1), their standard deviation relative to He-normal
     (``sqrt(2/in)``, > 0). The learning rate and optimizer are ``TrainingConfig``'s."""
 
     seed: int = 0
-    scale: float = 1.0
+    scale: float = 0.1
 
     def __post_init__(self) -> None:
         self.validate()
