@@ -153,7 +153,7 @@ DATASETS = {
 # the documented defaults (TargetPropConfig's 0.05 and TweenConfig's 0.01: chosen from the rate sweep of
 # bench/RESULTS.md §7); pure TargetProp learns at no rate measured (0.0003-0.3), 0.003 is its least bad
 RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.05, "tp-pure": 0.003, "tween": 0.01,
-         "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.01}
+         "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.003}
 LOSSES = {m: "cross_entropy" for m in RATES}
 FEEDBACK_RULES = {"fa": "feedback_alignment", "dfa": "dfa", "sign-sym": "sign_symmetry", "fast-proxy": "fast_proxy"}
 

@@ -328,3 +328,20 @@ def test_alignment_every_n_logs_everywhere_and_changes_nothing(tmp_path, capsys)
     assert float(rows[0]["alignment_bp/0"]) == pytest.approx(values[0], rel=1e-4)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Epoch ")]
     assert len(lines) == 3 and "| alignment_bp/0: " in lines[0]
+
+
+def test_measuring_leaves_dropout_and_batchnorm_as_they_were():
+    """A plain module with random numbers (Dropout) and running statistics (BatchNorm) in the chain:
+    a measured run equals an unmeasured one, bit for bit."""
+
+    def net():
+        torch.manual_seed(0)
+        return Network(Dense(5, 8, "relu", dtype=F64), torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(8, dtype=F64), Dense(8, 3, dtype=F64))
+
+    data = _batches(n=4)
+    a, b = net(), net()
+    ra = train(a, data, TrainingConfig(loss_type="mse", epochs=2, verbose=0, seed=1))
+    rb = train(b, data, TrainingConfig(loss_type="mse", epochs=2, verbose=0, seed=1, alignment_every=1))
+    assert ra.loss_history == rb.loss_history
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+    assert set(rb.history.keys()) >= {"alignment_bp/0", "alignment_bp/3"} and "alignment_bp/2" in rb.history.keys()

@@ -18,8 +18,9 @@ network) = the mean over the epoch's measured steps (NaN for an epoch with none,
 ``d`` or ``∇`` is zero), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line
 at verbose 2. The angles stay device tensors until the epoch's end (one host read per epoch).
 
-The probe's forward runs under a forked random-number state, so a run with alignment diagnostics
-draws the same random numbers (shuffling, dropout) as one without. It runs on the host path: with
+The probe's forwards run under a forked random-number state and the model's buffers (a BatchNorm's
+running statistics) are put back after them, so a run with alignment diagnostics trains exactly as
+one without (shuffling, dropout, running statistics). It runs on the host path: with
 ``alignment_every`` set, the CUDA device path is not used (``cuda_graph=True`` is refused).
 """
 
@@ -89,9 +90,12 @@ class AlignmentProbe:
         the weights, to measure the applied change after the step)."""
         t = self.trainer
         devices = [t.device] if t.device.type == "cuda" else []
+        buffers = [b.detach().clone() for b in t.model.buffers()]  # (a BatchNorm's running statistics)
         with torch.random.fork_rng(devices=devices):
             exact = self.exact_gradient(x, y)
             direction = t.method.update_direction(x, y)
+        for b, saved in zip(t.model.buffers(), buffers):  # the probe's forwards leave no trace
+            b.copy_(saved)
         if t.dist is not None:  # each rank holds a shard: the global batch's
             t.dist.all_reduce_(exact, "mean")
             if direction is not None:
