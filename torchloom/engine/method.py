@@ -22,6 +22,11 @@ What a method implements:
 * ``schedulable()``: the ``torch.optim.Optimizer`` whose ``param_groups[i]["lr"]`` a schedule drives:
   an optimizer of the method's, or a ``RateHolder`` for a method with its own update rule.
 
+Optionally, ``update_direction(x, y)``: the direction the step on ``(x, y)`` would move the trainable
+parameters along, computed without changing anything (``Backprop`` and its subclasses: the rule's
+gradient), which the alignment diagnostics (``TrainingConfig.alignment_every``) compare with the exact
+gradient; without it they measure the change the step applied.
+
 Optionally, the **device step** (CUDA, every decision in device tensors, no host read, so the runner
 can capture it in a CUDA graph): ``device_ready()`` returns True, ``device_setup(runner)`` lays out
 buffers once, and ``device_step(x, y, slot, runner)`` runs one step using the runner's three services
