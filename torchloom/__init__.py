@@ -105,6 +105,7 @@ from .methods import (
 )
 
 from ._version import __version__
+from .saving import load_checkpoint
 
 __all__ = [
     "__version__",
@@ -195,6 +196,8 @@ __all__ = [
     "EarlyStopping",
     "Checkpoint",
     "TerminateOnDivergence",
+    # saved models
+    "load_checkpoint",
     # Loom interop
     "from_loom_json",
     "to_loom_json",

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from ..observers.history import History
+from ..saving import describe_network
 
-__all__ = ["CHECKPOINT_FORMAT", "state_of", "read", "restore", "method_label"]
+__all__ = ["CHECKPOINT_FORMAT", "state_of", "read", "restore", "method_label", "network_description"]
 
 CHECKPOINT_FORMAT = "torchloom-training-state-1"
 
@@ -43,7 +44,21 @@ def state_of(trainer: Any) -> dict[str, Any]:
         "epoch_times": list(trainer.epoch_times),
         "skipped_per_epoch": list(trainer.skipped_per_epoch),
         "divergence": trainer.divergence.state_dict(),
+        "network": network_description(trainer),
     }
+
+
+def network_description(trainer: Any) -> dict[str, Any]:
+    """What ``torchloom.load_checkpoint(path)`` rebuilds ``trainer.model`` from without its code
+    (``saving.describe_network``), made at the first checkpoint of the trainer and kept (the layers
+    do not change during a run). Convolutions and RNNs take their sizes from the first input shape
+    the trainer checked (``Trainer.output_shape``'s cache)."""
+    found = trainer.__dict__.get("_network_description")
+    if found is None:
+        shapes = trainer.__dict__.get("_output_shapes") or {}
+        example = next(((1, *sample) for sample, _ in shapes), None)
+        found = trainer._network_description = describe_network(trainer.model, example)
+    return found
 
 
 def read(trainer: Any, path: Any, epochs: int) -> dict[str, Any]:

@@ -21,8 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..layers.base import Layer
-from ..layers.network import Network
+from ..layers.network import Network, chain_of
 from ..layers.base import PRECISIONS
 from ..optim.optimizers import OPTIMIZERS
 from ..optim.schedules import ScheduleLR
@@ -245,24 +244,10 @@ def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: 
 
 
 def as_network(model: Any) -> Network:
-    """``model`` as a ``Network``: a Network as is; a torchloom layer, a list of layers and modules,
-    or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
-    Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
-    through their hand-written backward. The parameters are the model's own (nothing is copied)."""
-    model = unwrap_ddp(model)  # a DistributedDataParallel wrapper: its .module, with a note
-    if isinstance(model, Network):
-        return model
-    if isinstance(model, Layer):
-        return Network(model)
-    if isinstance(model, torch.nn.Sequential) and len(model):
-        return Network(*model)
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model):
-        return Network(*model)
-    if isinstance(model, torch.nn.Module):
-        return Network(model)
-    raise TypeError(
-        f"model must be a torchloom Network, a torchloom layer, an nn.Module or a list of them, got {type(model).__name__}"
-    )
+    """``model`` as a ``Network`` (``torchloom.layers.network.chain_of``: a Network as is, a layer,
+    a list or an ``nn.Sequential`` as the chain of its items, any other ``nn.Module`` as a one-link
+    chain; the parameters are the model's own), after unwrapping ``DistributedDataParallel``."""
+    return chain_of(unwrap_ddp(model))  # a DistributedDataParallel wrapper: its .module, with a note
 
 
 def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None:

@@ -189,13 +189,19 @@ def to_loom_json(net: Layer, *, example_input: Tensor | Sequence[int] | None = N
     single row). Raises ``ValueError`` naming the layer for anything Loom cannot
     represent or would run differently (a Dense or convolution bias, ``relu2``, exact ``gelu``,
     non-causal or RoPE-free attention, a norm ``eps`` other than Loom's, ``LastStep``, ...)."""
+    return loom_dict(net, example_input)
+
+
+def loom_dict(net: Layer, example_input: Tensor | Sequence[int] | None, *, biases: bool = False) -> dict:
+    """``to_loom_json``; ``biases=True`` also takes a Dense's or convolution's bias, written as
+    ``"bias": true`` (torchloom's network descriptions in checkpoints: ``torchloom.saving``)."""
     if not isinstance(net, Layer):
         raise TypeError(f"to_loom_json: net must be a torchloom layer or Network, got {type(net).__name__}")
     shapes = _example_shapes(net, example_input)
     tops = list(net) if isinstance(net, Sequential) else [net]
     layers: list[dict] = []
     for i, mod in enumerate(tops):
-        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})"))
+        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})", biases=biases))
     if not layers:
         raise ValueError("to_loom_json: the network has no layer Loom can hold")
     for x, d in enumerate(layers):

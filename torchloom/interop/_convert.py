@@ -174,9 +174,10 @@ class _Builder:
     sample, ``LoomReshape`` before a convolution / RNN / LSTM, a flattened output per Parallel branch,
     as Loom's Parallel concatenates flat per-sample buffers)."""
 
-    def __init__(self, dtype: torch.dtype, gelu: str) -> None:
+    def __init__(self, dtype: torch.dtype, gelu: str, biased: frozenset[str] = frozenset()) -> None:
         self.dtype = dtype
         self.gelu = gelu
+        self.biased = biased  # the layers (by ``where``) that get a bias: torchloom's descriptions only
 
     def activation(self, s: LayerSpec) -> str:
         raw = s.f["activation"] or ""
@@ -409,7 +410,7 @@ class _Builder:
         dt = self.dtype
         if k == "Dense":
             i, o = f["input_height"], f["output_height"]
-            m = Dense(i, o, self.activation(s), bias=False, dtype=dt)
+            m = Dense(i, o, self.activation(s), bias=s.where in self.biased, dtype=dt)
             if w is not None:
                 self._set(m.weight, w, (o, i))
             return m
@@ -428,7 +429,7 @@ class _Builder:
                 if any(n < 1 for n in n_in) or n_out != want:
                     raise _err(s.where, f"{k}: output size {n_out} does not follow from input size {n_in}, kernel {kk}, "
                                f"stride {st}, padding {pd} (expected {want}); Loom would compute a different result")
-                m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=False, dtype=dt)
+                m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=s.where in self.biased, dtype=dt)
                 if w is not None:
                     self._set(m.weight, w)
                 return m
@@ -438,7 +439,7 @@ class _Builder:
                 raise _err(s.where, f"{k}: output size {n_out} is not (n − 1)·stride − 2·padding + kernel + "
                            f"output_padding with 0 <= output_padding < stride for input size {n_in} (that is, "
                            f"{natural} + [0, {st})); Loom would crop or pad differently")
-            m = cls(f["input_channels"], f["filters"], kk, st, pd, op, self.activation(s), bias=False, dtype=dt)
+            m = cls(f["input_channels"], f["filters"], kk, st, pd, op, self.activation(s), bias=s.where in self.biased, dtype=dt)
             if w is not None:  # Loom: [F, C, k...]; torchloom (PyTorch): [C, F, k...]
                 loom_w = torch.from_numpy(np.ascontiguousarray(w)).reshape(f["filters"], f["input_channels"], *m.kernel_size)
                 self._set(m.weight, loom_w.transpose(0, 1).contiguous().numpy())
@@ -531,8 +532,10 @@ def _spatial(f: dict, nd: int, conv: bool) -> tuple[tuple[int, ...], tuple[int, 
     return (idp, ih, iw), (odp, oh, ow)
 
 
-def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str) -> Network:
-    mods, _ = _Builder(dtype, gelu).build_list(spec.layers, None, in_sequential=False)
+def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str, biased: frozenset[str] = frozenset()) -> Network:
+    """The ``Network`` of ``spec``; ``biased`` names the layers (their ``where``, e.g.
+    ``"layers[0]"``) built with a bias (torchloom's own descriptions; a Loom file has none)."""
+    mods, _ = _Builder(dtype, gelu, biased).build_list(spec.layers, None, in_sequential=False)
     if not mods:
         raise ValueError("Loom JSON: no layer computes anything (every layer is disabled or an identity)")
     return Network(*mods)
@@ -584,14 +587,16 @@ def _weights(d: dict, b64: str) -> dict:
     return d
 
 
-def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str) -> list[dict]:
+def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str, *, biases: bool = False) -> list[dict]:
     """Loom layer dicts for ``mod`` (empty for Flatten, several for a Network / Sequential at the
-    top level is handled by the caller)."""
+    top level is handled by the caller). ``biases=True`` (torchloom's own network descriptions in
+    checkpoints, never a Loom file) writes a Dense's or convolution's bias as ``"bias": true`` where
+    Loom, which has none, refuses it."""
     shape = shapes.get(id(mod))
     if isinstance(mod, (Flatten, LoomReshape)):
         return []  # Loom's activations are flat buffers already
     if isinstance(mod, Dense):
-        if mod.bias is not None:
+        if mod.bias is not None and not biases:
             raise _refuse(name, "Dense has a bias; Loom's Dense has none (use bias=False)")
         if shape is not None and len(shape) > 2:
             raise _refuse(name, f"Dense on an input of shape {list(shape)}: Loom's Dense reads each sample as one row "
@@ -600,12 +605,14 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
                           "(SwiGLU)")
         d = _base("Dense", _act(mod, name))
         d.update(input_height=mod.in_features, output_height=mod.out_features)
+        if mod.bias is not None:
+            d["bias"] = True
         return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
     if isinstance(mod, (_ConvND, _ConvTransposeND)):
         transposed = isinstance(mod, _ConvTransposeND)
         nd = mod.ndim
         kind = f"ConvTransposed{nd}D" if transposed else f"CNN{nd}"
-        if mod.bias is not None:
+        if mod.bias is not None and not biases:
             raise _refuse(name, f"{type(mod).__name__} has a bias; Loom's {kind} has none (use bias=False)")
         k = _same(mod.kernel_size, "kernel size", name)
         st = _same(mod.stride, "stride", name)
@@ -619,6 +626,8 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         n_out = mod.output_shape(n_in)
         d = _base(kind, _act(mod, name))
         d.update(input_channels=mod.in_channels, filters=mod.filters, kernel_size=k, stride=st, padding=pd)
+        if mod.bias is not None:
+            d["bias"] = True
         if transposed:
             op = _same(mod.output_padding, "output padding", name)
             if op:
@@ -702,7 +711,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
             d["softmax_type"] = "Standard" if mod.temperature == 1.0 else "Temperature"
         return [d]
     if isinstance(mod, Residual):
-        inner = export_layers(mod.inner, shapes, f"{name}.inner")
+        inner = export_layers(mod.inner, shapes, f"{name}.inner", biases=biases)
         if len(inner) != 1:
             raise _refuse(name, "Residual: its inner layer must map to exactly one Loom layer")
         # Loom's Residual inside a Sequential adds the previous sub-layer's input to its output.
@@ -712,7 +721,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
     if isinstance(mod, Parallel):
         branches = []
         for i, b in enumerate(mod.branches):
-            out = export_layers(b, shapes, f"{name}.branches[{i}]")
+            out = export_layers(b, shapes, f"{name}.branches[{i}]", biases=biases)
             if len(out) != 1:
                 raise _refuse(name, f"Parallel: branch {i} must map to exactly one Loom layer")
             branches.append(out[0])
@@ -722,7 +731,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
     if isinstance(mod, Sequential):  # Network too, when nested
         subs = []
         for i, c in enumerate(mod):
-            subs.extend(export_layers(c, shapes, f"{name}[{i}]"))
+            subs.extend(export_layers(c, shapes, f"{name}[{i}]", biases=biases))
         if not subs:
             raise _refuse(name, "Sequential: nothing to write")
         d = _base("Sequential")

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .base import Layer, LayerRecord, gather_param_grads
 
-__all__ = ["Sequential", "Network"]
+__all__ = ["Sequential", "Network", "chain_of"]
 
 # Called once per layer by the recording paths: (index, layer, record_or_grad) — used by observers.
 LayerCallback = Callable[[int, Layer, Any], None]
@@ -288,3 +288,25 @@ class Network(Sequential):
         if isinstance(model, Layer):
             return Network(model)
         return Network(*model)
+
+
+def chain_of(model: Any) -> Network:
+    """``model`` as a ``Network``: a Network as is; a torchloom layer, a list of layers and modules,
+    or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
+    Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
+    through their hand-written backward. The parameters are the model's own (nothing is copied), so
+    the chain's ``state_dict`` keys (``layers.0.module.weight``, ...) are what ``train()`` and its
+    checkpoints see."""
+    if isinstance(model, Network):
+        return model
+    if isinstance(model, Layer):
+        return Network(model)
+    if isinstance(model, nn.Sequential) and len(model):
+        return Network(*model)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return Network(*model)
+    if isinstance(model, nn.Module):
+        return Network(model)
+    raise TypeError(
+        f"model must be a torchloom Network, a torchloom layer, an nn.Module or a list of them, got {type(model).__name__}"
+    )

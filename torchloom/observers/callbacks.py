@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._weights_file import load_weights, read_checkpoint, weights_of
 from ._files import atomic_write, check_output_path
 from .base import Observer
 
@@ -310,6 +311,22 @@ class Checkpoint(Observer):
             self.saved_epochs.append(epoch)
         if improved:  # recorded once saved: after a failed save, best still names the file's epoch
             self._tracker.record(value, epoch)
+
+
+    def load_best(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the weights of the file written last (the best epoch's with
+        ``save_best_only=True``), in eval mode, ready for inference; returned. ``model`` is the model
+        that was trained or one built the same way (a plain ``nn.Module`` too).
+        ``torchloom.load_checkpoint(path)`` also rebuilds a torchloom ``Network`` without one.
+        Raises ``FileNotFoundError`` before any epoch was saved, ``ValueError`` naming the keys
+        when the weights do not fit ``model``."""
+        if model is None:
+            raise TypeError(
+                "Checkpoint.load_best: pass the model to load the best weights into; "
+                f"torchloom.load_checkpoint({self.path!r}) rebuilds a torchloom Network without one"
+            )
+        state = read_checkpoint(self.path, "Checkpoint.load_best")
+        return load_weights(model, weights_of(state, self.path, "Checkpoint.load_best"), self.path, "Checkpoint.load_best")
 
 
 class TerminateOnDivergence(Observer):
