@@ -12,7 +12,7 @@ import functools
 import math
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +23,16 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..layers.network import Network, chain_of
 from ..layers.base import PRECISIONS
-from ..optim.optimizers import OPTIMIZERS
+from ..optim.optimizers import OPTIMIZERS, check_optimizer_options
 from ..optim.schedules import ScheduleLR
 from .distributed import unwrap_ddp
 from .losses import check_loss_type
 from .method import DEFAULT_LR, Method, method_class, method_names
 
-__all__ = ["TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler", "is_plateau"]
+__all__ = [
+    "TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params",
+    "check_factory_lr", "check_optimizer_device", "as_scheduler", "is_plateau",
+]
 
 
 CLIP_MODES = ("norm", "value")
@@ -65,7 +68,7 @@ class TrainingConfig:
     use_gpu: bool = False  # True = device "cuda:<device_id>"
     device: str | torch.device | None = None  # explicit device; None = the model's own device
     device_id: int = 0  # which GPU when use_gpu=True
-    optimizer: str | Optimizer = "sgd"  # "sgd" | "momentum" | ... or a torch.optim.Optimizer instance
+    optimizer: str | Optimizer | Callable[[list[Tensor]], Optimizer] = "sgd"  # a name, an Optimizer instance or a factory params -> Optimizer
     scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
     observers: Sequence[Any] = ()  # objects with hook methods (on_epoch_end, ...)
     track_perf: bool = False  # record per-epoch samples/s and step time in the result
@@ -82,6 +85,7 @@ class TrainingConfig:
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
+    optimizer_options: Mapping[str, Any] | None = None  # settings of a named optimizer: {"weight_decay": 0.1, "betas": (0.9, 0.95)}
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,10 +138,22 @@ class TrainingConfig:
             if self.optimizer.lower() not in OPTIMIZERS:
                 raise ValueError(
                     f"TrainingConfig: unknown optimizer {self.optimizer!r}; valid names: "
-                    f"{', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance"
+                    f"{', '.join(map(repr, OPTIMIZERS))}, a torch.optim.Optimizer instance or a factory params -> "
+                    "Optimizer (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1))"
                 )
-        elif not isinstance(self.optimizer, Optimizer):
-            raise TypeError(f"TrainingConfig: optimizer must be a name or a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+            self.optimizer_options = check_optimizer_options(
+                self.optimizer, self.optimizer_options, self.learning_rate, owner="TrainingConfig: optimizer_options"
+            )
+        elif not isinstance(self.optimizer, Optimizer) and not callable(self.optimizer):
+            raise TypeError(
+                f"TrainingConfig: optimizer must be a name ({', '.join(map(repr, OPTIMIZERS))}), a torch.optim.Optimizer or a "
+                f"factory params -> Optimizer (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1)), got {type(self.optimizer).__name__}"
+            )
+        elif self.optimizer_options:
+            raise ValueError(
+                "TrainingConfig: optimizer_options apply to an optimizer given by name; an optimizer instance or factory "
+                "carries its own settings (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1))"
+            )
         if isinstance(self.observers, (str, bytes)) or not hasattr(self.observers, "__iter__"):
             raise TypeError(f"TrainingConfig: observers must be a sequence of observers, got {type(self.observers).__name__}")
         self.observers = tuple(self.observers)
@@ -264,6 +280,41 @@ def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None
         )
     if not any(p.requires_grad for p in held):
         raise ValueError(f"optimizer: {type(optimizer).__name__} holds none of the model's trainable parameters")
+
+
+def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
+    """``ValueError`` when ``learning_rate`` was set (not its default) beside an optimizer factory that
+    built another rate: the factory's rate is used, so one of the two would be ignored."""
+    if isinstance(config.optimizer, (str, Optimizer)) or config.learning_rate == DEFAULT_LR:
+        return
+    lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    if lrs != [float(config.learning_rate)]:
+        raise ValueError(
+            f"TrainingConfig: learning_rate={config.learning_rate!r} is given with an optimizer factory that builds "
+            f"lr {lrs if len(lrs) > 1 else lrs[0]}; the factory's lr is used: leave learning_rate at its default or "
+            f"give the factory that lr (e.g. functools.partial(torch.optim.AdamW, lr={config.learning_rate!r}, ...))"
+        )
+
+
+def check_optimizer_device(optimizer: Optimizer, model: torch.nn.Module, device: torch.device) -> None:
+    """``ValueError`` when ``optimizer`` (after the model moved to the training ``device``) holds a
+    parameter that is not on ``device`` or is no longer the model's, or state on another device than
+    its parameter: an optimizer built before ``train()`` moved the model (``use_gpu=True`` /
+    ``device``) whose parameters or state stayed behind."""
+    mine = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            stale = p.device != device or id(p) not in mine
+            state = optimizer.state.get(p, {})
+            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != p.device]
+            if stale or away:
+                where = f"parameters on {p.device}" if stale else f"state {away[0]!r} on {state[away[0]].device}"
+                raise ValueError(
+                    f"optimizer: the {type(optimizer).__name__} instance holds {where}, but training runs on {device} "
+                    "(train() moved the model there: use_gpu/device); build the optimizer after moving the model "
+                    f"(model.to({str(device)!r})), or give it by name or as a factory (e.g. optimizer='adamw' or "
+                    "functools.partial(torch.optim.AdamW, weight_decay=0.1)), which train() builds on the training device"
+                )
 
 
 def _scheduler_class(spec: Any) -> bool:

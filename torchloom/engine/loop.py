@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..layers.base import precision_context
 from ..layers.network import Network
@@ -41,7 +42,7 @@ from ..observers.layer_stats import LayerEvents
 from ..observers.progress import EpochLinePrinter, ProgressObserver, print_line
 from . import checkpoint
 from .batches import BatchSource, moved
-from .config import as_scheduler, is_plateau, resolve_device, resolve_method
+from .config import as_scheduler, check_optimizer_device, is_plateau, resolve_device, resolve_method
 from .divergence import DivergenceWatch
 from .cuda_path import CudaRunner
 from .distributed import resolve_distributed
@@ -341,6 +342,9 @@ class Trainer(WarmStart):
         and after a resume's restore)."""
         self.method.setup()
         self.model.to(self.device)
+        optimizer = getattr(self.method, "optimizer", None)
+        if isinstance(optimizer, Optimizer):  # one built before the move must have moved with the model
+            check_optimizer_device(optimizer, self.model, self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
 

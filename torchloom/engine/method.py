@@ -118,7 +118,8 @@ class Method:
     def check_training(cls, training: Any, config: Any) -> None:
         """Raise ``ValueError`` when ``training`` (a ``TrainingConfig``) asks for something this method
         cannot do with ``config`` (its settings). The base refuses, for a method with its own update
-        rule (``uses_optimizer`` False), an optimizer other than the default and float16 loss scaling;
+        rule (``uses_optimizer`` False), an optimizer other than the default, ``optimizer_options`` and
+        float16 loss scaling;
         a loss it cannot train on (``losses``) or a config's ``loss_type`` that disagrees with the
         ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
         ``learning_rate`` that disagrees with it (one rate, one place)."""
@@ -128,6 +129,11 @@ class Method:
                 raise ValueError(
                     f"TrainingConfig: optimizer={training.optimizer!r} cannot be used with method {label}: it "
                     "updates the weights with its own momentum rule (leave optimizer='sgd')"
+                )
+            if getattr(training, "optimizer_options", None):
+                raise ValueError(
+                    f"TrainingConfig: optimizer_options cannot be used with method {label}: it updates the weights "
+                    "with its own momentum rule (its settings are in its config)"
                 )
             if training.precision == "16-mixed":
                 raise ValueError(

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..engine.config import check_optimizer_params
+from ..engine.config import check_factory_lr, check_optimizer_params
 from ..engine.guards import state_tensors
 from ..engine.losses import check_target, kernel_module, loss_and_grad
 from ..engine.method import Method, all_finite, register_method
@@ -116,7 +116,10 @@ class Backprop(Method):
         self.loss_type = config.loss_type
         if isinstance(config.optimizer, Optimizer):
             check_optimizer_params(config.optimizer, model)
-        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
+        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate, config.optimizer_options)
+        if not isinstance(config.optimizer, (str, Optimizer)):  # a factory's: over the model's parameters, at the rate asked
+            check_optimizer_params(self.optimizer, model)
+            check_factory_lr(config, self.optimizer)
         self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
         self._value_clip_in_optimizer = False
         if self.clip > 0 and config.clip_mode == "value" and self._owns_optimizer and "clip_value" in self.optimizer.defaults:
