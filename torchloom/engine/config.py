@@ -24,14 +24,17 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..layers.network import Network, chain_of
 from ..layers.base import PRECISIONS
 from ..optim.optimizers import OPTIMIZERS, check_optimizer_options
+from ..observers.base import ObserverList
 from ..optim.schedules import ScheduleLR
 from .distributed import unwrap_ddp
 from .losses import check_loss_type
 from .method import DEFAULT_LR, Method, method_class, method_names
+from .metrics import MetricSet
+from .settings import closest, python_numbers, settings
 
 __all__ = [
     "TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params",
-    "check_factory_lr", "check_optimizer_device", "as_scheduler", "is_plateau",
+    "check_factory_lr", "check_optimizer_device", "check_scheduler", "as_scheduler", "is_plateau",
 ]
 
 
@@ -54,38 +57,118 @@ def _as_number(v: Any) -> Any:
     return v
 
 
+# Names other libraries use for TrainingConfig's fields: TrainingConfig(lr=0.1) says "did you mean
+# 'learning_rate'?" (Keras, Lightning, plain PyTorch loops).
+_ALIASES = {
+    "lr": "learning_rate", "learningrate": "learning_rate", "rate": "learning_rate",
+    "max_epochs": "epochs", "num_epochs": "epochs", "n_epochs": "epochs", "epoch": "epochs", "nb_epoch": "epochs",
+    "loss": "loss_type", "loss_fn": "loss_type", "criterion": "loss_type",
+    "callbacks": "observers", "callback": "observers", "optim": "optimizer", "opt": "optimizer",
+    "lr_scheduler": "scheduler", "schedule": "scheduler", "gradient_clip_val": "gradient_clip", "clipnorm": "gradient_clip",
+    "clip_grad_norm": "gradient_clip", "max_grad_norm": "gradient_clip", "clipvalue": "clip_mode",
+    "gpu": "use_gpu", "cuda": "use_gpu", "gpus": "use_gpu", "accelerator": "device", "val_data": "validation_data",
+    "validation": "validation_data", "val_dataloaders": "validation_data", "random_seed": "seed",
+    "weight_decay": "optimizer_options", "momentum": "optimizer_options", "betas": "optimizer_options",
+    "eps": "optimizer_options", "nesterov": "optimizer_options", "resume": "resume_from", "ckpt_path": "resume_from",
+}
+
+
+@settings(_ALIASES)
 @dataclass
 class TrainingConfig:
-    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case); the fields are described in the
-    training guide (docs/training.md)."""
+    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case).
 
-    epochs: int = 10  # passes over the batches; >= 1
-    learning_rate: float = DEFAULT_LR  # > 0; used when the optimizer is given by name
-    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (see ``torchloom.LOSS_TYPES``)
-    gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
-    clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
-    verbose: bool | int = True  # 0 silent; 1 (= True) progress bar on a terminal + epoch lines; 2 epoch lines only
-    use_gpu: bool = False  # True = device "cuda:<device_id>"
-    device: str | torch.device | None = None  # explicit device; None = the model's own device
-    device_id: int = 0  # which GPU when use_gpu=True
-    optimizer: str | Optimizer | Callable[[list[Tensor]], Optimizer] = "sgd"  # a name, an Optimizer instance or a factory params -> Optimizer
-    scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
-    observers: Sequence[Any] = ()  # objects with hook methods (on_epoch_end, ...)
-    track_perf: bool = False  # record per-epoch samples/s and step time in the result
-    seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
-    cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
-    method: Any = "backprop"  # a registered name ("backprop" | "target_prop" | "tween" | ...), a method's config instance, or a torchloom.Method
-    validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
-    metrics: Sequence[Any] = ()  # names ("accuracy", "mse", "mae", ...) or callables metric(output, target)
-    batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
-    shuffle: bool = False  # for a Dataset or (X, Y) tensors: a new order every epoch, seeded by seed
-    resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
-    scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
-    scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
-    precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
-    distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
-    divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
-    optimizer_options: Mapping[str, Any] | None = None  # settings of a named optimizer: {"weight_decay": 0.1, "betas": (0.9, 0.95)}
+    Every field is checked when the config is built (and again when a run starts, so a field changed
+    afterwards is checked too): a bad value is a ``ValueError`` / ``TypeError`` naming the field, the
+    value and what is allowed; an unknown keyword names the closest field (``TrainingConfig(lr=0.1)``:
+    "did you mean 'learning_rate'?"). Numbers may be NumPy scalars (``np.float32(0.01)``,
+    ``np.int64(5)``): they are stored as Python numbers. The training guide (docs/training.md) has
+    the same table with examples.
+    """
+
+    epochs: int = 10
+    """Passes over the batches (>= 1). With ``resume_from`` it counts the whole run, the resumed
+    epochs included."""
+    learning_rate: float = DEFAULT_LR
+    """The rate (> 0) of an optimizer given by name, and of a method named by ``method`` that has its
+    own rule (TargetProp, Tweening). An optimizer instance or factory keeps its own rate."""
+    loss_type: str = "mse"
+    """The loss every method trains on and logs: ``"mse"``, ``"cross_entropy"`` (logits against class
+    labels ``[B]`` or one-hot / soft targets) or ``"crossentropy"`` (Loom poly's loss on
+    probabilities); see ``torchloom.LOSS_TYPES``."""
+    gradient_clip: float = 0.0
+    """0 = off; else the largest global L2 norm of all gradients together, or with
+    ``clip_mode="value"`` the largest ``|g|`` of each element (>= 0)."""
+    clip_mode: str = "norm"
+    """``"norm"`` (Loom's documents: scale every gradient by ``max_norm / norm`` when the norm is
+    larger) or ``"value"`` (Loom poly's code: clamp each element to ``±gradient_clip``)."""
+    verbose: bool | int = True
+    """``0`` / ``False`` silent; ``1`` / ``True`` a progress bar on a terminal plus one line per epoch;
+    ``2`` epoch lines only."""
+    use_gpu: bool = False
+    """Train on ``cuda:<device_id>`` (the model is moved there; see the GPU guide)."""
+    device: str | torch.device | None = None
+    """An explicit device (``"cpu"``, ``"cuda:1"``); ``None`` = the model's own device (or
+    ``cuda:<device_id>`` with ``use_gpu``)."""
+    device_id: int = 0
+    """Which GPU ``use_gpu=True`` trains on (>= 0)."""
+    optimizer: str | Optimizer | Callable[[list[Tensor]], Optimizer] = "sgd"
+    """A name (``"sgd"``, ``"momentum"`` = SGD with μ 0.9, ``"adam"``, ``"adamw"``, ``"rmsprop"``; set
+    their options in ``optimizer_options``), a ``torch.optim.Optimizer`` built over the model's
+    parameters, or a factory ``params -> Optimizer`` such as ``functools.partial(torch.optim.AdamW,
+    weight_decay=0.1)``, called with the trainable parameters when the run starts."""
+    scheduler: Any = None
+    """A learning-rate schedule: ``lr(step)`` (``torchloom.schedules``: ``cosine_annealing(...)``, ...,
+    or any callable), an ``LRScheduler`` class or ``functools.partial`` of one (built over the
+    optimizer), or an ``LRScheduler`` instance over the optimizer; stepped every batch or epoch
+    (``scheduler_interval``). ``None`` = a constant rate."""
+    observers: Sequence[Any] = ()
+    """Objects with hook methods (``on_epoch_end(trainer, epoch, logs)``, ...): ``EarlyStopping``,
+    ``Checkpoint``, ``CSVLogger``, or your own (any object with one of the hooks)."""
+    track_perf: bool = False
+    """Record per-epoch samples/s and mean step time in ``result.perf``."""
+    seed: int | None = None
+    """``torch.manual_seed(seed)`` at the start of the run (and the shuffle order): the same run gives
+    the same numbers on the same device. ``None`` leaves the random state alone."""
+    cuda_graph: bool | None = None
+    """On CUDA: ``None`` captures steps in CUDA graphs when possible, ``False`` never, ``True``
+    requires it (an error when the run cannot be captured)."""
+    method: Any = "backprop"
+    """The credit-assignment method: a registered name (``"backprop"``, ``"target_prop"``,
+    ``"tween"``, or a rule of your own), a method's config (``TargetPropConfig(...)``,
+    ``TweenConfig(...)``) or a ``torchloom.Method``."""
+    validation_data: Any = None
+    """Data in any form ``train()`` accepts, evaluated after every epoch in eval mode without
+    gradients: ``val_loss`` and ``val_<metric>`` in the epoch logs."""
+    metrics: Sequence[Any] = ()
+    """Metrics logged every epoch: names (``"accuracy"``, ``"binary_accuracy"``, ``"mse"``, ``"mae"``,
+    ``"rmse"``), callables ``metric(output, target)``, or objects with ``update/compute/reset``."""
+    batch_size: int | None = None
+    """For a ``Dataset`` or arrays ``(X, Y)``: rows per batch (>= 1; 32 when not given). Ready-made
+    batches are used as given."""
+    shuffle: bool = False
+    """For a ``Dataset`` or arrays ``(X, Y)``: a new order every epoch, seeded by ``seed``."""
+    resume_from: Any = None
+    """A file written by ``Checkpoint`` (full state, ``str`` or ``os.PathLike``): training continues
+    from its epoch up to ``epochs``, bit for bit as one run on CPU."""
+    scheduler_interval: str = "batch"
+    """Step the scheduler every ``"batch"`` (Loom's per-step schedules) or every ``"epoch"``."""
+    scheduler_monitor: str | None = None
+    """The log key a ``ReduceLROnPlateau`` steps on; ``None`` = ``"val_loss"`` with validation data,
+    else ``"loss"``."""
+    precision: str = "32"
+    """``"32"``, ``"bf16-mixed"`` (autocast, float32 weights) or ``"16-mixed"`` (float16 with dynamic
+    loss scaling; backprop only)."""
+    distributed: bool | None = None
+    """Data-parallel training under ``torch.distributed``: ``None`` when a process group of more than
+    one process is initialised, ``True`` required, ``False`` off."""
+    divergence_factor: float = 10.0
+    """An epoch whose loss exceeds this × the larger of the first epoch's and the best, or whose
+    weights' norm exceeds this × the start's, is reported as diverged (> 1; ``0`` = off)."""
+    optimizer_options: Mapping[str, Any] | None = None
+    """Settings of an optimizer given by name, e.g. ``{"weight_decay": 0.1, "betas": (0.9, 0.95)}``:
+    any argument of its class (``torchloom.optim.SGD`` / ``AdamW`` / ``RMSprop``) but the parameters
+    and ``lr``; checked when the config is built. ``None`` = the optimizer's defaults."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,10 +177,9 @@ class TrainingConfig:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. ``train()`` calls it again
         when a run starts, so a field changed after construction is checked too. Numbers may be given
         as numpy scalars or one-element tensors (stored as Python numbers)."""
+        python_numbers(self)  # NumPy scalars → Python numbers
         for name in ("learning_rate", "gradient_clip", "divergence_factor"):
             setattr(self, name, _as_number(getattr(self, name)))
-        if isinstance(self.epochs, numbers.Integral) and not isinstance(self.epochs, (bool, int)):
-            self.epochs = int(self.epochs)
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
         if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
@@ -170,8 +252,17 @@ class TrainingConfig:
             )
         self.metrics = tuple(self.metrics)
         for m in self.metrics:
-            if not (isinstance(m, str) or callable(m)):
+            if not (isinstance(m, str) or callable(m) or hasattr(m, "update")):
                 raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+        try:
+            MetricSet(list(self.metrics))  # names known, callables named, no reserved name
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"TrainingConfig: {e}") from None
+        check_scheduler(self.scheduler)
+        try:
+            ObserverList(self.observers)  # each has a hook
+        except TypeError as e:
+            raise TypeError(f"TrainingConfig: observers: {e}") from None
         if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) or self.batch_size < 1):
             raise ValueError(f"TrainingConfig: batch_size must be None or an int >= 1, got {self.batch_size!r}")
         if not isinstance(self.shuffle, bool):
@@ -315,6 +406,27 @@ def check_optimizer_device(optimizer: Optimizer, model: torch.nn.Module, device:
                     f"(model.to({str(device)!r})), or give it by name or as a factory (e.g. optimizer='adamw' or "
                     "functools.partial(torch.optim.AdamW, weight_decay=0.1)), which train() builds on the training device"
                 )
+
+
+def check_scheduler(spec: Any) -> None:
+    """``TypeError`` unless ``spec`` is a form ``as_scheduler`` takes: ``None``, an ``LRScheduler``
+    instance, an ``LRScheduler`` class or ``functools.partial`` of one, or a schedule ``lr(step)``
+    (any callable). A string names the closest of ``torchloom.schedules``."""
+    if spec is None or callable(spec) or isinstance(spec, (LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        return
+    from ..optim import schedules
+
+    names = [n for n in schedules.__all__ if n[0].islower() and callable(getattr(schedules, n))]
+    hint = ""
+    if isinstance(spec, str):
+        guess = closest(spec, names)
+        hint = f" (did you mean torchloom.schedules.{guess}(...)?)" if guess else ""
+    raise TypeError(
+        f"TrainingConfig: scheduler must be None, a schedule lr(step) (torchloom.schedules: {', '.join(names)}; or any "
+        "callable), an LRScheduler class or functools.partial of one (e.g. functools.partial("
+        "torch.optim.lr_scheduler.ReduceLROnPlateau, patience=2)) or an LRScheduler instance, "
+        f"got {spec!r}{hint}"
+    )
 
 
 def _scheduler_class(spec: Any) -> bool:

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..layers.base import Layer
 from ..layers.network import Network
-from .config import TrainingConfig, as_network, resolve_device
+from .config import _ALIASES, TrainingConfig, as_network, resolve_device
+from .settings import unknown_setting
 from .loop import Trainer
 from .types import TrainingResult
 
@@ -39,10 +40,10 @@ def train(model: Network | Layer | Sequence[Layer], batches: Any, config: Traini
     if not isinstance(config, TrainingConfig):
         raise TypeError(f"config must be a TrainingConfig, got {type(config).__name__}")
     if overrides:
-        names = {f.name for f in dataclasses.fields(TrainingConfig)}
-        unknown = sorted(set(overrides) - names)
+        names = [f.name for f in dataclasses.fields(TrainingConfig)]
+        unknown = sorted(set(overrides) - set(names))
         if unknown:
-            raise TypeError(f"train() got unknown setting(s) {unknown}; TrainingConfig fields: {sorted(names)}")
+            raise TypeError(unknown_setting("train()", unknown[0], names, _ALIASES))
         config = dataclasses.replace(config, **overrides)
     config.validate()  # fields changed after construction are checked too
     trainer = make_trainer(as_network(model), config)

@@ -64,6 +64,7 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import as_float_target, label_bounds, mse_to_target
+from ..engine.settings import python_numbers, settings
 from ..layers.attention import MultiHeadAttention
 from ..layers.base import Layer
 from ..layers.dense import Dense
@@ -106,6 +107,7 @@ def _is_number(v: Any) -> bool:
 # Config
 
 
+@settings({"lr": "learning_rate", "rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
 @dataclass
 class TargetPropConfig:
     """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).
@@ -113,19 +115,33 @@ class TargetPropConfig:
     ``use_chain_rule`` (Loom's name) and ``mode`` are one switch under two names: give either (neither:
     chain rule, Loom's default); giving both with different meanings is a ``ValueError``. Afterwards
     both are set and must stay in agreement (``dataclasses.replace`` passes both: change ``mode`` and
-    ``use_chain_rule`` together, or build a new config)."""
+    ``use_chain_rule`` together, or build a new config). Every field is checked when the config is
+    built; numbers may be NumPy scalars (stored as Python numbers)."""
 
-    use_chain_rule: bool | None = None  # Loom's switch: True = chain rule; None = from mode, else True
-    mode: str | None = None  # "chain_rule" | "pure"; None = from use_chain_rule
-    gradient_scale: float = 0.1  # chain rule: backward_targets[i] = a_i + scale·g_i; >= 0
-    depth_scale_factor: float = 1.1  # rate_i ∝ factor^i: "each deeper layer gets 1.1× the base rate"; > 0
-    momentum: float = 0.9  # v = μv + (1−μ)·rate·grad; in [0, 1)
-    learning_rate: float = 0.05  # base rate; > 0 (measured: bench/RESULTS.md §7, docs/target-prop.md's rate table)
-    gate_threshold: float = 0.2  # layers with link budget below this are not updated; in [0, 1]
-    reduction: str = "mean"  # "mean": the step averaged over the batch (one rate serves every batch size); "sum": Loom's summed step
-    loss_type: str | None = None  # the output target: "mse" (t − y) | "cross_entropy" (onehot − softmax(y)); None = TrainingConfig.loss_type ("mse" outside train())
+    use_chain_rule: bool | None = None
+    """Loom's switch: ``True`` = chain rule (targets from the exact gradient), ``False`` = pure
+    (derivative-free targets); ``None`` = from ``mode``, else ``True``."""
+    mode: str | None = None
+    """``"chain_rule"`` or ``"pure"``, the same switch by name; ``None`` = from ``use_chain_rule``."""
+    gradient_scale: float = 0.1
+    """Chain rule: each layer's target is ``a_i + gradient_scale·g_i`` (>= 0)."""
+    depth_scale_factor: float = 1.1
+    """Layer ``i``'s rate is ``learning_rate·factor^i``: each deeper layer gets 1.1× the rate before it (> 0)."""
+    momentum: float = 0.9
+    """Momentum of the update ``v = μv + (1−μ)·rate·grad``, in [0, 1)."""
+    learning_rate: float = 0.05
+    """The base rate (> 0); measured in bench/RESULTS.md §7 and the rate table of docs/target-prop.md."""
+    gate_threshold: float = 0.2
+    """Layers whose link budget is below this are not updated, in [0, 1]."""
+    reduction: str = "mean"
+    """``"mean"``: the step averaged over the batch (one rate serves every batch size); ``"sum"``:
+    Loom's summed step."""
+    loss_type: str | None = None
+    """The output target: ``"mse"`` (``t − y``) or ``"cross_entropy"`` (``onehot − softmax(y)``);
+    ``None`` = ``TrainingConfig.loss_type`` (``"mse"`` outside ``train()``)."""
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         if self.use_chain_rule is not None and not isinstance(self.use_chain_rule, bool):
             raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
         if self.mode is not None:
@@ -146,6 +162,7 @@ class TargetPropConfig:
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. The TargetProp functions call
         this before touching any state, so a config changed after construction is checked too."""
+        python_numbers(self)
         if not isinstance(self.use_chain_rule, bool):
             raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
         if self.mode not in MODES:
