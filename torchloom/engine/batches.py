@@ -12,7 +12,7 @@ from torch import Tensor
 from .data import _is_array as is_array
 from .data import as_batch_iterable
 from .losses import prefetched_label_bounds
-from .types import TrainingBatch
+from .types import TrainingBatch, batch_rows
 
 __all__ = ["BatchSource", "to_pair", "moved"]
 
@@ -130,7 +130,7 @@ class BatchSource:
         """Rows of each batch of a list source (None for a DataLoader)."""
         if self._items is None:
             return None
-        return [x.shape[0] for x, _ in self._items]
+        return [batch_rows(x) for x, _ in self._items]
 
 
 def moved(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layers.base import host_checks
 from .guards import UpdateGuard
-from .types import EpochOutcome, StepStatus, user_stacklevel
+from .types import EpochOutcome, StepStatus, batch_rows, user_stacklevel
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS", "steps_per_graph"]
 
@@ -245,7 +245,7 @@ class CudaRunner:
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
-                self._streamed_samples += x.shape[0]
+                self._streamed_samples += batch_rows(x)
         t.global_step += count
         return self._read_back(count, epoch, source)
 

@@ -128,15 +128,33 @@ def _pair(batch: Any, where: str) -> tuple[Any, Any]:
     )
 
 
-def _checked_pair(batch: Any, where: str) -> tuple[Tensor, Tensor]:
-    """One batch as two tensors ``[batch, ...]`` with the same batch size."""
-    x, y = _pair(batch, where)
-    x, y = _as_tensor(x, f"{where}: input"), _as_tensor(y, f"{where}: target")
-    if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"{where}: input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-    if y.dim() == 0 or y.shape[0] != x.shape[0]:
+def as_inputs(x: Any, what: str) -> Tensor | tuple[Tensor, ...]:
+    """An input batch as a tensor ``[batch, ...]``, or, for a model of several inputs, a tuple of
+    tensors ``(x1, x2, ...)`` each ``[batch, ...]`` with one batch size (``model(*inputs)``)."""
+    if not isinstance(x, tuple):
+        x = _as_tensor(x, what)
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"{what} must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        return x
+    if not x:
+        raise ValueError(f"{what} is an empty tuple; a model of several inputs takes a tuple (x1, x2, ...) of tensors")
+    xs = tuple(_as_tensor(t, f"{what} {i}") for i, t in enumerate(x))
+    if any(t.dim() == 0 for t in xs) or len({t.shape[0] for t in xs}) != 1 or xs[0].shape[0] == 0:
         raise ValueError(
-            f"{where}: target must have the input's batch size {x.shape[0]} as its first dimension, "
+            f"{what}s must each be [batch, ...] with one batch size >= 1, got shapes {[list(t.shape) for t in xs]}"
+        )
+    return xs
+
+
+def _checked_pair(batch: Any, where: str) -> tuple[Tensor | tuple[Tensor, ...], Tensor]:
+    """One batch as ``(input, target)``, tensors ``[batch, ...]`` with the same batch size (the input
+    a tuple of such tensors for a model of several inputs)."""
+    x, y = _pair(batch, where)
+    x, y = as_inputs(x, f"{where}: input"), _as_tensor(y, f"{where}: target")
+    rows = (x[0] if isinstance(x, tuple) else x).shape[0]
+    if y.dim() == 0 or y.shape[0] != rows:
+        raise ValueError(
+            f"{where}: target must have the input's batch size {rows} as its first dimension, "
             f"got shape {list(y.shape)}"
         )
     return x, y

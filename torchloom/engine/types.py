@@ -20,6 +20,7 @@ from ..observers.history import History
 __all__ = [
     "StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "DivergenceWarning",
     "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE", "NAN_WEIGHTS_MESSAGE", "MESSAGES", "INT_DTYPES", "user_stacklevel",
+    "batch_rows",
 ]
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -99,6 +100,12 @@ class EpochOutcome:
         self.counted += 1
         for k, v in (logs or {}).items():
             self.extra_sums[k] = self.extra_sums.get(k, 0.0) + v
+
+
+def batch_rows(x: Tensor | tuple[Tensor, ...]) -> int:
+    """Rows of an input batch: ``x.shape[0]``, or the first tensor's for a model of several inputs
+    (a tuple ``(x1, x2, ...)``, every one ``[batch, ...]``)."""
+    return (x[0] if isinstance(x, tuple) else x).shape[0]
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchloom/
