@@ -10,7 +10,7 @@ import enum
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -70,7 +70,8 @@ class TrainingResult:
     batches that did not count (NaN/Inf loss, NaN/Inf gradients, an update undone because it made a
     weight non-finite, and batches an abandoned epoch did not reach); ``skipped_per_epoch``: the same,
     epoch by epoch; ``history``: every epoch log (``History``); ``perf``: per-epoch samples/s and mean
-    step time when ``track_perf`` was set."""
+    step time when ``track_perf`` was set; ``model``: the model ``train()`` trained (the one a model
+    factory built)."""
 
     final_loss: float
     total_time: float
@@ -81,6 +82,7 @@ class TrainingResult:
     history: History = field(default_factory=History)
     perf: list[dict[str, float]] | None = None
     skipped_per_epoch: list[int] = field(default_factory=list)
+    model: Any = None  # the model trained (by ``train()``: the one a model factory built, too)
 
 
 @dataclass
