@@ -327,14 +327,19 @@ class Trainer(WarmStart):
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
+        every = getattr(self.training, "log_every_n_steps", 0)
         for x, y, last in _with_last(source):
             out.batches_run += 1
             out.samples += batch_rows(x)
             self.last_batch = last  # a method that accumulates gradients updates at the epoch's last batch
+            log_now = every > 0 and (self.global_step + 1) % every == 0
+            lrs = self.lr_logs() if log_now else None  # the rates this step uses
             guard.save()
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if log_now:
+                self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
             if scheduler is not None and not getattr(self.method, "update_pending", False):
                 scheduler.step()  # once per update (an accumulating method updates every k batches)
             self.global_step += 1
@@ -351,6 +356,26 @@ class Trainer(WarmStart):
                 batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(batch_rows(x))}
                 self.observers("on_batch_end", self, self.global_step - 1, batch_logs)
         return out
+
+    def lr_logs(self) -> dict[str, float]:
+        """The learning rates as log values: ``lr`` (the first param group's), and ``lr_group<i>``
+        for each further group; ``{}`` for a method without a rate. Host floats (a rate held in a
+        device tensor is read: once per epoch, or per logged step)."""
+        groups = self.rate_groups()
+        logs = {}
+        for i, g in enumerate(groups):
+            lr = g["lr"]
+            logs["lr" if i == 0 else f"lr_group{i}"] = float(lr.item() if isinstance(lr, Tensor) else lr)
+        return logs
+
+    def log_step(self, step: int, loss: float, method_logs: dict[str, float] | None, lrs: dict[str, float] | None, skipped: bool) -> None:
+        """Hand one step's logs to ``History`` and the observers' ``on_step_log(trainer, step, logs)``
+        (every ``TrainingConfig.log_every_n_steps`` steps; ``step`` 0-based over the run): ``loss``
+        (the pre-update loss), the method's step logs, the rates the step used and ``skipped`` (1.0
+        when the step did not count)."""
+        logs = {"loss": float(loss), **(method_logs or {}), **(lrs or {}), "skipped": float(skipped)}
+        self.history.on_step_log(self, step, logs)
+        self.observers("on_step_log", self, step, logs)
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
@@ -495,6 +520,7 @@ class Trainer(WarmStart):
             source.set_epoch(epoch)
             self.model.train()  # validation switches to eval mode and back; training runs in train mode
             observers("on_epoch_begin", self, epoch)
+            epoch_lrs = self.lr_logs()  # the rates the epoch starts with
             epoch_start = time.perf_counter()
             snapshot = copy.deepcopy(self.training_state()) if source.items is None else None
             if self.metric_set is not None:
@@ -540,13 +566,14 @@ class Trainer(WarmStart):
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
             if validation is not None:
                 logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            logs.update(epoch_lrs)
             logs.update(
                 {
                     "skipped": float(skipped),
                     "counted": float(out.counted),
                     "diverged": float(bool(diverged)),
                     "epoch_time": epoch_time,
-                    "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
+                    "samples_per_second": out.samples / epoch_time if epoch_time > 0 else 0.0,  # this epoch's
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
                 }
             )
