@@ -189,3 +189,22 @@ def test_accumulate_grad_batches_checks() -> None:
         "TrainingConfig: accumulate_grad_batches=2 is for backprop; method TargetPropConfig updates the weights from "
         "every batch by its own rule (leave it at 1)"
     )
+
+
+def test_whole_tensors_of_several_inputs_are_batched_alike() -> None:
+    """((X1, X2), Y) with batch_size: the same run as the list of row batches (Keras' fit([x1, x2], y))."""
+    g = torch.Generator().manual_seed(5)
+    X1, X2 = torch.randn(20, 3, generator=g, dtype=torch.float64), torch.randn(20, 4, generator=g, dtype=torch.float64)
+    Y = torch.randn(20, 2, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    a = TwoInputs().double()
+    b = copy.deepcopy(a)
+    ra = torchloom.train(a, ((X1.numpy(), X2), Y), TrainingConfig(epochs=2, batch_size=8, verbose=0))
+    listed = [((X1[i : i + 8], X2[i : i + 8]), Y[i : i + 8]) for i in range(0, 20, 8)]
+    rb = torchloom.train(b, listed, TrainingConfig(epochs=2, verbose=0))
+    assert ra.loss_history == rb.loss_history
+    with pytest.raises(ValueError) as e:
+        torchloom.train(TwoInputs().double(), ((X1, X2[:5]), Y), TrainingConfig(epochs=1, verbose=0))
+    assert str(e.value) == (
+        "batches: the inputs (X1, X2, ...) must be tensors [n, ...] with the same number of rows, got shapes [[20, 3], [5, 4]]"
+    )

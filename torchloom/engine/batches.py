@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .data import _is_array as is_array
+from .data import _is_xy
 from .data import as_batch_iterable
 from .losses import prefetched_label_bounds
 from .types import TrainingBatch, batch_rows
@@ -51,7 +51,7 @@ class BatchSource:
         shuffle = getattr(config, "shuffle", False) if shuffle is None else shuffle
         seed = getattr(config, "seed", None)
         # (X, Y) as tensors or NumPy arrays (anything with __array__ and a shape)
-        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(is_array(t) for t in batches)
+        is_xy = _is_xy(batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
