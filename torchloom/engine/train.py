@@ -28,7 +28,8 @@ def train(model: Network | Layer | Sequence[Layer] | torch.nn.Module | Callable[
 
     Args:
         model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one), any
-            ``nn.Module``, or a zero-argument callable that builds one (``lambda: Network(...)``):
+            ``nn.Module``, or a zero-argument callable that builds one (``lambda: Network(...)``, or
+            an ``nn.Module`` subclass whose constructor takes no argument):
             called after ``torch.manual_seed(config.seed)`` when a seed is set, so that the seed
             covers the weights' initialisation; the model built is ``result.model``.
         batches: a list of ``TrainingBatch(input, target)`` or ``(input, target)`` pairs, or a
@@ -50,8 +51,9 @@ def train(model: Network | Layer | Sequence[Layer] | torch.nn.Module | Callable[
             raise TypeError(f"train() got unknown setting(s) {unknown}; TrainingConfig fields: {sorted(names)}")
         config = dataclasses.replace(config, **overrides)
     config.validate()  # fields changed after construction are checked too
-    if callable(model) and not isinstance(model, (torch.nn.Module, list, tuple, type)):
-        model = _build(model, config.seed)
+    is_class = isinstance(model, type)
+    if (is_class and issubclass(model, torch.nn.Module)) or (callable(model) and not is_class and not isinstance(model, (torch.nn.Module, list, tuple))):
+        model = _build(model, config.seed)  # a factory (or an nn.Module class): built under the seed
     trainer = make_trainer(as_network(model), config)
     result = trainer.fit(batches, config.epochs, track_perf=config.track_perf)
     result.model = model
