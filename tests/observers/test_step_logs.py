@@ -154,3 +154,24 @@ def test_notebook_gets_a_tqdm_auto_bar(monkeypatch) -> None:
     monkeypatch.undo()
     assert progress_module._in_notebook(None) is False
     assert progress_module.ProgressObserver(stream=io.StringIO()).bar is False
+
+
+@pytest.mark.cuda
+def test_graph_captured_steps_deliver_the_host_loops_step_logs() -> None:
+    """On CUDA with graph capture: the same logged steps, rates and (float32) losses as the host loop
+    the same run takes with a per-batch observer."""
+
+    class PerBatch:
+        def on_batch_end(self, trainer, step, logs) -> None: ...
+
+    data = [(x.float().cuda(), y.float().cuda()) for x, y in _data(6)]
+    runs = []
+    for extra in ([], [PerBatch()]):
+        torch.manual_seed(0)
+        net = Network(Dense(3, 8, activation="tanh"), Dense(8, 2))
+        cfg = TrainingConfig(epochs=3, use_gpu=True, verbose=0, log_every_n_steps=4, scheduler=schedule, observers=extra)
+        runs.append(torchloom.train(net, data, cfg))
+    graphed, host = runs
+    assert graphed.history.steps == host.history.steps == [3, 7, 11, 15]
+    assert graphed.history.step_history["lr"] == host.history.step_history["lr"] == [schedule(s) for s in (3, 7, 11, 15)]
+    assert graphed.history.step_history["loss"] == pytest.approx(host.history.step_history["loss"], rel=1e-5)

@@ -52,7 +52,7 @@ def test_an_input_on_another_device_names_both_devices() -> None:
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_a_gpu_run_issues_no_warning_and_leaves_the_model_on_the_gpu() -> None:
     data = _data()
     net = _net()
@@ -63,3 +63,17 @@ def test_a_gpu_run_issues_no_warning_and_leaves_the_model_on_the_gpu() -> None:
     assert torchloom.predict(net, data[0][0]).device.type == "cuda"  # predict moves the batch to the model
     with pytest.raises(RuntimeError, match=r"^Network: the input is on cpu but the model is on cuda:0"):
         net(data[0][0])
+
+
+@pytest.mark.cuda
+def test_the_kernel_warm_up_threads_issue_no_cublas_warning(tmp_path, monkeypatch) -> None:
+    """A second run of the same model loads its PyTorch kernels on helper threads (engine/op_warm.py);
+    each makes the device current first, so cuBLAS finds a context (it warned "no current CUDA
+    context" before). ``record=True`` catches warnings of every thread."""
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
+    data = [(x.cuda(), y.cuda()) for x, y in _data()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the first notes its kernels, the second warms them on helper threads
+            torchloom.train(_net(), data, TrainingConfig(epochs=2, loss_type="cross_entropy", use_gpu=True, verbose=0))
+    assert [str(w.message) for w in caught] == []

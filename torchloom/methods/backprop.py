@@ -138,6 +138,11 @@ class Backprop(Method):
                 group["capturable"] = True
         self.loss_scaler = LossScaler(self.device) if config.precision == "16-mixed" else None
         self._exact_backward = type(self).backward is Backprop.backward
+        if self.device.type == "cuda" and config.cuda_graph and (self.loss_fn is not None or self.accumulate > 1):
+            raise ValueError(
+                "TrainingConfig(cuda_graph=True) cannot be honoured with loss_fn or accumulate_grad_batches > 1 "
+                "(their steps run on the host loop); leave cuda_graph at None"
+            )
         if self.device.type == "cuda" and config.cuda_graph and not self.device_ready():
             raise ValueError(
                 "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
