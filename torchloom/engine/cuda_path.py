@@ -231,7 +231,10 @@ class CudaRunner:
                 )
         every = getattr(t.training, "log_every_n_steps", 0)
         start = t.global_step
-        logged = (lambda k: every > 0 and (start + k + 1) % every == 0)  # noqa: E731 - steps whose logs are delivered
+
+        def logged(k: int) -> bool:  # whether step k of this epoch's logs are delivered (log_every_n_steps)
+            return every > 0 and (start + k + 1) % every == 0
+
         self._step_lrs: dict[int, dict[str, float]] = {}  # the rates of the logged steps, host floats
         if self.graphs is not None:
             if every > 0:

@@ -20,6 +20,11 @@ never Loom's 0, and issues a ``DivergenceWarning`` whatever the verbose level. E
 ``skipped`` and ``counted`` batch counts; the result holds ``skipped_per_epoch``. Observers are called
 by name; ``History`` is always kept. Per-batch work for observers (``on_batch_end``) happens only when
 one implements that hook; per-layer events are the method's to send (``Method.layer_events()``).
+
+Logs: each epoch's holds ``lr`` (the rate it starts with) and its own ``samples_per_second``; with
+``TrainingConfig.log_every_n_steps`` = N, every N-th step's ``loss``, ``lr``, method logs and
+``skipped`` go to ``History.step_history`` and the observers' ``on_step_log`` (``log_step``; the
+device path delivers them from its one read per epoch).
 """
 
 from __future__ import annotations
