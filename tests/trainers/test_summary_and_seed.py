@@ -82,6 +82,18 @@ def test_seed_covers_the_weights_of_a_model_factory() -> None:
         assert torch.allclose(p, q, rtol=0, atol=1e-12)
     net = build()
     assert torchloom.train(net, data, TrainingConfig(epochs=1, verbose=0)).model is net
+
+    class Small(torch.nn.Module):  # an nn.Module class is a factory too (Lightning's habit)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    d = torchloom.train(Small, data, TrainingConfig(epochs=1, seed=3, verbose=0, learning_rate=1e-300))
+    torch.manual_seed(3)
+    assert isinstance(d.model, Small) and torch.allclose(d.model.lin.weight, Small().lin.weight, rtol=0, atol=1e-12)
     with pytest.raises(TypeError) as e:
         torchloom.train(lambda: "not a model", data, TrainingConfig(epochs=1, verbose=0))
     assert str(e.value) == "model: the factory '<lambda>' must return an nn.Module (e.g. a torchloom Network), got str"
