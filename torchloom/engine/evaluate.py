@@ -40,7 +40,8 @@ def evaluate(
     """The loss and metrics of ``model`` over ``data``: ``{"loss": ..., <metric name>: ..., ...}``.
 
     Args:
-        model: any ``nn.Module``; called as ``model(x)`` on each input batch and must return a
+        model: any ``nn.Module``; called as ``model(x)`` on each input batch (``model(*x)`` when
+            the input is a tuple ``(x1, x2, ...)``, a model of several inputs) and must return a
             tensor ``[batch, ...]``.
         data: any form of ``as_batch_iterable``: a list of ``(input, target)`` batches (or
             ``TrainingBatch``es / dicts), a tuple ``(X, Y)`` of tensors, a ``DataLoader``, a
