@@ -89,7 +89,7 @@ def test_loss_fn_with_torchloom_layers_and_class_labels() -> None:
     net = torchloom.Network(torchloom.Dense(4, 3, activation="linear")).double()
     lin = torch.nn.Linear(4, 3).double()
     with torch.no_grad():
-        lin.weight.copy_(net[0].weight.reshape(3, 4) if net[0].weight.shape == (3, 4) else net[0].weight.T)
+        lin.weight.copy_(net[0].weight)  # Dense keeps nn.Linear's layout, [out, in]
         lin.bias.copy_(net[0].bias)
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
