@@ -9,10 +9,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .data import _is_array as is_array
+from .data import _is_xy
 from .data import as_batch_iterable
 from .losses import prefetched_label_bounds
-from .types import TrainingBatch
+from .types import TrainingBatch, batch_rows
 
 __all__ = ["BatchSource", "to_pair", "moved"]
 
@@ -51,7 +51,7 @@ class BatchSource:
         shuffle = getattr(config, "shuffle", False) if shuffle is None else shuffle
         seed = getattr(config, "seed", None)
         # (X, Y) as tensors or NumPy arrays (anything with __array__ and a shape)
-        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(is_array(t) for t in batches)
+        is_xy = _is_xy(batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
@@ -130,7 +130,7 @@ class BatchSource:
         """Rows of each batch of a list source (None for a DataLoader)."""
         if self._items is None:
             return None
-        return [x.shape[0] for x, _ in self._items]
+        return [batch_rows(x) for x, _ in self._items]
 
 
 def moved(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

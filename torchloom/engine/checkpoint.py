@@ -52,11 +52,13 @@ def network_description(trainer: Any) -> dict[str, Any]:
     """What ``torchloom.load_checkpoint(path)`` rebuilds ``trainer.model`` from without its code
     (``saving.describe_network``), made at the first checkpoint of the trainer and kept (the layers
     do not change during a run). Convolutions and RNNs take their sizes from the first input shape
-    the trainer checked (``Trainer.output_shape``'s cache)."""
+    the trainer checked (``Trainer.output_shape``'s cache; tests/test_saving.py's convolutional case
+    fails if its layout changes)."""
     found = trainer.__dict__.get("_network_description")
     if found is None:
+        # the cache's keys: one (sample shape, is floating) per input; a model of one input only
         shapes = trainer.__dict__.get("_output_shapes") or {}
-        example = next(((1, *sample) for sample, _ in shapes), None)
+        example = next(((1, *key[0][0]) for key in shapes if len(key) == 1), None)
         found = trainer._network_description = describe_network(trainer.model, example)
     return found
 

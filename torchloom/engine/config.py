@@ -62,7 +62,7 @@ def _as_number(v: Any) -> Any:
 _ALIASES = {
     "lr": "learning_rate", "learningrate": "learning_rate", "rate": "learning_rate",
     "max_epochs": "epochs", "num_epochs": "epochs", "n_epochs": "epochs", "epoch": "epochs", "nb_epoch": "epochs",
-    "loss": "loss_type", "loss_fn": "loss_type", "criterion": "loss_type",
+    "loss": "loss_type", "criterion": "loss_fn", "gradient_accumulation_steps": "accumulate_grad_batches",
     "callbacks": "observers", "callback": "observers", "optim": "optimizer", "opt": "optimizer",
     "lr_scheduler": "scheduler", "schedule": "scheduler", "gradient_clip_val": "gradient_clip", "clipnorm": "gradient_clip",
     "clip_grad_norm": "gradient_clip", "max_grad_norm": "gradient_clip", "clipvalue": "clip_mode",
@@ -165,6 +165,22 @@ class TrainingConfig:
     divergence_factor: float = 10.0
     """An epoch whose loss exceeds this × the larger of the first epoch's and the best, or whose
     weights' norm exceeds this × the start's, is reported as diverged (> 1; ``0`` = off)."""
+    loss_fn: Any = None
+    """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
+    loss), differentiated by autograd with respect to the output, in place of ``loss_type``; also what
+    ``val_loss`` reports. ``None`` (default): ``loss_type``. The other methods train on their own
+    losses and refuse it."""
+    accumulate_grad_batches: int = 1
+    """Backprop: average the gradients of this many consecutive batches and update once (Lightning's
+    ``accumulate_grad_batches``); with a mean-reduced loss and equal-sized batches, equal to one step
+    on the batch ``k`` times as large. The last batch of an epoch updates with what it has. A
+    per-batch schedule advances once per update. ``1`` (default): an update every batch."""
+    log_every_n_steps: int = 0
+    """Per-step logs every this many steps (Lightning's ``log_every_n_steps``): ``loss``, ``lr`` and
+    the method's step logs of that step go to the observers' ``on_step_log(trainer, step, logs)``
+    hook, ``History.step_history``, ``CSVLogger(step_path=...)`` and ``TensorBoardLogger``. On the
+    CUDA device path they are read with the epoch's one host sync (the steps stay graph-captured) and
+    delivered at the epoch's end. ``0`` (default): off."""
     optimizer_options: Mapping[str, Any] | None = None
     """Settings of an optimizer given by name, e.g. ``{"weight_decay": 0.1, "betas": (0.9, 0.95)}``:
     any argument of its class (``torchloom.optim.SGD`` / ``AdamW`` / ``RMSprop``) but the parameters
@@ -245,6 +261,19 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
+        if self.loss_fn is not None and (not callable(self.loss_fn) or isinstance(self.loss_fn, (str, type))):
+            raise TypeError(
+                f"TrainingConfig: loss_fn must be None or a callable loss_fn(output, target) -> one-element tensor, got {self.loss_fn!r}"
+            )
+        for name in ("accumulate_grad_batches", "log_every_n_steps"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                value = int(value)  # a NumPy integer
+                setattr(self, name, value)
+            least = 1 if name == "accumulate_grad_batches" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "an int >= 1 (1 = an update every batch)" if least else "an int >= 0 (0 = off)"
+                raise ValueError(f"TrainingConfig: {name} must be {what}, got {value!r}")
         self.method_spec()  # checks method and its agreement with the other fields
         if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
             raise TypeError(
