@@ -167,7 +167,7 @@ def test_an_optimizer_left_on_another_device_is_a_clear_error():
     opt = torch.optim.AdamW(model.parameters())
     model.to("meta")
     with pytest.raises(ValueError) as e:
-        check_optimizer_device(opt, model, torch.device("meta"))
+        check_optimizer_device(opt, torch.device("meta"))
     assert str(e.value) == (
         "optimizer: the AdamW instance holds parameters on cpu, but training runs on meta (train() moved the model "
         "there: use_gpu/device); build the optimizer after moving the model (model.to('meta')), or give it by name "
@@ -182,8 +182,8 @@ def test_an_optimizer_left_on_another_device_is_a_clear_error():
     for p in model.parameters():
         opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].to("meta")
     with pytest.raises(ValueError, match=r"^optimizer: the SGD instance holds state 'momentum_buffer' on meta, but training runs on cpu"):
-        check_optimizer_device(opt, model, torch.device("cpu"))
-    check_optimizer_device(torch.optim.SGD(model.parameters(), lr=0.1), model, torch.device("cpu"))  # fine: nothing away
+        check_optimizer_device(opt, torch.device("cpu"))
+    check_optimizer_device(torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))  # fine: nothing away
 
 
 def test_train_checks_the_optimizer_after_moving_the_model(monkeypatch):
@@ -192,3 +192,21 @@ def test_train_checks_the_optimizer_after_moving_the_model(monkeypatch):
     monkeypatch.setattr(loop_module, "resolve_device", lambda *a: torch.device("meta"))
     with pytest.raises(ValueError, match=r"^optimizer: the AdamW instance holds parameters on cpu, but training runs on meta"):
         train(model, [(x, torch.zeros(len(x), 3, dtype=F64)) for x, _ in _data()], TrainingConfig(optimizer=opt, verbose=0))
+
+
+@pytest.mark.cuda
+def test_use_gpu_with_an_optimizer_used_on_the_cpu_is_a_clear_error():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # momentum buffers made on the CPU
+    with pytest.raises(ValueError, match=r"^optimizer: the SGD instance holds state 'momentum_buffer' on cpu, but training runs on cuda:0"):
+        train(model, _data(), TrainingConfig(optimizer=opt, use_gpu=True, loss_type="cross_entropy", verbose=0))
+    # one built over the parameters but not used yet moves with them (the move keeps the parameters)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, _data(), TrainingConfig(optimizer=opt, use_gpu=True, loss_type="cross_entropy", verbose=0))
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert not any(torch.equal(a, b.cpu()) for a, b in zip(before, model.parameters()))

@@ -416,15 +416,15 @@ def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
         )
 
 
-def check_optimizer_device(optimizer: Optimizer, model: torch.nn.Module, device: torch.device) -> None:
+def check_optimizer_device(optimizer: Optimizer, device: torch.device) -> None:
     """``ValueError`` when ``optimizer`` (after the model moved to the training ``device``) holds a
-    parameter that is not on ``device`` or is no longer the model's, or state on another device than
-    its parameter: an optimizer built before ``train()`` moved the model (``use_gpu=True`` /
-    ``device``) whose parameters or state stayed behind."""
-    mine = {id(p) for p in model.parameters()}
+    parameter that is not on ``device`` (a move that made new parameters left the optimizer with the
+    old ones), or state on another device than its parameter: an optimizer built and used before
+    ``train()`` moved the model (``use_gpu=True`` / ``device``) whose parameters or state stayed
+    behind."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            stale = p.device != device or id(p) not in mine
+            stale = p.device != device
             state = optimizer.state.get(p, {})
             away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != p.device]
             if stale or away:

@@ -405,7 +405,7 @@ class Trainer(WarmStart):
         self.model.to(self.device)
         optimizer = getattr(self.method, "optimizer", None)
         if isinstance(optimizer, Optimizer):  # one built before the move must have moved with the model
-            check_optimizer_device(optimizer, self.model, self.device)
+            check_optimizer_device(optimizer, self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
 
