@@ -225,9 +225,12 @@ class Checkpoint(Observer):
     optimizer or method state (TargetProp / Tween velocities, Tween's adaptive rate and explosion
     watch), schedule, random-number states, epoch count and history, so that
     ``TrainingConfig(resume_from=path)`` continues exactly where it stopped (2 epochs + resume for 2
-    equals 4 epochs in one run). The model's weights are under ``"training"`` → ``"model"``:
-    ``model.load_state_dict(torch.load(path, weights_only=True)["training"]["model"])``. With
-    ``full_state=False`` the file is ``model.state_dict()`` alone.
+    equals 4 epochs in one run), and a description of a torchloom ``Network`` (``"network"``) that
+    ``torchloom.load_checkpoint(path)`` rebuilds it from without its code. With ``full_state=False``
+    the file is ``state_dict()`` alone. For inference, ``load_best(model)`` or
+    ``torchloom.load_checkpoint(path, model)`` loads either kind into a model in one call (the weights
+    are under ``"training"`` → ``"model"``, named as in the chain ``train()`` trains:
+    ``layers.0.module.weight`` for a plain module).
 
     The file is written to a temporary file beside ``path`` and then renamed over it, so an
     interrupted or failed save leaves the previous checkpoint intact and no temporary file; a failed
