@@ -196,3 +196,21 @@ def test_load_best_needs_a_model(tmp_path):
     )
     with pytest.raises(FileNotFoundError):  # nothing saved yet
         ck.load_best(_mlp(0))
+
+
+def test_a_description_that_rebuilds_other_parameters_asks_for_the_model(tmp_path):
+    # Loom's JSON has no place for a Flatten before the first layer: the rebuilt network would be
+    # Dense alone, whose parameters are named differently from the trained Flatten → Dense
+    path = tmp_path / "flat.pt"
+    torch.manual_seed(0)
+    net = Network(Flatten(), Dense(16, 1))
+    x = torch.randn(8, 4, 4)
+    _train(net, path, data=(x, torch.randn(8, 1)))
+    with pytest.raises(ValueError) as e:
+        torchloom.load_checkpoint(path)
+    assert str(e.value) == (
+        f"load_checkpoint: cannot rebuild the model of {str(path)!r} without its code: the network it describes has "
+        "other parameters than the weights it holds (first: 'layers.0.bias'); pass the model to load the weights "
+        f"into: load_checkpoint({str(path)!r}, model=<the model, built as for training>)"
+    )
+    assert torch.equal(torchloom.load_checkpoint(path, Network(Flatten(), Dense(16, 1)))(x), net(x))

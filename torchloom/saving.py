@@ -9,10 +9,11 @@ weights, extended by one field Loom lacks (``"bias": true`` on a Dense or convol
 and the parameters' dtype. ``load_checkpoint(path)`` rebuilds the network from it (as
 ``from_loom_json`` does) and loads the weights, like Keras' ``load_model``. The description is made
 when the checkpoint is first written, from the network's layers (and, for convolutions and RNNs,
-whose sizes Loom's JSON fixes, the shape of the training inputs), and is checked then: it is kept
-only when the network it rebuilds has the same parameters (names, shapes, dtypes). A network Loom's
-JSON cannot describe (a plain ``nn.Module`` inside it, exact GELU, ...) gets the reason instead, and
-``load_checkpoint(path)`` without a model says it and asks for the model.
+whose sizes Loom's JSON fixes, the shape of the training inputs); it holds no weights, so it costs
+next to nothing. A network Loom's JSON cannot describe (a plain ``nn.Module`` inside it, exact GELU,
+...) gets the reason instead, and ``load_checkpoint(path)`` without a model says it and asks for the
+model; so does a description that rebuilds other parameters (names, shapes, dtypes) than the file's
+weights (a ``Flatten`` in a place Loom's JSON has none for, say).
 
 Files are read with ``torch.load(weights_only=True)`` and the description through the Loom JSON
 reader, which treats it as untrusted data: a checkpoint never runs code.
@@ -37,15 +38,6 @@ __all__ = ["NETWORK_FORMAT", "load_checkpoint", "describe_network", "rebuild_net
 
 NETWORK_FORMAT = "torchloom-network-1"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_WEIGHT_KEYS = ("weights", "native", "scale")
-
-
-def _strip_weights(layers: list[dict]) -> None:
-    for d in layers:
-        for k in _WEIGHT_KEYS:
-            d.pop(k, None)
-        _strip_weights(d.get("sequential_layers") or [])
-        _strip_weights(d.get("parallel_branches") or [])
 
 
 def _biased(layers: Any, where: str, out: set[str]) -> None:
@@ -105,24 +97,13 @@ def describe_network(net: Network, example_shape: tuple[int, ...] | None = None)
     loom, why = None, ""
     for example in (None, example_shape) if example_shape is not None else (None,):
         try:
-            loom = loom_dict(net, example, biases=True)
+            loom = loom_dict(net, example, description=True)
             break
         except (ValueError, TypeError) as e:
             why = str(e).replace("to_loom_json: ", "")
     if loom is None:
         return {"format": NETWORK_FORMAT, "unavailable": f"Loom's network JSON cannot describe it: {why}"}
-    _strip_weights(loom["layers"])
-    description = {"format": NETWORK_FORMAT, "loom": loom, "dtype": name}
-    try:
-        with torch.device("meta"):  # the layout alone: no memory, no initialisation
-            rebuilt = rebuild_network(description, max_parameters=max(sum(p.numel() for p in params), 1))
-    except (ValueError, TypeError) as e:
-        return {"format": NETWORK_FORMAT, "unavailable": f"its Loom description does not rebuild: {e}"}
-    mine, theirs = _layout(net), _layout(rebuilt)
-    if mine != theirs:
-        diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
-        return {"format": NETWORK_FORMAT, "unavailable": f"its Loom description rebuilds other parameters (first: {diff[0]!r})"}
-    return description
+    return {"format": NETWORK_FORMAT, "loom": loom, "dtype": name}
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module | None = None, *, map_location: Any = "cpu") -> nn.Module:
@@ -162,4 +143,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module | None = None, *, 
                 f"load the weights into: load_checkpoint({path!r}, model=<the model, built as for training>)"
             )
         model = rebuild_network(description, max_parameters=max(sum(v.numel() for v in weights.values()), 1))
+        mine, theirs = _layout(model), {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+        if mine != theirs:  # e.g. a Flatten the description has no place for
+            diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
+            raise ValueError(
+                f"{owner}: cannot rebuild the model of {path!r} without its code: the network it describes has other "
+                f"parameters than the weights it holds (first: {diff[0]!r}); pass the model to load the weights into: "
+                f"load_checkpoint({path!r}, model=<the model, built as for training>)"
+            )
     return load_weights(model, weights, path, owner)

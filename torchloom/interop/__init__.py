@@ -192,16 +192,16 @@ def to_loom_json(net: Layer, *, example_input: Tensor | Sequence[int] | None = N
     return loom_dict(net, example_input)
 
 
-def loom_dict(net: Layer, example_input: Tensor | Sequence[int] | None, *, biases: bool = False) -> dict:
-    """``to_loom_json``; ``biases=True`` also takes a Dense's or convolution's bias, written as
-    ``"bias": true`` (torchloom's network descriptions in checkpoints: ``torchloom.saving``)."""
+def loom_dict(net: Layer, example_input: Tensor | Sequence[int] | None, *, description: bool = False) -> dict:
+    """``to_loom_json``; ``description=True`` makes torchloom's network description for checkpoints
+    (``torchloom.saving``): no weights, and a Dense's or convolution's bias as ``"bias": true``."""
     if not isinstance(net, Layer):
         raise TypeError(f"to_loom_json: net must be a torchloom layer or Network, got {type(net).__name__}")
     shapes = _example_shapes(net, example_input)
     tops = list(net) if isinstance(net, Sequential) else [net]
     layers: list[dict] = []
     for i, mod in enumerate(tops):
-        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})", biases=biases))
+        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})", description=description))
     if not layers:
         raise ValueError("to_loom_json: the network has no layer Loom can hold")
     for x, d in enumerate(layers):

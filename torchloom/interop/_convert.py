@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -580,23 +580,27 @@ def _base(loom_type: str, act: str = "Linear") -> dict:
     return {"type": loom_type, "activation": act, "dtype": "float32"}
 
 
-def _weights(d: dict, b64: str) -> dict:
-    d["weights"] = b64
+def _weights(d: dict, encode: Callable[[], str], description: bool = False) -> dict:
+    """``d`` with its weights: ``encode()`` (Loom's base64 blob), or none in a torchloom description
+    (its weights are the checkpoint's ``state_dict``; encoding them would cost seconds)."""
+    if description:
+        return d
+    d["weights"] = encode()
     d["native"] = True
     d["scale"] = 1
     return d
 
 
-def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str, *, biases: bool = False) -> list[dict]:
+def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str, *, description: bool = False) -> list[dict]:
     """Loom layer dicts for ``mod`` (empty for Flatten, several for a Network / Sequential at the
-    top level is handled by the caller). ``biases=True`` (torchloom's own network descriptions in
-    checkpoints, never a Loom file) writes a Dense's or convolution's bias as ``"bias": true`` where
-    Loom, which has none, refuses it."""
+    top level is handled by the caller). ``description=True`` makes torchloom's own network
+    description for checkpoints (never a Loom file): a Dense's or convolution's bias is written as
+    ``"bias": true`` where Loom, which has none, refuses it, and no weights are written."""
     shape = shapes.get(id(mod))
     if isinstance(mod, (Flatten, LoomReshape)):
         return []  # Loom's activations are flat buffers already
     if isinstance(mod, Dense):
-        if mod.bias is not None and not biases:
+        if mod.bias is not None and not description:
             raise _refuse(name, "Dense has a bias; Loom's Dense has none (use bias=False)")
         if shape is not None and len(shape) > 2:
             raise _refuse(name, f"Dense on an input of shape {list(shape)}: Loom's Dense reads each sample as one row "
@@ -607,12 +611,12 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         d.update(input_height=mod.in_features, output_height=mod.out_features)
         if mod.bias is not None:
             d["bias"] = True
-        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+        return [_weights(d, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, (_ConvND, _ConvTransposeND)):
         transposed = isinstance(mod, _ConvTransposeND)
         nd = mod.ndim
         kind = f"ConvTransposed{nd}D" if transposed else f"CNN{nd}"
-        if mod.bias is not None and not biases:
+        if mod.bias is not None and not description:
             raise _refuse(name, f"{type(mod).__name__} has a bias; Loom's {kind} has none (use bias=False)")
         k = _same(mod.kernel_size, "kernel size", name)
         st = _same(mod.stride, "stride", name)
@@ -640,7 +644,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         for key, a, b in zip(keys, n_in, n_out):
             d[f"input_{key}"] = a
             d[f"output_{key}"] = b
-        return [_weights(d, _flat((w.contiguous(), 0), like=mod.weight))]
+        return [_weights(d, lambda: _flat((w.contiguous(), 0), like=mod.weight), description)]
     if isinstance(mod, (RNN, LSTM)):
         if shape is None:
             raise _refuse(name, f"{type(mod).__name__}: Loom stores the sequence length; " + (
@@ -650,14 +654,15 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         i, h = mod.input_size, mod.hidden_size
         d = _base(type(mod).__name__, "Tanh")
         d.update(input_height=i, output_height=h, seq_length=int(shape[1]))
-        if isinstance(mod, RNN):
-            b64 = _flat((mod.weight_ih, 0), (mod.weight_hh, 0), (mod.bias, h), like=mod.weight_ih)
-        else:
+        def encode() -> str:
+            if isinstance(mod, RNN):
+                return _flat((mod.weight_ih, 0), (mod.weight_hh, 0), (mod.bias, h), like=mod.weight_ih)
             bias = mod.bias if mod.bias is not None else torch.zeros(4 * h, dtype=mod.weight_ih.dtype)
             blocks = torch.cat([mod.weight_ih.detach().reshape(4, h * i), mod.weight_hh.detach().reshape(4, h * h),
                                 bias.detach().reshape(4, h)], dim=1)
-            b64 = _flat((blocks, 0), like=mod.weight_ih)
-        return [_weights(d, b64)]
+            return _flat((blocks, 0), like=mod.weight_ih)
+
+        return [_weights(d, encode, description)]
     if isinstance(mod, MultiHeadAttention):
         if not (mod.causal and mod.rope):
             raise _refuse(name, "MultiHeadAttention: Loom's attention is always causal with RoPE; "
@@ -668,16 +673,16 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
                  rope_freq_base=mod.rope_theta)
         if shape is not None and len(shape) == 3:
             d["seq_length"] = int(shape[1])
-        b64 = _flat((mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
-                    (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight)
-        return [_weights(d, b64)]
+        return [_weights(d, lambda: _flat(
+            (mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
+            (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight), description)]
     if isinstance(mod, SwiGLU):
         h, m = mod.hidden, mod.intermediate
         d = _base("SwiGLU")
         d.update(input_height=h, output_height=m)
-        b64 = _flat((mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
-                    (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight)
-        return [_weights(d, b64)]
+        return [_weights(d, lambda: _flat(
+            (mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
+            (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight), description)]
     if isinstance(mod, (RMSNorm, LayerNorm)):
         want = 1e-6 if isinstance(mod, RMSNorm) else 1e-5
         if mod.eps != want:
@@ -687,11 +692,11 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         d = _base(type(mod).__name__)
         d.update(input_height=n, output_height=n)
         parts = [(mod.weight, 0)] + ([(mod.bias, 0)] if isinstance(mod, LayerNorm) else [])
-        return [_weights(d, _flat(*parts, like=mod.weight))]
+        return [_weights(d, lambda: _flat(*parts, like=mod.weight), description)]
     if isinstance(mod, Embedding):
         d = _base("Embedding", _act(mod, name))
         d.update(vocab_size=mod.num_embeddings, embedding_dim=mod.embedding_dim)
-        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+        return [_weights(d, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, LoomGridSoftmax):
         if shape is None:
             raise _refuse(name, "LoomGridSoftmax: Loom fixes the number of rows of a 'Grid' softmax in the file; "
@@ -711,7 +716,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
             d["softmax_type"] = "Standard" if mod.temperature == 1.0 else "Temperature"
         return [d]
     if isinstance(mod, Residual):
-        inner = export_layers(mod.inner, shapes, f"{name}.inner", biases=biases)
+        inner = export_layers(mod.inner, shapes, f"{name}.inner", description=description)
         if len(inner) != 1:
             raise _refuse(name, "Residual: its inner layer must map to exactly one Loom layer")
         # Loom's Residual inside a Sequential adds the previous sub-layer's input to its output.
@@ -721,7 +726,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
     if isinstance(mod, Parallel):
         branches = []
         for i, b in enumerate(mod.branches):
-            out = export_layers(b, shapes, f"{name}.branches[{i}]", biases=biases)
+            out = export_layers(b, shapes, f"{name}.branches[{i}]", description=description)
             if len(out) != 1:
                 raise _refuse(name, f"Parallel: branch {i} must map to exactly one Loom layer")
             branches.append(out[0])
@@ -731,7 +736,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
     if isinstance(mod, Sequential):  # Network too, when nested
         subs = []
         for i, c in enumerate(mod):
-            subs.extend(export_layers(c, shapes, f"{name}[{i}]", biases=biases))
+            subs.extend(export_layers(c, shapes, f"{name}[{i}]", description=description))
         if not subs:
             raise _refuse(name, "Sequential: nothing to write")
         d = _base("Sequential")
