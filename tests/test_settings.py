@@ -50,6 +50,14 @@ def test_every_field_has_a_documented_meaning(cls):
         assert f"{f.name}: {first_words}" in " ".join(section.split()), f"{cls.__name__}.{f.name} is not in help()'s Attributes"
 
 
+@pytest.mark.parametrize("name", [n for n in torchloom.schedules.SCHEDULES], ids=str)
+def test_every_schedule_field_has_a_documented_meaning(name):
+    cls = torchloom.schedules.SCHEDULES[name]
+    docs = field_docs(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if len(docs.get(f.name, "").split()) < 3]
+    assert not missing, f"schedules.{name}: field(s) {missing} have no docstring under them"
+
+
 def test_the_field_doc_reader_sees_a_missing_docstring():
     @dataclasses.dataclass
     class Demo:

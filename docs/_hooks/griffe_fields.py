@@ -4,7 +4,8 @@ The reference is made by inspecting the imported package (``force_inspection``),
 dataclass field only as its default value: ``epochs = 10`` would be documented with ``int``'s own
 docstring ("int([x]) -> integer"). For every attribute whose docstring is only its value's type's,
 this extension drops it; for the fields of a dataclass it puts the docstring written under the
-field in the source (and adds the fields inspection skips: those whose default is ``None``), and it
+field in the source (and adds the fields inspection skips: those whose default is ``None`` or that
+have none), and it
 takes off the class docstring the "Attributes:" section that ``@settings`` adds for ``help()`` (the
 fields are listed as members here).
 """
@@ -54,9 +55,9 @@ class FieldDocs(griffe.Extension):
         docs = _field_docs(obj)
         for f in dataclasses.fields(obj):
             member = cls.members.get(f.name)
-            if member is None:  # inspection skips a field whose default is None: made here
-                default = f.default if f.default is not dataclasses.MISSING else None
-                member = griffe.Attribute(f.name, value=repr(default), lineno=None)
+            if member is None:  # inspection skips a field whose default is None, or that has none: made here
+                value = repr(f.default) if f.default is not dataclasses.MISSING else None
+                member = griffe.Attribute(f.name, value=value, lineno=None)
                 member.labels.add("class-attribute")
                 cls.set_member(f.name, member)
             if f.name in docs and not member.is_alias:
