@@ -281,7 +281,7 @@ def test_a_bounded_collapse_that_undoes_training_is_reported():
     net = Network(Dense(64, 64, "relu"), Dense(64, 64, "relu"), Dense(64, 10))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = train(net, (x, y), TrainingConfig(method="tween", learning_rate=0.5, loss_type="cross_entropy", epochs=4, batch_size=32, verbose=0))
+        r = train(net, (x, y), TrainingConfig(method="tween", learning_rate=0.5, loss_type="cross_entropy", epochs=4, batch_size=32, verbose=0, device="cpu"))
     loss, flags = r.history["loss"], r.history["diverged"]
     first, best = loss[0], min(loss[: flags.index(1.0)])
     k = flags.index(1.0)  # the first reported epoch: above the first epoch's loss, > 1.1× the best before it
