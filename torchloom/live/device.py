@@ -1,0 +1,261 @@
+"""The live loop's device paths: captured serve and update steps, the overlapped server, and the
+device-resident stream.
+
+* ``CudaLive`` (CUDA only): the serve step (a forward of ``serve_model`` over a static input
+  ``[1, ...]``) and the update (the method's ``device_step`` under the engine's ``CudaRunner``, its
+  decisions on the device) are each captured in a CUDA graph on their first use after a warm-up, and
+  replayed after copying the sample into their static inputs. With ``overlap=True`` the server
+  replays on a high-priority stream from one of two weight snapshots while updates replay on a
+  low-priority stream; ``publish`` copies the trained weights into the spare snapshot on the update
+  stream, and the server switches to it once that copy has finished (an event), so it lags by at most
+  one update. A method without a device step updates eagerly (``Method.step``).
+* ``DeviceStream``: K samples per launch: for each sample, the serve forward into a prediction row,
+  then the method's device step on it, all K recorded in one CUDA graph, predictions read once per
+  window. It runs eagerly on CPU tensors (the same steps, the engine's runner falls back to the
+  kernels' references), which the tests use.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..engine.cuda_path import CudaRunner, capturing
+from ..layers.base import host_checks
+
+__all__ = ["CudaLive", "DeviceStream"]
+
+
+class _GraphedUpdate:
+    """The method's device step over static inputs: eager on the first call (kernels compile, state is
+    created), then ``device_epoch_begin(runner, 1)`` (late state joins the layout), captured on the
+    second call and replayed from then on."""
+
+    def __init__(self, live: Any, runner: CudaRunner, x: Tensor, y: Tensor, graph: bool) -> None:
+        self.live, self.runner = live, runner
+        self.x, self.y = x.clone(), y.clone()
+        self.use_graph, self.graph, self.calls = graph, None, 0
+
+    def __call__(self, x: Tensor, y: Tensor) -> None:
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self.calls >= 1:
+            runner = self.runner
+            with host_checks(False):
+                runner.dead.fill_(1)  # masked warm-up: compiles what the graph uses, updates nothing
+                self.live.method.device_step(self.x, self.y, 0, runner)
+                torch.cuda.synchronize(self.live.device)
+                self.graph = torch.cuda.CUDAGraph()
+                with capturing(self.graph):
+                    self._step()
+            self.graph.replay()
+        else:
+            self._step()
+            if self.calls == 0:
+                self.live.engine.device_epoch_begin(self.runner, 1)
+        self.calls += 1
+
+    def _step(self) -> None:
+        self.runner.dead.zero_()  # every update stands alone
+        self.live.method.device_step(self.x, self.y, 0, self.runner)
+
+
+class CudaLive:
+    """Captured serve and update steps for a ``LiveTrainer`` on CUDA (see the module docstring)."""
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self.dev = live.device
+        cfg = live.config
+        self.graphs = cfg.cuda_graph
+        self.device_steps = live.method.device_ready()
+        self.runner = CudaRunner(live.engine) if self.device_steps else None
+        if self.runner is not None:
+            self.runner._prepare_arrays(1)
+        self.skipped = torch.zeros((), dtype=torch.int32, device=self.dev)  # updates the device guard refused
+        self.overlap = cfg.overlap
+        low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): a smaller number is more urgent
+        self.serve_stream = torch.cuda.Stream(self.dev, priority=high) if self.overlap else torch.cuda.current_stream(self.dev)
+        self.train_stream = torch.cuda.Stream(self.dev, priority=low) if self.overlap else torch.cuda.current_stream(self.dev)
+        # overlap: two snapshots, the server reads `current` while the update stream fills the other
+        self.snapshots = [live.serve_model, copy.deepcopy(live.serve_model)] if self.overlap else [live.serve_model]
+        self.current = 0
+        self.pending: tuple[torch.cuda.Event, int] | None = None  # (copy done, its version)
+        self.served = [torch.cuda.Event() for _ in self.snapshots]  # last serve read of each snapshot
+        self.serve_graphs: list[Any] = [None] * len(self.snapshots)
+        self.serve_x: Tensor | None = None
+        self.serve_out: list[Tensor | None] = [None] * len(self.snapshots)
+        self.update: _GraphedUpdate | None = None
+
+    # ------------------------------------------------------------------ serve
+    def serves(self, x: Tensor) -> bool:
+        return self.graphs and x.shape[0] == 1
+
+    def serve(self, x: Tensor) -> Tensor:
+        self._maybe_switch()
+        k = self.current
+        with torch.cuda.stream(self.serve_stream):
+            if self.serve_x is None:
+                self.serve_x = x.clone()
+            self.serve_x.copy_(x, non_blocking=True)
+            if self.serve_graphs[k] is None:
+                model = self.snapshots[k]
+                model(self.serve_x)  # warm-up: kernels compiled outside the capture
+                torch.cuda.synchronize(self.dev)
+                graph = torch.cuda.CUDAGraph()
+                with host_checks(False), capturing(graph):
+                    self.serve_out[k] = model(self.serve_x)
+                self.serve_graphs[k] = graph
+            self.serve_graphs[k].replay()
+            out = self.serve_out[k].clone()  # the next replay overwrites the static output
+            self.served[k].record(self.serve_stream)
+        return out
+
+    def _maybe_switch(self, wait: bool = False) -> None:
+        if self.pending is None:
+            return
+        done, version = self.pending
+        if wait:
+            done.synchronize()
+        if done.query():
+            self.current = 1 - self.current
+            self.live.serve_version = version
+            self.pending = None
+
+    # ------------------------------------------------------------------ update
+    def trains(self, x: Tensor, y: Tensor) -> bool:
+        if not self.device_steps:
+            return False
+        if self.update is None:
+            return True
+        return x.shape == self.update.x.shape and y.shape == self.update.y.shape
+
+    def train(self, x: Tensor, y: Tensor) -> None:
+        stream = self.train_stream
+        stream.wait_stream(self.serve_stream)  # x was made on the serving stream
+        with torch.cuda.stream(stream):
+            if self.update is None:
+                self.update = _GraphedUpdate(self.live, self.runner, x, y, self.graphs)
+            self.update(x, y)
+            self.skipped += (self.runner.step_status[0, 0] != 0).to(torch.int32)
+
+    def publish(self) -> None:
+        """Copy the trained weights into the spare snapshot on the update stream (after the updates
+        queued there); the server switches to it when the copy is done."""
+        if not self.overlap:
+            self.live.serve_version = self.live.version
+            return
+        self._maybe_switch(wait=True)  # at most one copy in flight: the lag stays at one version
+        spare = 1 - self.current
+        stream = self.train_stream
+        stream.wait_event(self.served[spare])  # the server no longer reads it
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for dst, src in zip(self.snapshots[spare].parameters(), self.live.model.parameters()):
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.pending = (done, self.live.version)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.dev)
+        self._maybe_switch()
+        skipped = int(self.skipped)
+        if skipped:
+            self.live.statuses["NAN_GRAD"] += skipped
+            self.live.statuses["OK"] -= skipped
+            self.live.version -= skipped
+            self.skipped.zero_()
+
+
+class DeviceStream:
+    """K samples per launch (see the module docstring): ``window(xs, ys)`` serves and trains on
+    ``xs[K, ...]`` with targets ``ys[K, ...]`` (the method's form: one-hot for ``"mse"``) and returns
+    the predictions ``[K, ...]`` (overwritten by the next window: read or clone them)."""
+
+    def __init__(self, live: Any, xs: Tensor, ys: Tensor) -> None:
+        if not live.method.device_ready():
+            raise ValueError(f"DeviceStream: method {type(live.method).__name__} has no device step (device_ready() is False)")
+        self.live = live
+        self.k = xs.shape[0]
+        self.runner = CudaRunner(live.engine)
+        self.runner._prepare_arrays(self.k)
+        self.xs, self.ys = xs.clone(), ys.clone()
+        self.preds: Tensor | None = None
+        self.graph: Any = None
+        self.calls = 0
+        self.use_graph = live.device.type == "cuda" and live.config.cuda_graph
+        self.serve_s = 0.0  # thread CPU time of serving and of updating, in the eager windows
+        self.train_s = 0.0
+
+    def window(self, xs: Tensor, ys: Tensor) -> Tensor:
+        if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
+            raise ValueError(f"DeviceStream: a window must have the first window's shapes {list(self.xs.shape)} / "
+                             f"{list(self.ys.shape)}, got {list(xs.shape)} / {list(ys.shape)}")
+        self.xs.copy_(xs, non_blocking=True)
+        self.ys.copy_(ys, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self.calls >= 1:
+            with host_checks(False):
+                torch.cuda.synchronize(self.live.device)
+                self.graph = torch.cuda.CUDAGraph()
+                with capturing(self.graph):
+                    self._window(timed=False)
+            self.graph.replay()
+        else:
+            self._window(timed=True)
+            if self.calls == 0:
+                self.live.engine.device_epoch_begin(self.runner, 1)
+        self.calls += 1
+        return self.preds
+
+    @torch.no_grad()
+    def _window(self, timed: bool) -> None:
+        live, runner = self.live, self.runner
+        runner.dead.zero_()
+        outs = []
+        for i in range(self.k):
+            c0 = time.thread_time() if timed else 0.0
+            outs.append(live.serve_model(self.xs[i : i + 1]))
+            c1 = time.thread_time() if timed else 0.0
+            live.method.device_step(self.xs[i : i + 1], self.ys[i : i + 1], i, runner)
+            if timed:
+                c2 = time.thread_time()
+                self.serve_s += c1 - c0
+                self.train_s += c2 - c1
+        preds = torch.cat(outs)
+        if self.preds is None:  # made by the first (eager) window: the captured one copies into it
+            self.preds = preds
+        else:
+            self.preds.copy_(preds)
+
+    def serve_fraction(self, repeats: int = 5) -> float:
+        """On CUDA: the GPU time of the window's K serve forwards over the whole window's, timed with
+        CUDA events over ``repeats`` launches each (the serve forwards alone replayed eagerly): what
+        Availability means for a window that never returns to the host. Eager windows measure it
+        with the thread CPU clock instead."""
+        if self.live.device.type != "cuda":
+            total = self.serve_s + self.train_s
+            return self.serve_s / total if total > 0 else 0.0
+        timing = []
+        for run in (lambda: [self.live.serve_model(self.xs[i : i + 1]) for i in range(self.k)], lambda: self.graph.replay() if self.graph is not None else self._window(False)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.no_grad():
+                run()
+                start.record()
+                for _ in range(repeats):
+                    run()
+                end.record()
+            end.synchronize()
+            timing.append(start.elapsed_time(end))
+        return min(1.0, timing[0] / timing[1]) if timing[1] > 0 else 0.0
+
+    def statuses(self) -> Tensor:
+        """The last window's per-sample step statuses ``[K]`` (0 = applied; a device read)."""
+        return self.runner.step_status[: self.k, 0]
