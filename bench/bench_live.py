@@ -159,6 +159,8 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
         rep = live.report(window_samples=max(1, 3 * per_phase // 15))
     logs = rep.logs()
     logs["flips"] = rep.flips
+    # Score with the throughput per thread-CPU second of the loop: what one idle core would give
+    logs["cpu_score"] = logs["cpu_throughput"] * logs["availability"] * logs["acc"] / 1e4
     return logs
 
 
@@ -182,7 +184,7 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} thread(s)"
     print(f"# {args.task} on {card}; torch {torch.__version__}; torchloom {torchloom.__version__}")
     head = (f"{'clock':5} {'method':18} {'schedule':9} {'mode':8} {'Thru':>7} {'Avail':>6} {'Acc':>5} {'Score':>7} "
-            f"{'min50':>11} {'rec90':>11} {'p50us':>6} {'p99us':>7} {'stale':>5} {'trained':>7}  flips")
+            f"{'min50':>11} {'rec90':>11} {'p50us':>6} {'p99us':>7} {'stale':>5} {'trained':>7} {'Thru/cpu':>8} {'Score/cpu':>9}  flips")
     print(head)
     for clock in clocks:
         args.clock = clock
@@ -199,7 +201,8 @@ def main() -> None:
                     flips = "  ".join(f"{b:.0f}→{'—' if a is None else f'{a:.0f}'} {d if d is not None else ''}" for b, a, d in r["flips"])
                     print(f"{clock:5} {method:18} {schedule:9} {mode:8} {r['throughput']:7.0f} {r['availability']:5.1f}% "
                           f"{r['acc']:5.1f} {r['score']:7.0f} {mins:>11} {recs:>11} {r['latency_p50_us']:6.0f} "
-                          f"{r['latency_p99_us']:7.0f} {r['staleness_mean']:5.2f} {r['trained_fraction']:7.3f}  {flips}", flush=True)
+                          f"{r['latency_p99_us']:7.0f} {r['staleness_mean']:5.2f} {r['trained_fraction']:7.3f} {r['cpu_throughput']:8.0f} "
+                          f"{r['cpu_score']:9.0f}  {flips}", flush=True)
     if args.task == "adaptv2":
         print("\n# Welvet's published CPU board (openfluke/aai adaptv2, 15 s, workers=1, SIMD off)")
         print(f"{'mode':18} {'Thru':>7} {'Avail':>6} {'Acc':>5} {'Score':>7}")

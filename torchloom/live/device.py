@@ -75,9 +75,7 @@ class CudaLive:
         cfg = live.config
         self.graphs = cfg.cuda_graph
         self.device_steps = live.method.device_ready()
-        self.runner = CudaRunner(live.engine) if self.device_steps else None
-        if self.runner is not None:
-            self.runner._prepare_arrays(1)
+        self.runner: CudaRunner | None = None  # made at the first update (its setup may re-home the weights)
         self.skipped = torch.zeros((), dtype=torch.int32, device=self.dev)  # updates the device guard refused
         self.overlap = cfg.overlap
         low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): a smaller number is more urgent
@@ -141,9 +139,18 @@ class CudaLive:
         stream.wait_stream(self.serve_stream)  # x was made on the serving stream
         with torch.cuda.stream(stream):
             if self.update is None:
+                self.runner = CudaRunner(self.live.engine)
+                self.runner._prepare_arrays(1)
                 self.update = _GraphedUpdate(self.live, self.runner, x, y, self.graphs)
+            key = self._layout()
             self.update(x, y)
             self.skipped += (self.runner.step_status[0, 0] != 0).to(torch.int32)
+        if self._layout() != key:  # the weights moved into the method's device layout: serve graphs read the old memory
+            torch.cuda.synchronize(self.dev)
+            self.serve_graphs = [None] * len(self.snapshots)
+
+    def _layout(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for m in self.snapshots for p in m.parameters())
 
     def publish(self) -> None:
         """Copy the trained weights into the spare snapshot on the update stream (after the updates

@@ -150,7 +150,7 @@ class LiveTrainer:
         self.method: Method = self.engine.method
         self.device, self.dtype = self.engine.device, self.engine.dtype
         self._guard = UpdateGuard(self._guarded_tensors)
-        self._guarded: tuple[int, list[Tensor]] | None = None
+        self._guarded: tuple[tuple[int, int], list[Tensor]] | None = None
         self._labels = config.loss_type in ("cross_entropy", "crossentropy")
         self._reuses = type(self.method).step_from_forward is not Method.step_from_forward
         self.version = 0  # updates applied
@@ -164,7 +164,8 @@ class LiveTrainer:
         self.statuses: dict[str, int] = {s.name: 0 for s in StepStatus}
         self.observers = ObserverList(config.observers)
         self._last_update = None
-        self._start = None
+        self._start: float | None = None
+        self._cpu_start = 0.0
         self._logged = 0
         self._stream: Any = None  # the device-resident stream (stream_window)
         self._frac: float | None = None
@@ -184,8 +185,7 @@ class LiveTrainer:
         """The prediction for ``x`` (``[batch, ...]``, or one sample without the batch dimension) and
         a ticket for ``learn``. Returns the model's output ``[batch, ...]`` (from ``serve_model``)."""
         if self._start is None:
-            self._start = self.clock()
-            self.observers("on_train_begin", self)
+            self._begin()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         x = self._as_input(x)
         keep = self._reuses and not (self.config.overlap and self.serve_version != self.version)
@@ -202,6 +202,11 @@ class LiveTrainer:
         for _ in range(n):
             self.record.add_serve(t, self.phase, cpu / n, wall, self.version - self.serve_version)
         return out, Ticket(x, range(first, first + n), self.serve_version, out, saved)
+
+    def _begin(self) -> None:
+        self._start = self.clock()
+        self._cpu_start = time.thread_time()
+        self.observers("on_train_begin", self)
 
     @torch.no_grad()
     def learn(self, ticket: Ticket, y: Any) -> int:
@@ -255,8 +260,7 @@ class LiveTrainer:
         from .device import DeviceStream
 
         if self._start is None:
-            self._start = self.clock()
-            self.observers("on_train_begin", self)
+            self._begin()
         wall0 = time.perf_counter()
         xs = self._as_input(xs)
         if self._stream is None:
@@ -300,6 +304,11 @@ class LiveTrainer:
         options.setdefault("window", self.config.window)
         extra = {f"steps_{k.lower()}": float(v) for k, v in self.statuses.items()}
         extra["version"] = float(self.version)
+        # the loop's thread-CPU seconds, and samples per such second: on a shared machine, what one
+        # idle core would give (Welvet's Throughput is per wall-clock second)
+        cpu = time.thread_time() - self._cpu_start if self._start is not None else 0.0
+        extra["cpu_seconds"] = cpu
+        extra["cpu_throughput"] = len(self.record) / cpu if cpu > 0 else 0.0
         return self.record.report(extra=extra, **options)
 
     def close(self) -> LiveReport:
@@ -369,8 +378,10 @@ class LiveTrainer:
         listed once: walking the model's modules every update costs more than the update of a small
         net."""
         state = self.method.state_tensors()
-        if self._guarded is None or self._guarded[0] != len(state):
-            self._guarded = (len(state), as_flat(self.engine.guarded_params()))
+        params = self.method.model.parameters()
+        key = (len(state), next(params).data_ptr())  # a device step's setup may re-home the parameters
+        if self._guarded is None or self._guarded[0] != key:
+            self._guarded = (key, as_flat(self.engine.guarded_params()))
         return [*self._guarded[1], *state]
 
     @torch.no_grad()
