@@ -191,6 +191,8 @@ def main() -> None:
         for method in methods:
             for schedule in args.schedules.split(","):
                 for mode in args.modes.split(","):
+                    if mode == "stream" and schedule != "sample":
+                        continue  # the device-resident stream trains on every sample in order
                     try:
                         r = run(args.task, method, schedule, mode, args)
                     except ValueError as e:

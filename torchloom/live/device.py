@@ -98,6 +98,9 @@ class CudaLive:
     def serve(self, x: Tensor) -> Tensor:
         self._maybe_switch()
         k = self.current
+        here = torch.cuda.current_stream(self.dev)
+        if self.overlap:
+            self.serve_stream.wait_stream(here)  # x was made on the caller's stream
         with torch.cuda.stream(self.serve_stream):
             if self.serve_x is None:
                 self.serve_x = x.clone()
@@ -113,6 +116,9 @@ class CudaLive:
             self.serve_graphs[k].replay()
             out = self.serve_out[k].clone()  # the next replay overwrites the static output
             self.served[k].record(self.serve_stream)
+        if self.overlap:
+            here.wait_stream(self.serve_stream)  # the caller reads the prediction on its stream
+            out.record_stream(here)
         return out
 
     def _maybe_switch(self, wait: bool = False) -> None:
@@ -136,7 +142,10 @@ class CudaLive:
 
     def train(self, x: Tensor, y: Tensor) -> None:
         stream = self.train_stream
-        stream.wait_stream(self.serve_stream)  # x was made on the serving stream
+        if self.overlap:
+            stream.wait_stream(torch.cuda.current_stream(self.dev))  # x and y were made on the caller's stream
+            x.record_stream(stream)  # their memory is not reused while the update stream reads them
+            y.record_stream(stream)
         with torch.cuda.stream(stream):
             if self.update is None:
                 self.runner = CudaRunner(self.live.engine)
@@ -199,6 +208,8 @@ class DeviceStream:
         self.use_graph = live.device.type == "cuda" and live.config.cuda_graph
         self.serve_s = 0.0  # thread CPU time of serving and of updating, in the eager windows
         self.train_s = 0.0
+        self.window_ms: float | None = None  # GPU time of one captured window (CUDA events)
+        self.serve_graph: Any = None  # the K serve forwards alone, for serve_fraction
 
     def window(self, xs: Tensor, ys: Tensor) -> Tensor:
         if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
@@ -207,9 +218,18 @@ class DeviceStream:
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
         if self.graph is not None:
-            self.graph.replay()
+            if self.window_ms is None:  # GPU time of one real window, once (for serve_fraction)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.graph.replay()
+                end.record()
+                end.synchronize()
+                self.window_ms = start.elapsed_time(end)
+            else:
+                self.graph.replay()
         elif self.use_graph and self.calls >= 1:
             with host_checks(False):
+                self._window(timed=False, dead=1)  # masked warm-up: compiles what the graph uses, updates nothing
                 torch.cuda.synchronize(self.live.device)
                 self.graph = torch.cuda.CUDAGraph()
                 with capturing(self.graph):
@@ -223,9 +243,9 @@ class DeviceStream:
         return self.preds
 
     @torch.no_grad()
-    def _window(self, timed: bool) -> None:
+    def _window(self, timed: bool, dead: int = 0) -> None:
         live, runner = self.live, self.runner
-        runner.dead.zero_()
+        runner.dead.fill_(dead)  # 1: every update masked (a warm-up)
         outs = []
         for i in range(self.k):
             c0 = time.thread_time() if timed else 0.0
@@ -242,26 +262,33 @@ class DeviceStream:
         else:
             self.preds.copy_(preds)
 
-    def serve_fraction(self, repeats: int = 5) -> float:
-        """On CUDA: the GPU time of the window's K serve forwards over the whole window's, timed with
-        CUDA events over ``repeats`` launches each (the serve forwards alone replayed eagerly): what
-        Availability means for a window that never returns to the host. Eager windows measure it
-        with the thread CPU clock instead."""
-        if self.live.device.type != "cuda":
+    @torch.no_grad()
+    def serve_fraction(self, repeats: int = 5) -> float | None:
+        """The serving share of a window's work. Eager windows: serve over serve + update time on the
+        thread's CPU clock. Captured windows: the GPU time of a graph of the K serve forwards alone
+        (captured once, replayed ``repeats`` times, CUDA events) over one real window's GPU time;
+        ``None`` until a captured window has been timed."""
+        if self.live.device.type != "cuda" or self.graph is None:
             total = self.serve_s + self.train_s
             return self.serve_s / total if total > 0 else 0.0
-        timing = []
-        for run in (lambda: [self.live.serve_model(self.xs[i : i + 1]) for i in range(self.k)], lambda: self.graph.replay() if self.graph is not None else self._window(False)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.no_grad():
-                run()
-                start.record()
-                for _ in range(repeats):
-                    run()
-                end.record()
-            end.synchronize()
-            timing.append(start.elapsed_time(end))
-        return min(1.0, timing[0] / timing[1]) if timing[1] > 0 else 0.0
+        if self.window_ms is None:
+            return None
+        if self.serve_graph is None:
+            with host_checks(False):
+                for i in range(self.k):  # warm-up outside the capture
+                    self.live.serve_model(self.xs[i : i + 1])
+                torch.cuda.synchronize(self.live.device)
+                self.serve_graph = torch.cuda.CUDAGraph()
+                with capturing(self.serve_graph):
+                    for i in range(self.k):
+                        self.live.serve_model(self.xs[i : i + 1])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            self.serve_graph.replay()
+        end.record()
+        end.synchronize()
+        return min(1.0, start.elapsed_time(end) / repeats / self.window_ms) if self.window_ms > 0 else None
 
     def statuses(self) -> Tensor:
         """The last window's per-sample step statuses ``[K]`` (0 = applied; a device read)."""

@@ -272,7 +272,7 @@ class LiveTrainer:
         preds = self._stream.window(xs, target)
         bad = int((self._stream.statuses() != 0).sum())
         wall = time.perf_counter() - wall0
-        frac = self._stream.serve_fraction() if self.device.type != "cuda" else self._serve_fraction()
+        frac = self._serve_fraction() if self.device.type == "cuda" else self._stream.serve_fraction()
         n, t = preds.shape[0], self.clock() - self._start
         first = len(self.record)
         for k in range(n):
@@ -285,15 +285,19 @@ class LiveTrainer:
         self.statuses["NAN_GRAD"] += bad
         self.version += n - bad
         self.serve_version = self.version
-        if self.device.type != "cuda":
-            self._stream.serve_s = self._stream.train_s = 0.0
+        self._stream.serve_s = self._stream.train_s = 0.0
         self._maybe_log()
         return preds
 
     def _serve_fraction(self) -> float:
-        if self._frac is None and self._stream.graph is not None:
-            self._frac = self._stream.serve_fraction()
-        return self._frac if self._frac is not None else 0.5
+        """CUDA: the serving share of a captured window's GPU time, measured once (``DeviceStream.
+        serve_fraction``); the eager first windows use the thread CPU clock."""
+        if self._frac is None:
+            frac = self._stream.serve_fraction()
+            if self._stream.graph is not None and frac is not None:
+                self._frac = frac
+            return frac if frac is not None else 0.0
+        return self._frac
 
     def report(self, **options: Any) -> LiveReport:
         """The run's ``LiveReport`` so far (``LiveRecord.report``'s options: ``window_s``,
