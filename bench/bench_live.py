@@ -164,7 +164,7 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
     return logs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("task", choices=["adaptv2", "digits"])
     ap.add_argument("--seconds", type=float, default=15.0, help="wall clock of a run (3 phases); Welvet: 15")
@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     methods = list(method_names()) if args.methods == "all" else args.methods.split(",")
     clocks = ["wall", "free"] if args.clock == "both" else [args.clock]
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} thread(s)"
@@ -210,7 +210,8 @@ def main() -> None:
         print(f"{'mode':18} {'Thru':>7} {'Avail':>6} {'Acc':>5} {'Score':>7}")
         for name, thru, avail, acc, score in WELVET_ADAPTV2:
             print(f"{name:18} {thru:7d} {avail:5.1f}% {acc:5.1f} {score:7d}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
