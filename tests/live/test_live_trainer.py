@@ -4,7 +4,6 @@ the report's shock statistics, observers and CSV, bad input."""
 
 from __future__ import annotations
 
-import copy
 import csv
 
 import pytest

@@ -78,7 +78,7 @@ class CudaLive:
         self.runner: CudaRunner | None = None  # made at the first update (its setup may re-home the weights)
         self.skipped = torch.zeros((), dtype=torch.int32, device=self.dev)  # updates the device guard refused
         self.overlap = cfg.overlap
-        low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): a smaller number is more urgent
+        low, high = 0, -1  # CUDA stream priorities: a smaller number is more urgent (clamped to the device's range)
         self.serve_stream = torch.cuda.Stream(self.dev, priority=high) if self.overlap else torch.cuda.current_stream(self.dev)
         self.train_stream = torch.cuda.Stream(self.dev, priority=low) if self.overlap else torch.cuda.current_stream(self.dev)
         # overlap: two snapshots, the server reads `current` while the update stream fills the other
