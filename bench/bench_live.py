@@ -107,9 +107,12 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
     task = (Adaptv2Task if task_name == "adaptv2" else DigitsTask)(gen)
     net = dense_net(task.widths, gen, args.device)
     sched = {"schedule": schedule}
+    lr = args.lr
     if schedule.startswith("batch"):
         sched = {"schedule": "batch", "batch_size": int(schedule[5:] or 8)}
-    live = LiveTrainer(net, method=method, learning_rate=args.lr, loss_type="mse", overlap=(mode == "overlap"),
+        if args.scale_lr:  # MSE averages over the batch: lr × k sums the k samples' steps
+            lr = args.lr * sched["batch_size"]
+    live = LiveTrainer(net, method=method, learning_rate=lr, loss_type="mse", overlap=(mode == "overlap"),
                        max_staleness=args.staleness, device=args.device, **sched)
     phases = [("chase1", 0), ("avoid", task.shift), ("chase2", 0)]
     per_phase = args.samples_per_phase
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staleness", type=int, default=1, choices=[0, 1], help="overlap: weight versions of lag")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--scale-lr", action="store_true", help="batch<k>: train at lr × k (the batch's loss is a mean)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     methods = list(method_names()) if args.methods == "all" else args.methods.split(",")
