@@ -107,6 +107,25 @@ from .methods import (
 
 from ._version import __version__
 
+# live mode (torchloom.live) is imported on first use: ``import torchloom`` stays cheap
+_LAZY = {"LiveTrainer": "torchloom.live", "LiveConfig": "torchloom.live", "train_online": "torchloom.live", "live": "torchloom.live"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(module)
+    value = mod if name == "live" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 __all__ = [
     "__version__",
     "optim",
@@ -197,6 +216,10 @@ __all__ = [
     "EarlyStopping",
     "Checkpoint",
     "TerminateOnDivergence",
+    # live mode: serve while training on a stream (imported on first use; the module is torchloom.live)
+    "LiveTrainer",
+    "LiveConfig",
+    "train_online",
     # Loom interop
     "from_loom_json",
     "to_loom_json",
