@@ -297,13 +297,23 @@ class Trainer(WarmStart):
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
+            self._buffer_guard = UpdateGuard(self.guarded_buffers)
+        buffers = self._buffer_guard if self.guarded_buffers() else None
         for x, y in source:
             out.batches_run += 1
             out.samples += x.shape[0]
             guard.save()
+            if buffers is not None:
+                buffers.save()
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if buffers is not None:  # a step that did not count leaves no trace in the running statistics
+                if step.status is StepStatus.OK and not buffers.check_or_restore():
+                    guard.restore()
+                    step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+                elif step.status is not StepStatus.OK:
+                    buffers.restore()
             if scheduler is not None:
                 scheduler.step()
             self.global_step += 1
@@ -361,6 +371,11 @@ class Trainer(WarmStart):
         """The tensors a step's update changes (checked after it, restored when it overflowed):
         the trainable parameters and the method's ``state_tensors()``."""
         return [*self.guarded_params(), *self.method.state_tensors()]
+
+    def guarded_buffers(self) -> list[Tensor]:
+        """The model's buffers (BatchNorm's running mean, variance and batch count): a step's forward
+        changes them, so a step that does not count puts them back (``guards.py``)."""
+        return [b for b in self.model.buffers() if b.numel()]
 
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (the model, the schedule and the method's ``state_dict()``), as
@@ -428,7 +443,7 @@ class Trainer(WarmStart):
         self.setup()
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.metric_set = MetricSet(list(cfg.metrics)) if cfg.metrics else None
+        self.metric_set = MetricSet(cfg.metrics) if cfg.metrics else None
         self.metric_names = _metric_names(self.metric_set)
         history = History()
         observers = self.make_observers()
@@ -509,6 +524,8 @@ class Trainer(WarmStart):
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
             if validation is not None:
                 logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            if out.counted and self.is_main:
+                _warn_nonfinite_logs(epoch, logs)
             logs.update(
                 {
                     "skipped": float(skipped),
@@ -592,3 +609,18 @@ def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:
     """The training metrics' names of a run (its ``metric_set``), then the built-in names."""
     names = tuple(getattr(metric_set, "names", ())) if metric_set is not None else ()
     return names + tuple(n for n in METRIC_NAMES if n not in names)
+
+
+def _warn_nonfinite_logs(epoch: int, logs: dict[str, float]) -> None:
+    """A ``DivergenceWarning`` naming the epoch's validation values and metrics that are NaN/±Inf
+    (the epoch's loss has its own warnings): the history keeps them as they are, and ``Checkpoint`` /
+    ``EarlyStopping`` never take such a value as the best, so without a word a monitored
+    ``val_loss`` of NaN would leave no file and no trace."""
+    bad = [f"{k} is {v}" for k, v in logs.items() if k != "loss" and isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        warnings.warn(
+            f"epoch {epoch + 1}: {', '.join(bad)} (the model's outputs or the validation data hold NaN/Inf); "
+            "a non-finite value is never the best for Checkpoint or EarlyStopping",
+            DivergenceWarning,
+            stacklevel=user_stacklevel(),
+        )
