@@ -244,7 +244,8 @@ class Trainer(WarmStart):
 
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar
-        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing."""
+        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing. Observers that write
+        checkpoints (``writes_checkpoint = True``: ``Checkpoint``) are called after the others."""
         printer: Any = None
         if self.is_main and self.verbose == 2:
             printer = EpochLinePrinter()
@@ -253,7 +254,11 @@ class Trainer(WarmStart):
             # the bar advances per epoch instead (unless another observer forces the host loop anyway)
             host_loop = self._runner is None or any(callable(getattr(o, "on_batch_end", None)) for o in self.user_observers)
             printer = ProgressObserver(per_batch=host_loop)
-        return ObserverList([*self.user_observers, *([printer] if printer else [])])
+        # observers that write a checkpoint come after the others (as Lightning runs its ModelCheckpoint
+        # last): the state they save holds every other observer's state after this epoch
+        writers = [o for o in self.user_observers if getattr(o, "writes_checkpoint", False)]
+        others = [o for o in self.user_observers if not getattr(o, "writes_checkpoint", False)]
+        return ObserverList([*others, *writers, *([printer] if printer else [])])
 
     # ------------------------------------------------------------------- loop
     def run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
@@ -459,6 +464,7 @@ class Trainer(WarmStart):
         self.divergence = DivergenceWatch(cfg.divergence_factor)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
+        self.epoch = first_epoch  # epochs done: what on_train_begin sees (a resumed run's observers catch up to it)
         self.divergence.start(self.guarded_params())
         if preload is not None:  # the runner imports and launches Triton's kernels on this thread
             preload.join()
