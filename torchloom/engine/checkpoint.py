@@ -47,6 +47,7 @@ def state_of(trainer: Any) -> dict[str, Any]:
         "skipped_per_epoch": list(trainer.skipped_per_epoch),
         "divergence": trainer.divergence.state_dict(),
         "observers": {key: obs.state_dict() for key, obs in stateful_observers(trainer.user_observers)},
+        "shuffle_seed": getattr(getattr(trainer, "source", None), "shuffle_seed", None),
     }
 
 
@@ -236,6 +237,9 @@ def restore(trainer: Any, state: dict[str, Any], history: History) -> int:
     trainer.global_step = int(state["global_step"])
     if "divergence" in state:  # (a checkpoint of an earlier release has none: the watch starts afresh)
         trainer.divergence.load_state_dict(state["divergence"])
+    source = getattr(trainer, "source", None)
+    if state.get("shuffle_seed") is not None and source is not None and source.shuffle_seed is not None:
+        source.set_shuffle_seed(state["shuffle_seed"])  # the same per-epoch orders as the run it continues
     saved = state.get("observers", {})  # (none in a checkpoint of an earlier release: each observer starts afresh)
     for key, obs in stateful_observers(trainer.user_observers):
         if key in saved:

@@ -211,6 +211,7 @@ class CudaRunner:
         t = self.t
         return (
             t.device.type == "cuda" and t.training.cuda_graph is not False and source.items is not None
+            and not getattr(source, "shuffled", False)  # graphs replay the batches in one order
             and getattr(t, "metric_set", None) is None
         )
 

@@ -279,7 +279,10 @@ class Trainer(WarmStart):
         cuda_graph = self.training.cuda_graph
         if self._runner is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
             if cuda_graph and epoch == 0 and not self._runner.graph_eligible(source):
-                raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
+                raise ValueError(
+                    "TrainingConfig(cuda_graph=True) needs a fixed list of batches (a DataLoader yields new tensors every "
+                    "epoch; shuffle=True reorders them)"
+                )
             return self._runner.run_epoch(source, epoch)
         if cuda_graph and epoch == 0:
             raise ValueError(
@@ -462,6 +465,7 @@ class Trainer(WarmStart):
         self.skipped_per_epoch: list[int] = []
         first_epoch = 0
         self.divergence = DivergenceWatch(cfg.divergence_factor)
+        self.source = source  # (a checkpoint keeps its shuffling seed)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
         self.epoch = first_epoch  # epochs done: what on_train_begin sees (a resumed run's observers catch up to it)
