@@ -60,9 +60,12 @@ class BatchSource:
         is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(is_array(t) for t in batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
+            shard = dist is not None and dist.shards(batches, getattr(config, "shard_data", None), name) if is_xy else dist is not None
+            if dist is not None and not shard:  # each rank's own rows: batch_size / world_size of them a step
+                batch_size = dist.local_batch_size(batch_size, name)
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
             self._shuffled_data = data if shuffle else None
-            if dist is not None:  # data-parallel: this rank's equal share of every global batch
+            if shard:  # data-parallel: this rank's equal share of every global batch
                 data = dist.shard_batches(data, batch_size, name)
             if data.is_list:
                 batches = data.materialise()

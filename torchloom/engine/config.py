@@ -82,6 +82,7 @@ class TrainingConfig:
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
+    shard_data: bool | None = None  # data-parallel, (X, Y) data: None = shard when every rank holds the same rows, else each rank's rows are its shard; True / False = always / never shard
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
 
     def __post_init__(self) -> None:
@@ -162,6 +163,8 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
+        if self.shard_data is not None and not isinstance(self.shard_data, bool):
+            raise TypeError(f"TrainingConfig: shard_data must be None (automatic), True or False, got {self.shard_data!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:

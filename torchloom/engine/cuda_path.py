@@ -253,7 +253,7 @@ class CudaRunner:
         else:
             count = 0
             self._streamed_samples = 0
-            for k, (x, y) in enumerate(source):
+            for k, (x, y) in enumerate(t.epoch_batches(source, epoch)):
                 if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
                 self.guarded_step(x, y, k)

@@ -307,7 +307,7 @@ class Trainer(WarmStart):
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
             self._buffer_guard = UpdateGuard(self.guarded_buffers)
         buffers = self._buffer_guard if self.guarded_buffers() else None
-        for x, y in source:
+        for x, y in self.epoch_batches(source, epoch):
             out.batches_run += 1
             out.samples += x.shape[0]
             guard.save()
@@ -338,6 +338,14 @@ class Trainer(WarmStart):
                 batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(x.shape[0])}
                 self.observers("on_batch_end", self, self.global_step - 1, batch_logs)
         return out
+
+    def epoch_batches(self, source: "BatchSource", epoch: int) -> Any:
+        """One epoch of ``source``; data-parallel with a streamed source (a ``DataLoader``), each batch
+        agreed among the ranks before its step (``DistContext.agreed_batches``: a rank whose batch
+        failed stops every rank at once; loaders of unequal length end the epoch together)."""
+        if self.dist is None or source.items is not None:
+            return source
+        return self.dist.agreed_batches(source, epoch)
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
@@ -441,13 +449,22 @@ class Trainer(WarmStart):
         checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, the
         preload threads joined, and the device runner. Returns ``(source, validation, history,
         observers, first_epoch)``."""
-        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+        error = None
+        try:  # data-parallel: a check failing on one rank is agreed below, so no rank waits on it
+            source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+            validation = None
+            if cfg.validation_data is not None:
+                validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
+            resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
+        except Exception as e:  # noqa: BLE001
+            if self.dist is None:
+                raise
+            error = e
         if self.dist is not None:
+            (failed,) = self.dist.agree(error is not None)
+            if failed:
+                self.dist.raise_agreed(error, "the start of training (the data and checkpoint checks)")
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
-        validation = None
-        if cfg.validation_data is not None:
-            validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
-        resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
         self.setup()
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
@@ -532,9 +549,15 @@ class Trainer(WarmStart):
             if self.metric_set is not None and out.counted:
                 computed = self.metric_set.compute()
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
-            if validation is not None:
-                logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
-            if out.counted and self.is_main:
+            error = None
+            try:  # data-parallel: an error here on one rank is agreed below, so no rank waits on it
+                if validation is not None:
+                    logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if out.counted and self.is_main and error is None:
                 _warn_nonfinite_logs(epoch, logs)
             logs.update(
                 {
@@ -546,7 +569,8 @@ class Trainer(WarmStart):
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
                 }
             )
-            self._epoch_scheduler_step(logs)
+            if error is None:
+                self._epoch_scheduler_step(logs)
             if perf is not None:
                 perf.append(
                     {
@@ -557,9 +581,18 @@ class Trainer(WarmStart):
                 )
             history.on_epoch_end(self, epoch, logs)
             self.epoch = epoch + 1  # epochs completed: what a checkpoint written now records
-            observers("on_epoch_end", self, epoch, logs)
-            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to
-                self.stop_training = self.dist.any(self.stop_training)
+            try:
+                if error is None:
+                    observers("on_epoch_end", self, epoch, logs)
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to, fail when any rank failed
+                stop, failed = self.dist.agree(self.stop_training, error is not None)
+                if failed:
+                    self.dist.raise_agreed(error, f"the end of epoch {epoch + 1}")
+                self.stop_training = bool(stop)
             if self.stop_training:
                 break
 
