@@ -5,7 +5,7 @@ The classes:
 * "a failure on one rank is a failure on every rank, at once": a batch that fails to load on one
   rank, an observer or the validation data failing on one rank at an epoch's end, a check failing on
   one rank before training: that rank raises its own error and every other rank a ``RuntimeError``
-  naming where, within seconds (the process group's timeout here is 60 s; PyTorch's default is 30
+  naming where, within seconds (the process group's timeout here is 90 s; PyTorch's default is 30
   min), and the process group stays usable (the next scenario runs in it);
 * "loaders of unequal length end the epoch together": unsized loaders (an ``IterableDataset``) of
   different lengths: every rank stops the epoch at the shortest, rank 0 warns, the weights stay equal;
@@ -35,8 +35,8 @@ from torchloom import Dense, Network, TrainingConfig, train
 from torchloom.observers.base import Observer
 
 WORLD = 2
-TIMEOUT_S = 120  # the whole spawn: a hung collective fails the test instead of hanging CI
-QUICK_S = 10.0  # an agreed failure reaches every rank well within this
+TIMEOUT_S = 240  # the whole spawn: a hung collective fails the test instead of hanging CI
+QUICK_S = 30.0  # an agreed failure reaches every rank well within this (the group's timeout: 90 s)
 
 
 def _net():
@@ -120,6 +120,19 @@ def _scenarios(rank):
     result = train(net, mine, _cfg(batch_size=8, epochs=3))
     out["own"] = ([p.detach().clone() for p in net.parameters()], result.loss_history)
     # the same data on every rank, shard_data=False: each rank trains on all of it, 4 rows a step
+    # a shuffled list of batches without a seed, each rank's RNG elsewhere: the same orders (rank 0's seed)
+    torch.manual_seed(100 + rank)
+    net, seen = _net(), []
+    original = net.forward_saved
+
+    def forward_saved(x, *a, **k):  # this instance notes which batch each forward reads
+        seen.append(int(x[0, 0]))
+        return original(x, *a, **k)
+
+    net.forward_saved = forward_saved
+    batches = [(torch.full((2, 6), float(k), dtype=torch.float64), torch.zeros(2, dtype=torch.long)) for k in range(6)]
+    train(net, batches, _cfg(shuffle=True, epochs=2))
+    out["list-orders"] = seen[-12:]  # the 12 steps (a probe forward checked the batches' shape first)
     for setting in (False, True):
         rows = _StepRows()
         train(_net(), (X, Y), _cfg(batch_size=8, epochs=1, shard_data=setting, observers=[rows]))
@@ -138,7 +151,7 @@ class _StepRows(Observer):
 def _worker(rank, port, tmp):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=90))
     try:
         result = _scenarios(rank)
         dist.barrier()
@@ -232,6 +245,11 @@ def test_shard_data_false_trains_each_rank_on_all_its_rows_and_true_on_its_share
     for res in ranks:
         assert res["shard_data=False"] == [4] * 8  # all 32 rows, batch_size / world = 4 a step
         assert res["shard_data=True"] == [4] * 4  # its 4 rows of each of the 4 global batches of 8
+
+
+def test_a_shuffled_list_draws_the_same_orders_on_every_rank(ranks):
+    a, b = ranks[0]["list-orders"], ranks[1]["list-orders"]
+    assert a == b and sorted(a[:6]) == list(range(6)) and sorted(a[6:]) == list(range(6))
 
 
 def test_shard_data_must_be_a_bool_or_none():

@@ -465,6 +465,8 @@ class Trainer(WarmStart):
             if failed:
                 self.dist.raise_agreed(error, "the start of training (the data and checkpoint checks)")
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
+            if source.shuffled:  # a shuffled list of batches: every rank draws the same orders (rank 0's seed)
+                source.set_shuffle_seed(self.dist.broadcast_int(source.shuffle_seed))
         self.setup()
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
