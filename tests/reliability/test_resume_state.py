@@ -199,3 +199,21 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_changes(tmp_p
         "resume_from: the checkpoint's model does not match this model (shapes differ (checkpoint vs this model): "
         "layers.0.weight [6, 4] vs [7, 4], layers.0.bias [6] vs [7], layers.1.weight [3, 6] vs [3, 7]); nothing was changed"
     )
+
+
+def test_a_resumed_csv_log_and_loss_plot_hold_the_whole_run(tmp_path):
+    import csv
+
+    from torchloom import CSVLogger, LossPlot
+
+    want = train(_net(), _data(), _cfg(4, []))
+    net = _net()
+    train(net, _data(), _cfg(2, [Checkpoint(tmp_path / "s.pt", save_best_only=False), CSVLogger(tmp_path / "a.csv")]))
+    observers = [CSVLogger(tmp_path / "b.csv"), LossPlot(tmp_path / "b.png")]
+    train(net, _data(), _cfg(4, observers, resume_from=str(tmp_path / "s.pt")))
+    with open(tmp_path / "b.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
+    assert [float(r["loss"]) for r in rows] == pytest.approx(want.loss_history, rel=1e-12)
+    assert observers[1].epochs == [1, 2, 3, 4]
+    assert observers[1].history["loss"] == pytest.approx(want.loss_history, rel=1e-12)

@@ -44,6 +44,9 @@ class CSVLogger(Observer):
 
     ``check_ready()`` re-checks the path, settings and the file to append to (they may change after
     construction); trainers call it before a run changes anything.
+
+    A resumed run (``TrainingConfig(resume_from=...)``) writing a new file (``append=False``) starts it
+    with the rows of the epochs done, from the restored history: the file holds the whole run.
     """
 
     def __init__(self, path: str | os.PathLike, append: bool = False, separator: str = ",") -> None:
@@ -147,12 +150,21 @@ class CSVLogger(Observer):
         self.check_ready()
         self._header = self._existing_header()
         self._active = True
+        history = getattr(trainer, "history", None)
+        # a resumed run (TrainingConfig.resume_from) into a new file: the epochs done come first, from
+        # the restored history, so the file holds the whole run
+        if not self.append and getattr(trainer, "epoch", 0) and history is not None and getattr(trainer, "is_main", True):
+            for at, epoch in enumerate(getattr(history, "epochs", ())):
+                self._write(epoch, {k: v[at] for k, v in history.history.items() if at < len(v)})
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
         if not getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
             return
         if not self._active:  # hooks called outside a trainer's fit(): start as fit() would
             self.on_train_begin(trainer)
+        self._write(epoch, logs)
+
+    def _write(self, epoch: int, logs: dict[str, Any]) -> None:
         row = {"epoch": str(epoch)}
         row.update({str(k): _fmt(v) for k, v in logs.items() if str(k) != "epoch"})
         if self._header is None:
