@@ -217,3 +217,20 @@ def test_a_resumed_csv_log_and_loss_plot_hold_the_whole_run(tmp_path):
     assert [float(r["loss"]) for r in rows] == pytest.approx(want.loss_history, rel=1e-12)
     assert observers[1].epochs == [1, 2, 3, 4]
     assert observers[1].history["loss"] == pytest.approx(want.loss_history, rel=1e-12)
+
+
+def test_a_state_that_fails_to_load_puts_everything_back(tmp_path):
+    # what read()'s checks cannot foresee (here a schedule the file describes wrongly) fails after the
+    # weights were loaded: they are put back, and the error says nothing was changed
+    from torchloom.optim.schedules import step_decay
+
+    path = _saved(tmp_path, scheduler=step_decay(0.05, 0.5, 2))
+    state = torch.load(path, weights_only=True)
+    state["training"]["scheduler"]["schedule"] = {"name": "no_such_schedule"}
+    torch.save(state, tmp_path / "bad.pt")
+    net = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (the schedule's name differs: named, then refused)
+        message = _refused(tmp_path / "bad.pt", net, optimizer="momentum", learning_rate=0.05, scheduler=step_decay(0.05, 0.5, 2))
+    assert message.startswith("resume_from: the checkpoint's state does not fit this run (ValueError: ScheduleLR.load_state_dict: ")
+    assert message.endswith("); nothing was changed")
