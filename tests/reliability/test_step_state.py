@@ -182,3 +182,24 @@ def test_finite_logs_give_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)
         train(_plain(), (X, Y), TrainingConfig(epochs=1, verbose=0, batch_size=8, validation_data=(X, Y), metrics=["mae"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_skipped_batch_leaves_the_running_statistics_as_without_it():
+    # the device path on a GPU (graph capture when possible): the buffers are saved and put back inside
+    # the captured steps
+    good = [(x.cuda(), y.cuda()) for x, y in _batches(3)]
+    bad = [good[0], good[1], (_nan_input((good[2][0].cpu(), good[2][1].cpu()))[0].cuda(), good[2][1])]
+
+    def run(data):
+        net = _bn_net().cuda()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = train(net, data, TrainingConfig(epochs=3, verbose=0, optimizer="sgd", learning_rate=0.05, device="cuda"))
+        return net, result
+
+    want, _ = run(good[:2])
+    got, result = run(bad)
+    assert result.skipped_per_epoch == [1, 1, 1]
+    for key, value in want.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)

@@ -101,7 +101,7 @@ def read(trainer: Any, path: Any, epochs: int) -> dict[str, Any]:
     fresh = trainer.training_state()
     _check_optimizer(state["training"].get("optimizer"), fresh.get("optimizer"), trainer)
     differences = _setting_differences(state["training"], fresh)
-    if differences:
+    if differences and trainer.is_main:  # (data-parallel: rank 0 alone warns; every rank reads the same file)
         warnings.warn(
             "resume_from: the checkpoint's settings are used where this run's config differs (as "
             f"optimizer.load_state_dict does in PyTorch): {'; '.join(differences)}. To go on with new settings, "
