@@ -92,6 +92,18 @@ def test_resumed_observers_equal_an_uninterrupted_run(tmp_path, mode):
         assert torch.equal(p, q)
 
 
+def test_early_stopping_resumed_stops_where_the_uninterrupted_run_stops(tmp_path):
+    # mode="max" on the falling loss: epoch 0 stays the best, so patience 2 stops at epoch 2
+    whole = EarlyStopping(mode="max", patience=2)
+    want = train(_net(), _data(), _cfg(6, [whole]))
+    net = _net()
+    train(net, _data(), _cfg(2, [Checkpoint(tmp_path / "s.pt", save_best_only=False), EarlyStopping(mode="max", patience=2)]))
+    resumed = EarlyStopping(mode="max", patience=2)
+    got = train(net, _data(), _cfg(6, [resumed], resume_from=str(tmp_path / "s.pt")))
+    assert whole.stopped_epoch == resumed.stopped_epoch == 2
+    assert got.loss_history == want.loss_history
+
+
 def test_a_checkpoint_without_observer_states_is_caught_up_from_its_history(tmp_path):
     _, want = _uninterrupted(tmp_path, "max")
     net = _net()

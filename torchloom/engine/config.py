@@ -76,7 +76,7 @@ class TrainingConfig:
     validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
     metrics: Any = ()  # names ("accuracy", "mse", ...), callables metric(output, target), a mapping {name: metric} or a MetricSet
     batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
-    shuffle: bool = False  # for a Dataset or (X, Y) tensors: a new order every epoch, seeded by seed
+    shuffle: bool = False  # a Dataset or (X, Y): a new row order every epoch; a list of batches: a new batch order (seeded by seed); an error with a DataLoader
     resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
     scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
