@@ -50,6 +50,7 @@ from .layers import (
     dense,
     get_activation,
 )
+from .layers.summary import summary
 from .observers import (
     Checkpoint,
     ConsoleObserver,
@@ -151,6 +152,7 @@ __all__ = [
     "train",
     "evaluate",
     "predict",
+    "summary",
     "MetricSet",
     "TrainingConfig",
     "TrainingBatch",

@@ -9,10 +9,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .data import _is_array as is_array
+from .data import _is_xy
 from .data import _draw_seed, as_batch_iterable, epoch_seed
 from .losses import prefetched_label_bounds
-from .types import TrainingBatch
+from .types import TrainingBatch, batch_rows
 
 __all__ = ["BatchSource", "to_pair", "moved"]
 
@@ -57,7 +57,7 @@ class BatchSource:
         shuffle = getattr(config, "shuffle", False) if shuffle is None else shuffle
         seed = getattr(config, "seed", None)
         # (X, Y) as tensors or NumPy arrays (anything with __array__ and a shape)
-        is_xy = isinstance(batches, tuple) and len(batches) == 2 and all(is_array(t) for t in batches)
+        is_xy = _is_xy(batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
             shard = dist is not None and dist.shards(batches, getattr(config, "shard_data", None), name) if is_xy else dist is not None
@@ -177,7 +177,7 @@ class BatchSource:
         """Rows of each batch of a list source (None for a DataLoader)."""
         if self._items is None:
             return None
-        return [self._items[k][0].shape[0] for k in self.order()]
+        return [batch_rows(self._items[k][0]) for k in self.order()]
 
 
 def moved(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -84,6 +84,22 @@ class TrainingConfig:
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
     shard_data: bool | None = None  # data-parallel, (X, Y) data: None = shard when every rank holds the same rows, else each rank's rows are its shard; True / False = always / never shard
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
+    loss_fn: Any = None
+    """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
+    loss), differentiated by autograd with respect to the output, in place of ``loss_type``; also what
+    ``val_loss`` reports. ``None`` (default): ``loss_type``. The other methods train on their own
+    losses and refuse it."""
+    accumulate_grad_batches: int = 1
+    """Backprop: average the gradients of this many consecutive batches and update once (Lightning's
+    ``accumulate_grad_batches``); with a mean-reduced loss and equal-sized batches, equal to one step
+    on the batch ``k`` times as large. The last batch of an epoch updates with what it has. A
+    per-batch schedule advances once per update. ``1`` (default): an update every batch."""
+    log_every_n_steps: int = 0
+    """Per-step logs every this many steps (Lightning's ``log_every_n_steps``): ``loss``, ``lr`` and
+    the method's step logs of that step go to the observers' ``on_step_log(trainer, step, logs)``
+    hook, ``History.step_history``, ``CSVLogger(step_path=...)`` and ``TensorBoardLogger``. On the
+    CUDA device path they are read with the epoch's one host sync (the steps stay graph-captured) and
+    delivered at the epoch's end. ``0`` (default): off."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,6 +165,19 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
+        if self.loss_fn is not None and (not callable(self.loss_fn) or isinstance(self.loss_fn, (str, type))):
+            raise TypeError(
+                f"TrainingConfig: loss_fn must be None or a callable loss_fn(output, target) -> one-element tensor, got {self.loss_fn!r}"
+            )
+        for name in ("accumulate_grad_batches", "log_every_n_steps"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                value = int(value)  # a NumPy integer
+                setattr(self, name, value)
+            least = 1 if name == "accumulate_grad_batches" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "an int >= 1 (1 = an update every batch)" if least else "an int >= 0 (0 = off)"
+                raise ValueError(f"TrainingConfig: {name} must be {what}, got {value!r}")
         self.method_spec()  # checks method and its agreement with the other fields
         self.metrics = _metrics_setting(self.metrics)
         if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) or self.batch_size < 1):

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layers.base import host_checks
 from .guards import UpdateGuard
-from .types import EpochOutcome, StepStatus, user_stacklevel
+from .types import EpochOutcome, StepStatus, batch_rows, user_stacklevel
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS", "steps_per_graph"]
 
@@ -162,6 +162,7 @@ class CudaRunner:
         self._streamed_samples = 0
         self.capture_count = 0  # graphs captured (for tests and curiosity)
         self.capture_failed = False
+        self._step_lrs: dict[int, dict[str, float]] = {}
         self.eager_first_epoch = _needs_eager_checks(trainer.model)
         trainer.device_setup(self)
         tensors = trainer.guarded_device_tensors
@@ -243,9 +244,22 @@ class CudaRunner:
                     RuntimeWarning,
                     stacklevel=user_stacklevel(),
                 )
+        every = getattr(t.training, "log_every_n_steps", 0)
+        start = t.global_step
+
+        def logged(k: int) -> bool:  # whether step k of this epoch's logs are delivered (log_every_n_steps)
+            return every > 0 and (start + k + 1) % every == 0
+
+        self._step_lrs: dict[int, dict[str, float]] = {}  # the rates of the logged steps, host floats
         if self.graphs is not None:
+            if every > 0:
+                base = t.lr_logs()
+                self._step_lrs = {k: base for k in range(n) if logged(k)}
             if t.scheduler is not None:
                 self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
+                if every > 0:
+                    names = list(base)
+                    self._step_lrs = {k: dict(zip(names, self._lr_rows[k])) for k in range(n) if logged(k)}
             with t.op_recorder():
                 self._replay(source)
             t.finish_op_record()
@@ -256,11 +270,13 @@ class CudaRunner:
             for k, (x, y) in enumerate(t.epoch_batches(source, epoch)):
                 if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
+                if logged(k):
+                    self._step_lrs[k] = t.lr_logs()
                 self.guarded_step(x, y, k)
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
-                self._streamed_samples += x.shape[0]
+                self._streamed_samples += batch_rows(x)
         t.global_step += count
         return self._read_back(count, epoch, source)
 
@@ -291,6 +307,7 @@ class CudaRunner:
             rows.append([float(g["lr"]) for g in groups])
             if scheduler is not None:
                 scheduler.step()
+        self._lr_rows = rows  # as host floats, for the step logs (log_every_n_steps)
         return torch.tensor(rows, dtype=torch.float32)
 
     def _capture(self, source: Any, steps_left: int) -> None:
@@ -462,6 +479,11 @@ class CudaRunner:
                 break
         if sizes is None:
             out.samples = self._streamed_samples
+        start = self.t.global_step - count
+        for k, lrs in sorted(self._step_lrs.items()):  # log_every_n_steps: from this one read, no sync of their own
+            if k < out.batches_run:
+                method_logs = dict(zip(names, logs[k])) if logs is not None else None
+                self.t.log_step(start + k, losses[k], method_logs, lrs, statuses[k] != 0)
         kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
         self.t.device_epoch_end(self, *kept, extra_values)
         return out

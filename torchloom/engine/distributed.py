@@ -337,7 +337,8 @@ class DistContext:
         if setting is not None:
             return setting
         sums = []
-        for a in data:
+        arrays = [m for a in data for m in (a if isinstance(a, (tuple, list)) else (a,))]  # (X1, X2, ...), Y
+        for a in arrays:
             t = torch.as_tensor(a).detach().reshape(len(a), -1).to("cpu", torch.float64).nan_to_num(0.0, 1e300, -1e300)
             weights = torch.arange(1, t.numel() + 1, dtype=torch.float64).reshape(t.shape) % 997 + 1
             sums += [float(t.shape[0]), float(t.sum()), float((t * weights).sum())]

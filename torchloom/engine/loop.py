@@ -20,6 +20,11 @@ never Loom's 0, and issues a ``DivergenceWarning`` whatever the verbose level. E
 ``skipped`` and ``counted`` batch counts; the result holds ``skipped_per_epoch``. Observers are called
 by name; ``History`` is always kept. Per-batch work for observers (``on_batch_end``) happens only when
 one implements that hook; per-layer events are the method's to send (``Method.layer_events()``).
+
+Logs: each epoch's holds ``lr`` (the rate it starts with) and its own ``samples_per_second``; with
+``TrainingConfig.log_every_n_steps`` = N, every N-th step's ``loss``, ``lr``, method logs and
+``skipped`` go to ``History.step_history`` and the observers' ``on_step_log`` (``log_step``; the
+device path delivers them from its one read per epoch).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from .guards import UpdateGuard
 from .method import Method
 from .metrics import METRIC_NAMES, MetricSet
 from .start import WarmStart
-from .types import INT_DTYPES, MESSAGES, EpochOutcome, StepOutput, StepStatus, TrainingResult, DivergenceWarning, user_stacklevel
+from .data import as_inputs
+from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, StepStatus, TrainingResult, DivergenceWarning, user_stacklevel
 
 __all__ = ["Trainer"]
 
@@ -200,23 +206,50 @@ class Trainer(WarmStart):
         model's device (``self.device``; floats in ``self.dtype``, integer labels as int64), checked
         to be ``[batch, ...]`` with one batch size, and the model's output shape for ``x``. ``where``
         prefixes error messages ("batch 3: ")."""
-        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+        if isinstance(x, tuple):  # several inputs, model(*inputs)
+            self._check_multi_input(x, where)
+            x = as_inputs(x, f"{where}input")
+            xs = x
+        else:
+            x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+            xs = (x,)
+            if x.dim() == 0 or x.shape[0] == 0:
+                raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
         y = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        if y.dim() == 0 or y.shape[0] != x.shape[0]:
+        rows = xs[0].shape[0]
+        if y.dim() == 0 or y.shape[0] != rows:
             raise ValueError(
-                f"{where}target must have the input's batch size {x.shape[0]} as its first dimension, "
+                f"{where}target must have the input's batch size {rows} as its first dimension, "
                 f"got shape {list(y.shape)}"
             )
-        if not (x.is_floating_point() or x.dtype in INT_DTYPES):
-            raise TypeError(f"{where}input must be a floating or integer tensor, got dtype {x.dtype}")
+        for t in xs:
+            if not (t.is_floating_point() or t.dtype in INT_DTYPES):
+                raise TypeError(f"{where}input must be a floating or integer tensor, got dtype {t.dtype}")
         if not (y.is_floating_point() or y.dtype in INT_DTYPES):
             raise TypeError(f"{where}target must be a floating tensor or integer class labels, got dtype {y.dtype}")
-        out_shape = (x.shape[0], *self.output_shape(x, where))
-        x = moved(x, self.device, self.dtype if x.is_floating_point() else x.dtype)
+        out_shape = (rows, *self.output_shape(x, where))
+        xs = tuple(moved(t, self.device, self.dtype if t.is_floating_point() else t.dtype) for t in xs)
+        x = xs if isinstance(x, tuple) else xs[0]
         y = moved(y, self.device, torch.long if y.dtype in INT_DTYPES else self.dtype)
         return x, y, out_shape
+
+    def _check_multi_input(self, x: tuple, where: str) -> None:
+        """``TypeError`` unless the method trains models of several inputs (``Method.multi_input``:
+        backprop) and the model's first link is a plain ``nn.Module`` that takes them (``model(*inputs)``)."""
+        from ..layers.module_layer import ModuleLayer
+
+        if not getattr(self.method, "multi_input", False):
+            raise TypeError(
+                f"{where}input is a tuple of {len(x)} inputs; method {self.method.name or type(self.method).__name__!r} "
+                "trains models of one input tensor (backprop trains models of several: model(*inputs))"
+            )
+        if not isinstance(self.model[0], ModuleLayer):
+            raise TypeError(
+                f"{where}input is a tuple of {len(x)} inputs, but the model's first layer "
+                f"{type(self.model[0]).__name__} takes one input tensor; a model of several inputs is an "
+                "nn.Module whose forward takes them (model(*inputs))"
+            )
+        self.multi_input = True  # no device step: the runner's slots hold one input tensor per step
 
     def output_shape(self, x: Tensor, where: str = "") -> tuple[int, ...]:
         """The model's output shape without the batch dimension for inputs like ``x``: one forward
@@ -224,12 +257,14 @@ class Trainer(WarmStart):
         the model moves), once per distinct input shape and dtype, cached. A layer's ``ValueError``
         about the input's shape is raised with ``where`` in front."""
         shapes = self.__dict__.setdefault("_output_shapes", {})
-        key = (tuple(x.shape[1:]), x.is_floating_point())
+        xs = x if isinstance(x, tuple) else (x,)
+        key = tuple((tuple(t.shape[1:]), t.is_floating_point()) for t in xs)
         if key not in shapes:
             first = next(self.model.parameters(), None)
-            probe = x
+            probe = xs
             if first is not None:
-                probe = probe.to(first.device, dtype=first.dtype if probe.is_floating_point() else None)
+                probe = tuple(t.to(first.device, dtype=first.dtype if t.is_floating_point() else None) for t in xs)
+            probe = probe if isinstance(x, tuple) else probe[0]
             was_training = self.model.training
             self.model.eval()  # no BatchNorm statistics, no dropout draw: the probe leaves no trace
             try:
@@ -307,9 +342,13 @@ class Trainer(WarmStart):
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
             self._buffer_guard = UpdateGuard(self.guarded_buffers)
         buffers = self._buffer_guard if self.guarded_buffers() else None
-        for x, y in self.epoch_batches(source, epoch):
+        every = getattr(self.training, "log_every_n_steps", 0)
+        for x, y, last in _with_last(self.epoch_batches(source, epoch)):
             out.batches_run += 1
-            out.samples += x.shape[0]
+            out.samples += batch_rows(x)
+            self.last_batch = last  # a method that accumulates gradients updates at the epoch's last batch
+            log_now = every > 0 and (self.global_step + 1) % every == 0
+            lrs = self.lr_logs() if log_now else None  # the rates this step uses
             guard.save()
             if buffers is not None:
                 buffers.save()
@@ -322,8 +361,10 @@ class Trainer(WarmStart):
                     step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
                 elif step.status is not StepStatus.OK:
                     buffers.restore()
-            if scheduler is not None:
-                scheduler.step()
+            if log_now:
+                self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
+            if scheduler is not None and not getattr(self.method, "update_pending", False):
+                scheduler.step()  # once per update (an accumulating method updates every k batches)
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
@@ -335,7 +376,7 @@ class Trainer(WarmStart):
                 continue
             out.add(step.loss, step.logs)
             if wants_batch:
-                batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(x.shape[0])}
+                batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(batch_rows(x))}
                 self.observers("on_batch_end", self, self.global_step - 1, batch_logs)
         return out
 
@@ -346,6 +387,26 @@ class Trainer(WarmStart):
         if self.dist is None or source.items is not None:
             return source
         return self.dist.agreed_batches(source, epoch)
+
+    def lr_logs(self) -> dict[str, float]:
+        """The learning rates as log values: ``lr`` (the first param group's), and ``lr_group<i>``
+        for each further group; ``{}`` for a method without a rate. Host floats (a rate held in a
+        device tensor is read: once per epoch, or per logged step)."""
+        groups = self.rate_groups()
+        logs = {}
+        for i, g in enumerate(groups):
+            lr = g["lr"]
+            logs["lr" if i == 0 else f"lr_group{i}"] = float(lr.item() if isinstance(lr, Tensor) else lr)
+        return logs
+
+    def log_step(self, step: int, loss: float, method_logs: dict[str, float] | None, lrs: dict[str, float] | None, skipped: bool) -> None:
+        """Hand one step's logs to ``History`` and the observers' ``on_step_log(trainer, step, logs)``
+        (every ``TrainingConfig.log_every_n_steps`` steps; ``step`` 0-based over the run): ``loss``
+        (the pre-update loss), the method's step logs, the rates the step used and ``skipped`` (1.0
+        when the step did not count)."""
+        logs = {"loss": float(loss), **(method_logs or {}), **(lrs or {}), "skipped": float(skipped)}
+        self.history.on_step_log(self, step, logs)
+        self.observers("on_step_log", self, step, logs)
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
@@ -508,6 +569,7 @@ class Trainer(WarmStart):
             source.set_epoch(epoch)
             self.model.train()  # validation switches to eval mode and back; training runs in train mode
             observers("on_epoch_begin", self, epoch)
+            epoch_lrs = self.lr_logs()  # the rates the epoch starts with
             epoch_start = time.perf_counter()
             snapshot = copy.deepcopy(self.training_state()) if source.items is None else None
             if self.metric_set is not None:
@@ -561,13 +623,14 @@ class Trainer(WarmStart):
                 error = e
             if out.counted and self.is_main and error is None:
                 _warn_nonfinite_logs(epoch, logs)
+            logs.update(epoch_lrs)
             logs.update(
                 {
                     "skipped": float(skipped),
                     "counted": float(out.counted),
                     "diverged": float(bool(diverged)),
                     "epoch_time": epoch_time,
-                    "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
+                    "samples_per_second": out.samples / epoch_time if epoch_time > 0 else 0.0,  # this epoch's
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
                 }
             )
@@ -648,6 +711,20 @@ class Trainer(WarmStart):
         """The whole state of the run after ``self.epoch`` completed epochs (``checkpoint.state_of``):
         model, optimizer or method state, schedule, random-number states, history."""
         return checkpoint.state_of(self)
+
+
+def _with_last(source: Any) -> Any:
+    """``(x, y, is_last)`` for each batch of ``source``: one batch of look-ahead, so an unsized
+    ``DataLoader`` tells its last batch too."""
+    it = iter(source)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield (*prev, False)
+        prev = item
+    yield (*prev, True)
 
 
 def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:

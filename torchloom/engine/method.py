@@ -78,7 +78,11 @@ class Method:
     * ``losses``: the ``loss_type`` names it can train on (``None``: any the engine knows), with
       ``loss_hint`` saying why in the refusal; a config with a ``loss_type`` field of its own may name
       the loss instead of the ``TrainingConfig`` (``loss_of``);
-    * ``device_log_names``: the per-step logs its device step writes (``runner.log``).
+    * ``device_log_names``: the per-step logs its device step writes (``runner.log``);
+    * ``multi_input``: whether it trains models of several inputs (batches ``((x1, x2, ...), y)``,
+      ``model(*inputs)``); ``custom_loss``: whether it takes ``TrainingConfig.loss_fn``;
+      ``accumulates``: whether it takes ``TrainingConfig.accumulate_grad_batches`` > 1 (backprop all
+      three; a method that needs the one input tensor and its own loss refuses them).
 
     A method object is bound to one training run at a time (``bind``): its state is built then.
     """
@@ -90,6 +94,9 @@ class Method:
     losses: ClassVar[tuple[str, ...] | None] = None
     loss_hint: ClassVar[str] = ""
     device_log_names: tuple[str, ...] = ()
+    multi_input: ClassVar[bool] = False
+    custom_loss: ClassVar[bool] = False
+    accumulates: ClassVar[bool] = False
     engine: Any = None
 
     # ------------------------------------------------------------------ building
@@ -123,6 +130,16 @@ class Method:
         ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
         ``learning_rate`` that disagrees with it (one rate, one place)."""
         label = cls.display_name(config)
+        if getattr(training, "loss_fn", None) is not None and not cls.custom_loss:
+            raise ValueError(
+                f"TrainingConfig: loss_fn is for backprop; method {label} trains on its own loss "
+                "(set loss_type, or use method='backprop')"
+            )
+        if getattr(training, "accumulate_grad_batches", 1) != 1 and not cls.accumulates:
+            raise ValueError(
+                f"TrainingConfig: accumulate_grad_batches={training.accumulate_grad_batches!r} is for backprop; "
+                f"method {label} updates the weights from every batch by its own rule (leave it at 1)"
+            )
         if not cls.uses_optimizer:
             if not (isinstance(training.optimizer, str) and training.optimizer.lower() == "sgd"):
                 raise ValueError(

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from ..layers.base import Layer
 from ..layers.network import Network
@@ -21,11 +23,15 @@ from .types import TrainingResult
 
 __all__ = ["TrainingConfig", "train", "make_trainer", "resolve_device", "as_network"]
 
-def train(model: Network | Layer | Sequence[Layer], batches: Any, config: TrainingConfig | None = None, **overrides: Any) -> TrainingResult:
+def train(model: Network | Layer | Sequence[Layer] | torch.nn.Module | Callable[[], torch.nn.Module], batches: Any, config: TrainingConfig | None = None, **overrides: Any) -> TrainingResult:
     """Train ``model`` on ``batches`` with Loom's loop and return a ``TrainingResult``.
 
     Args:
-        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one).
+        model: a torchloom ``Network`` (or a layer / list of layers, wrapped in one), any
+            ``nn.Module``, or a zero-argument callable that builds one (``lambda: Network(...)``, or
+            an ``nn.Module`` subclass whose constructor takes no argument):
+            called after ``torch.manual_seed(config.seed)`` when a seed is set, so that the seed
+            covers the weights' initialisation; the model built is ``result.model``.
         batches: a list of ``TrainingBatch(input, target)`` or ``(input, target)`` pairs, or a
             ``DataLoader`` yielding pairs; inputs ``[batch, ...]``, targets as ``config.loss_type``
             needs (the output's shape, or class labels for cross-entropy).
@@ -45,8 +51,25 @@ def train(model: Network | Layer | Sequence[Layer], batches: Any, config: Traini
             raise TypeError(f"train() got unknown setting(s) {unknown}; TrainingConfig fields: {sorted(names)}")
         config = dataclasses.replace(config, **overrides)
     config.validate()  # fields changed after construction are checked too
+    is_class = isinstance(model, type)
+    if (is_class and issubclass(model, torch.nn.Module)) or (callable(model) and not is_class and not isinstance(model, (torch.nn.Module, list, tuple))):
+        model = _build(model, config.seed)  # a factory (or an nn.Module class): built under the seed
     trainer = make_trainer(as_network(model), config)
-    return trainer.fit(batches, config.epochs, track_perf=config.track_perf)
+    result = trainer.fit(batches, config.epochs, track_perf=config.track_perf)
+    result.model = model
+    return result
+
+
+def _build(factory: Callable[[], Any], seed: int | None) -> torch.nn.Module:
+    """The model ``factory()`` builds, after ``torch.manual_seed(seed)`` when a seed is set (so the
+    seed covers the weights' initialisation too)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        name = getattr(factory, "__name__", type(factory).__name__)
+        raise TypeError(f"model: the factory {name!r} must return an nn.Module (e.g. a torchloom Network), got {type(model).__name__}")
+    return model
 
 
 def make_trainer(model: Network, config: TrainingConfig) -> Trainer:

@@ -134,6 +134,21 @@ class Sequential(Layer):
                 layer.reset_parameters()
 
 
+def _device_hint(model: nn.Module, x: Any) -> str | None:
+    """A sentence for an input on another device than the model's (``train(use_gpu=True)`` leaves
+    the model on the GPU), or ``None`` when the devices agree."""
+    first = next(model.parameters(), None)
+    inputs = x if isinstance(x, tuple) else (x,)
+    other = next((t.device for t in inputs if isinstance(t, Tensor) and first is not None and t.device != first.device), None)
+    if other is None:
+        return None
+    return (
+        f"Network: the input is on {other} but the model is on {first.device} (training with use_gpu=True or "
+        f"device= leaves the model there); move the input with x.to('{first.device}'), use torchloom.predict(net, x) "
+        "(which moves each batch to the model), or bring the model back with net.cpu()"
+    )
+
+
 class Network(Sequential):
     """Loom's network: a ``Sequential`` that records history and has Loom's manual-loop API.
 
@@ -152,9 +167,15 @@ class Network(Sequential):
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor) -> Tensor:
-        if self.record_history:
-            return self.forward_record(x)
-        return super().forward(x)
+        try:
+            if self.record_history:
+                return self.forward_record(x)
+            return super().forward(x)
+        except RuntimeError as e:
+            hint = _device_hint(self, x)
+            if hint is None:
+                raise
+            raise RuntimeError(f"{hint} ({e})") from None
 
     @torch.no_grad()
     def forward_record(self, x: Tensor, on_layer: LayerCallback | None = None) -> Tensor:
