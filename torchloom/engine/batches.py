@@ -60,7 +60,13 @@ class BatchSource:
         is_xy = _is_xy(batches)
         is_dataset = isinstance(batches, torch.utils.data.Dataset) and not isinstance(batches, torch.utils.data.DataLoader)
         if is_xy or is_dataset:
-            shard = dist is not None and dist.shards(batches, getattr(config, "shard_data", None), name) if is_xy else dist is not None
+            setting = getattr(config, "shard_data", None)
+            if dist is None:
+                shard = False
+            elif is_xy:  # (X, Y): automatic when not set (the ranks' rows compared)
+                shard = dist.shards(batches, setting, name)
+            else:  # a Dataset: cut unless shard_data=False
+                shard = setting is not False
             if dist is not None and not shard:  # each rank's own rows: batch_size / world_size of them a step
                 batch_size = dist.local_batch_size(batch_size, name)
             data = as_batch_iterable(batches, batch_size=batch_size, shuffle=shuffle, seed=seed, name=name)
