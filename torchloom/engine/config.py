@@ -12,7 +12,7 @@ import functools
 import math
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,14 +74,15 @@ class TrainingConfig:
     cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
     method: Any = "backprop"  # a registered name ("backprop" | "target_prop" | "tween" | ...), a method's config instance, or a torchloom.Method
     validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
-    metrics: Sequence[Any] = ()  # names ("accuracy", "mse", "mae", ...) or callables metric(output, target)
+    metrics: Any = ()  # names ("accuracy", "mse", ...), callables metric(output, target), a mapping {name: metric} or a MetricSet
     batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
-    shuffle: bool = False  # for a Dataset or (X, Y) tensors: a new order every epoch, seeded by seed
+    shuffle: bool = False  # a Dataset or (X, Y): a new row order every epoch; a list of batches: a new batch order (seeded by seed); an error with a DataLoader
     resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
     scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
+    shard_data: bool | None = None  # data-parallel, (X, Y) data: None = shard when every rank holds the same rows, else each rank's rows are its shard; True / False = always / never shard
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
     loss_fn: Any = None
     """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
@@ -178,14 +179,7 @@ class TrainingConfig:
                 what = "an int >= 1 (1 = an update every batch)" if least else "an int >= 0 (0 = off)"
                 raise ValueError(f"TrainingConfig: {name} must be {what}, got {value!r}")
         self.method_spec()  # checks method and its agreement with the other fields
-        if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
-            raise TypeError(
-                f"TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), got {self.metrics!r}"
-            )
-        self.metrics = tuple(self.metrics)
-        for m in self.metrics:
-            if not (isinstance(m, str) or callable(m)):
-                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+        self.metrics = _metrics_setting(self.metrics)
         if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) or self.batch_size < 1):
             raise ValueError(f"TrainingConfig: batch_size must be None or an int >= 1, got {self.batch_size!r}")
         if not isinstance(self.shuffle, bool):
@@ -198,6 +192,8 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
+        if self.shard_data is not None and not isinstance(self.shard_data, bool):
+            raise TypeError(f"TrainingConfig: shard_data must be None (automatic), True or False, got {self.shard_data!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
@@ -343,3 +339,31 @@ def as_scheduler(spec: Any, optimizer: Optimizer) -> Any:
 def is_plateau(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a monitored value (``ReduceLROnPlateau``) rather than a count."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _metrics_setting(metrics: Any) -> Any:
+    """``TrainingConfig.metrics`` checked (by building the ``MetricSet`` it describes, so an unknown
+    name or a duplicate fails here) and kept in its form: a mapping ``{name: metric}`` as a dict (its
+    values are the metrics: ``{"mse": my_fn}`` logs ``my_fn`` under ``"mse"``), a ``MetricSet`` as it
+    is, any other sequence as a tuple."""
+    from .metrics import MetricSet
+
+    if isinstance(metrics, MetricSet):
+        return metrics
+    if isinstance(metrics, Mapping):
+        metrics = dict(metrics)
+    elif isinstance(metrics, (str, bytes)) or callable(metrics) or not hasattr(metrics, "__iter__"):
+        raise TypeError(
+            "TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), a mapping "
+            f"{{name: metric}} or a MetricSet, got {metrics!r}"
+        )
+    else:
+        metrics = tuple(metrics)
+        for m in metrics:
+            if not (isinstance(m, str) or callable(m)):
+                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+    try:
+        MetricSet(metrics)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"TrainingConfig: {e}") from None
+    return metrics
