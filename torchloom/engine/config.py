@@ -82,6 +82,8 @@ class TrainingConfig:
     scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
+    weight_dtype: Any = None  # None = float32; a Loom dtype ("int8", "int4", "ternary", ...) or {layer name: dtype}: train in it (docs/low-bit.md)
+    low_bit: Any = None  # a torchloom.LowBitConfig (master, rounding, scale, loom_compat) for weight_dtype; None = its defaults
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
 
     def __post_init__(self) -> None:
@@ -171,6 +173,7 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
+        self.low_bit_config()  # checks weight_dtype and low_bit
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
@@ -179,6 +182,20 @@ class TrainingConfig:
                     f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
                     "default or build the optimizer with that lr"
                 )
+
+    def low_bit_config(self) -> Any:
+        """The ``LowBitConfig`` of ``weight_dtype`` (``low_bit`` or the defaults), checked with it;
+        ``None`` when ``weight_dtype`` is ``None``."""
+        from ..lowbit.config import LowBitConfig
+        from ..lowbit.weights import check_weight_dtype
+
+        if self.low_bit is not None and not isinstance(self.low_bit, LowBitConfig):
+            raise TypeError(f"TrainingConfig: low_bit must be None or a torchloom.LowBitConfig, got {type(self.low_bit).__name__}")
+        if self.low_bit is not None:
+            self.low_bit.validate()
+        cfg = self.low_bit if self.low_bit is not None else LowBitConfig()
+        check_weight_dtype(self.weight_dtype, cfg)
+        return None if self.weight_dtype is None else cfg
 
     def method_spec(self) -> tuple[Any, Any]:
         """``(method class, its settings)`` for ``method``, checked against the other fields.

@@ -103,6 +103,7 @@ class Trainer(WarmStart):
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
+        self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
@@ -145,8 +146,9 @@ class Trainer(WarmStart):
         return tuple(self.method.device_log_names)
 
     def device_ready(self) -> bool:
-        """Whether the method can run its steps on the device (decisions in device tensors)."""
-        return self.method.device_ready()
+        """Whether the method can run its steps on the device (decisions in device tensors). Low-bit
+        weights (``weight_dtype``) requantise after every kept update on the host loop."""
+        return self.lowbit is None and self.method.device_ready()
 
     def device_setup(self, runner: Any) -> None:
         self.method.device_setup(runner)
@@ -304,6 +306,8 @@ class Trainer(WarmStart):
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
+                self.lowbit.after_update(self.global_step)
             if scheduler is not None:
                 scheduler.step()
             self.global_step += 1
@@ -343,6 +347,8 @@ class Trainer(WarmStart):
         self.model.to(self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
+        if self.lowbit is not None:  # the weights become the dtype's values (a master keeps them)
+            self.lowbit.start()
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
@@ -370,6 +376,8 @@ class Trainer(WarmStart):
             state["scheduler"] = self.scheduler.state_dict()
         state["rates"] = [float(g["lr"]) for g in self.rate_groups()]  # what the schedule had set
         state.update(self.method.state_dict())
+        if self.lowbit is not None:
+            state["lowbit"] = self.lowbit.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -377,6 +385,8 @@ class Trainer(WarmStart):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.method.load_state_dict(state)
+        if self.lowbit is not None and "lowbit" in state:
+            self.lowbit.load_state_dict(state["lowbit"])
         for group, lr in zip(self.rate_groups(), state.get("rates", ())):  # a schedule sets it again only at its next step
             group["lr"] = lr
 
@@ -586,6 +596,16 @@ class Trainer(WarmStart):
         """The whole state of the run after ``self.epoch`` completed epochs (``checkpoint.state_of``):
         model, optimizer or method state, schedule, random-number states, history."""
         return checkpoint.state_of(self)
+
+
+def _low_bit_weights(model: Network, config: Any) -> Any:
+    """The ``LowBitWeights`` of ``config.weight_dtype`` (``lowbit/weights.py``), or ``None``."""
+    if getattr(config, "weight_dtype", None) is None:
+        return None
+    from ..lowbit.weights import LowBitWeights
+
+    seed = config.seed if getattr(config, "seed", None) is not None else 0
+    return LowBitWeights(model, config.weight_dtype, config.low_bit_config(), seed=seed)
 
 
 def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:

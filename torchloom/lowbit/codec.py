@@ -1,0 +1,287 @@
+"""Encoders for Loom's 21 weight dtypes: the exact inverses of torchloom's decoder.
+
+A Loom layer stores its weights as **codes** of its ``dtype`` and one float32 ``scale``; the value
+of a code is ``decode(code) · scale`` (``interop/_codec.py``'s ``decode_weights``, which follows
+Loom's ``GetActive``). This module goes the other way:
+
+* ``encode(x, dtype, scale, rounding, u)`` → int64 codes: round-to-nearest of ``x / scale`` among
+  the values the dtype's codes decode to (ties to the even code, i.e. the even mantissa or integer),
+  or **stochastic** rounding between the two neighbours, up with probability equal to the distance
+  from the lower one (``u`` the uniform draws, ``torchloom.lowbit.rng``), so that ``E[value] = x``
+  inside the dtype's range; outside it, the nearest end (saturation);
+* ``decode(codes, dtype, scale)`` → float32 values, bit for bit what ``decode_weights`` gives for the
+  packed bytes (``pack``);
+* ``scale_for(x, dtype)`` → the per-tensor scale ``max|x| / qmax`` (``mean|x|`` for binary);
+* ``pack(codes, dtype)`` → the little-endian bytes Loom's file holds (sub-byte codes packed most
+  significant first).
+
+Kinds: ``identity`` (float64, float32: a float32 weight is its own code), ``table`` (float16,
+bfloat16, fp8e4m3, fp8e5m2, fp4: the sorted table of every finite code's value; the first two
+unscaled), ``grid`` (the integer types, int4…int2, ternary: codes ``lo…hi``) and ``binary`` (±1).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+__all__ = ["LOOM_DTYPES", "DTypeInfo", "dtype_info", "encode", "decode", "quantize", "scale_for", "pack", "ROUNDINGS"]
+
+LOOM_DTYPES = (
+    "float64", "float32", "float16", "bfloat16", "fp8e4m3", "fp8e5m2",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+    "int4", "uint4", "fp4", "int2", "uint2", "ternary", "binary",
+)
+ROUNDINGS = ("stochastic", "nearest")
+_EXACT_INT = 2 ** 24  # the widest integer codes used: every |code| <= 2^24 is exact in a float32 master
+_BITS = {"int64": 64, "int32": 32, "int16": 16, "int8": 8, "uint64": 64, "uint32": 32, "uint16": 16, "uint8": 8,
+         "int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "ternary": 2}
+# fp4 (E2M1 as Loom lays it out): codes 6, 7, 14, 15 are Inf / NaN and never made
+_FP4 = np.array([0.0, 0.75, 1.0, 1.5, 2.0, 3.0, np.inf, np.nan, -0.0, -0.75, -1.0, -1.5, -2.0, -3.0, -np.inf, np.nan],
+                dtype=np.float32)
+
+
+def _fp8_values(ebits: int, mbits: int) -> np.ndarray:
+    """The value of every fp8 code as Loom's ``e4m3ToFloat32`` / ``e5m2ToFloat32`` reads it: bias
+    2^(ebits-1) - 1; exponent 0 with a mantissa is Loom's "subnormal approximation"
+    (e4m3: ``2^-7 · (1 + m/8) / 8``; e5m2: read as a normal number); e5m2's top exponent is
+    Inf / NaN, e4m3's is an ordinary binade."""
+    c = np.arange(256, dtype=np.int64)
+    sign = np.where(c >> 7, -1.0, 1.0)
+    exp, mant = (c >> mbits) & ((1 << ebits) - 1), c & ((1 << mbits) - 1)
+    bias = (1 << (ebits - 1)) - 1
+    frac = 1.0 + mant / float(1 << mbits)
+    v = sign * frac * np.exp2(exp.astype(np.float64) - bias)
+    if ebits == 4:
+        v = np.where(exp == 0, sign * frac * 2.0 ** -7 * 0.125, v)
+    else:
+        v = np.where(exp == 31, np.nan, v)
+    return np.where((exp == 0) & (mant == 0), sign * 0.0, v).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One Loom dtype: ``kind`` (identity / table / grid / binary), ``bits`` per stored weight,
+    ``lo``/``hi`` the code range of a grid, ``qmax`` the code magnitude the per-tensor scale maps
+    ``max|x|`` to, ``scaled`` whether the file's ``scale`` multiplies the codes."""
+
+    name: str
+    kind: str
+    bits: int
+    lo: int = 0
+    hi: int = 0
+    qmax: float = 1.0
+    scaled: bool = True
+
+    @property
+    def signed(self) -> bool:
+        return not self.name.startswith("uint")
+
+
+def _grid(name: str, lo: int, hi: int, qmax: float | None = None) -> DTypeInfo:
+    return DTypeInfo(name, "grid", _BITS[name], lo, hi, float(qmax if qmax is not None else hi))
+
+
+_INFO = {
+    "float64": DTypeInfo("float64", "identity", 64, scaled=False),
+    "float32": DTypeInfo("float32", "identity", 32, scaled=False),
+    "float16": DTypeInfo("float16", "table", 16, scaled=False),
+    "bfloat16": DTypeInfo("bfloat16", "table", 16, scaled=False),
+    "fp8e4m3": DTypeInfo("fp8e4m3", "table", 8, qmax=480.0),  # torchloom's decoder: exp 15 is a normal binade
+    "fp8e5m2": DTypeInfo("fp8e5m2", "table", 8, qmax=57344.0),
+    "fp4": DTypeInfo("fp4", "table", 4, qmax=3.0),
+    "int64": _grid("int64", -(2 ** 63), 2 ** 63 - 1, _EXACT_INT),
+    "int32": _grid("int32", -(2 ** 31), 2 ** 31 - 1, _EXACT_INT),
+    "int16": _grid("int16", -(2 ** 15), 2 ** 15 - 1),
+    "int8": _grid("int8", -128, 127),
+    "uint64": _grid("uint64", 0, 2 ** 63 - 1, _EXACT_INT),  # codes beyond 2^63 are never made
+    "uint32": _grid("uint32", 0, 2 ** 32 - 1, _EXACT_INT),
+    "uint16": _grid("uint16", 0, 2 ** 16 - 1),
+    "uint8": _grid("uint8", 0, 255),
+    "int4": _grid("int4", -8, 7),
+    "uint4": _grid("uint4", 0, 15),
+    "int2": _grid("int2", -2, 1),
+    "uint2": _grid("uint2", 0, 3),
+    "ternary": _grid("ternary", -1, 1),
+    "binary": DTypeInfo("binary", "binary", 1, -1, 1, 1.0),
+}
+_ALIASES = {"fp64": "float64", "f64": "float64", "fp32": "float32", "f32": "float32", "fp16": "float16",
+            "f16": "float16", "bf16": "bfloat16", "fp8": "fp8e4m3", "i64": "int64", "i32": "int32",
+            "i16": "int16", "i8": "int8", "u64": "uint64", "u32": "uint32", "u16": "uint16", "u8": "uint8",
+            "f4": "fp4"}
+
+
+def dtype_info(name: str, where: str = "weight_dtype") -> DTypeInfo:
+    """The ``DTypeInfo`` of a Loom dtype name (Loom's spellings, any case); ``ValueError`` naming
+    ``where`` and the 21 names otherwise."""
+    if isinstance(name, str):
+        key = name.lower()
+        key = _ALIASES.get(key, key)
+        if key in _INFO:
+            return _INFO[key]
+    raise ValueError(f"{where}: unknown Loom dtype {name!r}; valid: {', '.join(LOOM_DTYPES)}")
+
+
+# ------------------------------------------------------------------------------------ code tables
+@functools.lru_cache(maxsize=None)
+def _np_table(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(values of every code (float32, NaN for non-finite), sorted finite values, their codes)``;
+    one code per value (the lowest: +0 before −0)."""
+    if name == "float16":
+        vals = np.arange(2 ** 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    elif name == "bfloat16":
+        vals = (np.arange(2 ** 16, dtype=np.uint32) << 16).view(np.float32)
+    elif name == "fp8e4m3":
+        vals = _fp8_values(4, 3)
+    elif name == "fp8e5m2":
+        vals = _fp8_values(5, 2)
+    else:
+        vals = _FP4.copy()
+    vals = np.where(np.isfinite(vals), vals, np.nan).astype(np.float32)
+    codes = np.nonzero(np.isfinite(vals))[0]
+    order = np.lexsort((codes, vals[codes]))  # by value, then by code
+    sv, sc = vals[codes][order], codes[order]
+    keep = np.ones(sv.size, dtype=bool)
+    keep[1:] = sv[1:] != sv[:-1]  # -0 == +0: keep the first (lowest) code
+    return vals, sv[keep], sc[keep].astype(np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _table(name: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    vals, sv, sc = _np_table(name)
+    return (torch.from_numpy(np.nan_to_num(vals, nan=0.0)).to(device), torch.from_numpy(sv).to(device),
+            torch.from_numpy(sc).to(device))
+
+
+# --------------------------------------------------------------------------------------- encode
+def _unit(x: Tensor, info: DTypeInfo, scale: Tensor | float | None) -> Tensor:
+    """``x / scale`` in float32 (``x`` itself for unscaled dtypes)."""
+    x = x.to(torch.float32)
+    if not info.scaled or scale is None:
+        return x
+    return x / (scale if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float32, device=x.device))
+
+
+def encode(x: Tensor, dtype: str, scale: Tensor | float | None = None, rounding: str = "nearest",
+           u: Tensor | None = None) -> Tensor:
+    """Codes (int64, ``x``'s shape) of the float32 values ``x`` (any shape) in ``dtype`` with
+    ``scale`` (a float or a float32 tensor broadcasting against ``x``; ignored by unscaled dtypes).
+    ``rounding="stochastic"`` needs ``u``: float32 uniforms in [0, 1) of ``x``'s shape (or numel).
+    float64 / float32 codes are the float32 values themselves, returned as float32."""
+    info = dtype_info(dtype, "encode")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"encode: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if info.kind == "identity":
+        return x.to(torch.float32)
+    y = _unit(x, info, scale)
+    stochastic = rounding == "stochastic"
+    if stochastic:
+        if u is None:
+            raise ValueError("encode: rounding='stochastic' needs u, the uniform draws")
+        u = u.reshape(y.shape)
+    if info.kind == "binary":
+        if stochastic:  # P(+1) = (y + 1) / 2 inside [-1, 1]: E[code] = y
+            return torch.where(u < (y + 1) * 0.5, 1, -1).to(torch.int64)
+        return torch.where(y >= 0, 1, -1).to(torch.int64)
+    if info.kind == "grid":
+        if stochastic:
+            f = torch.floor(y)
+            q = f + (u < (y - f)).to(torch.float32)  # y - f is exact for |y| < 2^23
+        else:
+            q = torch.round(y)  # half to even
+        return q.clamp(info.lo, info.hi if info.hi < 2 ** 62 else 2 ** 62).to(torch.float64).to(torch.int64)
+    _, sv, sc = _table(info.name, y.device)
+    yd = y.to(torch.float64)
+    hi = torch.searchsorted(sv.to(torch.float64), yd).clamp(0, sv.numel() - 1)
+    lo = (hi - 1).clamp(min=0)
+    vlo, vhi = sv[lo].to(torch.float64), sv[hi].to(torch.float64)
+    below = yd <= vlo  # below the table (or exactly on its first value): the low end
+    hi = torch.where(below, lo, hi)
+    vhi = torch.where(below, vlo, vhi)
+    above = yd >= vhi  # on a value, or beyond the largest: that value
+    if stochastic:
+        frac = torch.where(vhi > vlo, (yd - vlo) / (vhi - vlo), 0.0)
+        up = u.to(torch.float64) < frac
+    else:
+        dlo, dhi = yd - vlo, vhi - yd
+        up = (dhi < dlo) | ((dhi == dlo) & (sc[hi] % 2 == 0))
+    pick = torch.where(above | up, hi, lo)
+    return sc[pick]
+
+
+def decode(codes: Tensor, dtype: str, scale: Tensor | float | None = None) -> Tensor:
+    """Float32 values of ``codes`` (``encode``'s output) with ``scale``: ``table[code] · scale`` /
+    ``code · scale``, the float32 products torchloom's decoder and Loom's ``GetActive`` compute."""
+    info = dtype_info(dtype, "decode")
+    if info.kind == "identity":
+        return codes.to(torch.float32)
+    if info.kind == "table":
+        vals = _table(info.name, codes.device)[0][codes]
+    else:
+        vals = codes.to(torch.float32)
+    if not info.scaled or scale is None:
+        return vals
+    s = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float32, device=codes.device)
+    if info.name == "fp4":
+        s = torch.where(s == 0, torch.ones_like(s), s)  # the decoder reads scale 0 as 1 for fp4
+    return vals * s
+
+
+def quantize(x: Tensor, dtype: str, scale: Tensor | float | None = None, rounding: str = "nearest",
+             u: Tensor | None = None) -> Tensor:
+    """``decode(encode(x, ...), ...)``: the float32 values the dtype holds for ``x`` (fake-quant)."""
+    return decode(encode(x, dtype, scale, rounding, u), dtype, scale)
+
+
+# two levels or fewer either side of zero: the scale is mean|x| (binary: the L1-best one-bit scale,
+# Loom's too; ternary / int2: BitNet b1.58's absmean; on digits ternary reaches 95.0 % with it, 28.7 %
+# with max|x|, which rounds most weights to 0)
+_ABSMEAN = ("binary", "ternary", "int2", "uint2")
+
+
+def scale_for(x: Tensor, dtype: str, dim: int | None = None) -> Tensor:
+    """The scale that maps ``max|x|`` to the dtype's ``qmax`` (``mean|x|`` for binary, ternary, int2
+    and uint2, see ``_ABSMEAN``): a 0-d float32 tensor, or with ``dim=0`` one per row (shape
+    ``[rows, 1, ...]``). A zero tensor (or row) gets scale 1, as in Loom. Unscaled dtypes: 1."""
+    info = dtype_info(dtype, "scale_for")
+    a = x.detach().to(torch.float32).abs()
+    mean = info.name in _ABSMEAN
+    if dim is None:
+        m = a.mean() if mean else a.amax()
+    else:
+        flat = a.reshape(a.shape[0], -1)
+        m = (flat.mean(1) if mean else flat.amax(1)).reshape(a.shape[0], *([1] * (a.dim() - 1)))
+    if not info.scaled:
+        return torch.ones_like(m)
+    s = m / info.qmax
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+# ---------------------------------------------------------------------------------------- bytes
+def pack(codes: Tensor, dtype: str) -> bytes:
+    """The little-endian bytes of ``codes`` (a 1-D tensor of ``encode``'s codes) as Loom stores
+    them; sub-byte codes are packed most significant first, the last byte padded with zeros."""
+    info = dtype_info(dtype, "pack")
+    c = codes.detach().cpu().reshape(-1)
+    if info.kind == "identity":
+        return c.numpy().astype("<f8" if info.name == "float64" else "<f4").tobytes()
+    c = c.numpy().astype(np.int64)
+    if info.bits >= 8:
+        if info.kind == "table":
+            return c.astype("<u2" if info.bits == 16 else np.uint8).tobytes()
+        np_dtype = {"int": "<i", "uint": "<u"}["uint" if info.name.startswith("uint") else "int"] + str(info.bits // 8)
+        return c.astype(np_dtype).tobytes()
+    mask = (1 << info.bits) - 1
+    if info.kind == "binary":
+        c = (c > 0).astype(np.int64)
+    u = (c & mask).astype(np.uint8)  # two's complement for signed sub-byte codes
+    per = 8 // info.bits
+    pad = (-u.size) % per
+    u = np.concatenate([u, np.zeros(pad, dtype=np.uint8)]).reshape(-1, per)
+    shifts = np.arange(8 - info.bits, -1, -info.bits, dtype=np.uint8)
+    return (u << shifts).sum(axis=1, dtype=np.uint16).astype(np.uint8).tobytes()
