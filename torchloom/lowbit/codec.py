@@ -39,6 +39,7 @@ LOOM_DTYPES = (
 )
 ROUNDINGS = ("stochastic", "nearest")
 _EXACT_INT = 2 ** 24  # the widest integer codes used: every |code| <= 2^24 is exact in a float32 master
+_TOP64 = 2 ** 63 - 2 ** 39  # the largest float32 below 2^63: the top 64-bit code a float32 value names
 _BITS = {"int64": 64, "int32": 32, "int16": 16, "int8": 8, "uint64": 64, "uint32": 32, "uint16": 16, "uint8": 8,
          "int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "ternary": 2}
 # fp4 (E2M1 as Loom lays it out): codes 6, 7, 14, 15 are Inf / NaN and never made
@@ -95,11 +96,11 @@ _INFO = {
     "fp8e4m3": DTypeInfo("fp8e4m3", "table", 8, qmax=480.0),  # torchloom's decoder: exp 15 is a normal binade
     "fp8e5m2": DTypeInfo("fp8e5m2", "table", 8, qmax=57344.0),
     "fp4": DTypeInfo("fp4", "table", 4, qmax=3.0),
-    "int64": _grid("int64", -(2 ** 63), 2 ** 63 - 1, _EXACT_INT),
+    "int64": _grid("int64", -(2 ** 63), _TOP64, _EXACT_INT),
     "int32": _grid("int32", -(2 ** 31), 2 ** 31 - 1, _EXACT_INT),
     "int16": _grid("int16", -(2 ** 15), 2 ** 15 - 1),
     "int8": _grid("int8", -128, 127),
-    "uint64": _grid("uint64", 0, 2 ** 63 - 1, _EXACT_INT),  # codes beyond 2^63 are never made
+    "uint64": _grid("uint64", 0, _TOP64, _EXACT_INT),
     "uint32": _grid("uint32", 0, 2 ** 32 - 1, _EXACT_INT),
     "uint16": _grid("uint16", 0, 2 ** 16 - 1),
     "uint8": _grid("uint8", 0, 255),
@@ -194,7 +195,8 @@ def encode(x: Tensor, dtype: str, scale: Tensor | float | None = None, rounding:
             q = f + (u < (y - f)).to(torch.float32)  # y - f is exact for |y| < 2^23
         else:
             q = torch.round(y)  # half to even
-        return q.clamp(info.lo, info.hi if info.hi < 2 ** 62 else 2 ** 62).to(torch.float64).to(torch.int64)
+        # float32 rounds 2^31 - 1 up to 2^31: clamp again as integers (64-bit tops stay below 2^63)
+        return q.clamp(info.lo, info.hi).to(torch.float64).to(torch.int64).clamp(info.lo, info.hi)
     _, sv, sc = _table(info.name, y.device)
     yd = y.to(torch.float64)
     hi = torch.searchsorted(sv.to(torch.float64), yd).clamp(0, sv.numel() - 1)
