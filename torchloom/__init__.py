@@ -88,6 +88,7 @@ from .engine import (
     register_method,
     train,
 )
+from .lowbit import LOOM_DTYPES, LowBitConfig
 from .methods import (
     Backprop,
     BackpropTrainer,
@@ -108,6 +109,9 @@ from ._version import __version__
 
 __all__ = [
     "__version__",
+    # low-bit training (docs/low-bit.md)
+    "LowBitConfig",
+    "LOOM_DTYPES",
     "optim",
     "schedules",
     # layers
