@@ -121,3 +121,44 @@ def test_refusals_name_the_field_and_value():
     with pytest.raises(ValueError, match=r"weight_dtype needs float32 parameters .* got torch.float64 for layer 'layers.0'"):
         train(Network(Dense(6, 4, dtype=torch.float64)), [(torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))],
               TrainingConfig(epochs=1, verbose=0, weight_dtype="int8"))
+
+
+def test_device_step_requantises_like_the_host_loop():
+    """The device runner (eager, on CPU here; graph-captured on CUDA): the same weights as the host
+    loop, on the grid; a step the step guard refuses (a NaN batch) changes neither master nor weights."""
+    from torchloom.engine.cuda_path import CudaRunner
+
+    data = _data()
+    runs = []
+    for device_path in (False, True):
+        for dtype, kw in (("int4", {}), ("int8", {"master": "none"})):
+            net = _net()
+            cfg = TrainingConfig(epochs=2, verbose=0, weight_dtype=dtype, low_bit=LowBitConfig(**kw), loss_type="cross_entropy",
+                                 optimizer="momentum", learning_rate=0.1, seed=1)
+            t = Trainer(net, cfg)
+            if device_path:
+                t.kernel_backend = "reference"
+                t._runner = CudaRunner(t)
+                t._build_runner = lambda: None
+            t.fit(data, 2)
+            if device_path:
+                assert int(t._lowbit_step) == 6  # requantised on the device, 3 batches × 2 epochs
+            _on_grid(net)
+            runs.append([p.detach().clone() for p in net.parameters()])
+    for host, dev in zip(runs[:2], runs[2:]):
+        for a, b in zip(host, dev):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    net = _net()
+    t = Trainer(net, TrainingConfig(epochs=1, verbose=0, weight_dtype="int8", low_bit=LowBitConfig(master="none"),
+                                    loss_type="cross_entropy", learning_rate=0.1))
+    t.kernel_backend = "reference"
+    t._build_runner = lambda: None
+    t.setup()
+    t.lowbit.start()
+    t._runner = CudaRunner(t)
+    before = [p.detach().clone() for p in net.parameters()]
+    bad = [(torch.full((16, 6), float("nan")), torch.zeros(16, dtype=torch.long))]
+    with pytest.warns(Warning):
+        t.fit(bad, 1)
+    for a, b in zip(before, net.parameters()):
+        assert torch.equal(a, b.detach())

@@ -146,15 +146,19 @@ class Trainer(WarmStart):
         return tuple(self.method.device_log_names)
 
     def device_ready(self) -> bool:
-        """Whether the method can run its steps on the device (decisions in device tensors). Low-bit
-        weights (``weight_dtype``) requantise after every kept update on the host loop."""
-        return self.lowbit is None and self.method.device_ready()
+        """Whether the method can run its steps on the device (decisions in device tensors)."""
+        return self.method.device_ready()
 
     def device_setup(self, runner: Any) -> None:
         self.method.device_setup(runner)
+        if self.lowbit is not None:  # the step count that keys stochastic rounding, on the device
+            self._lowbit_step = torch.tensor(self.global_step, dtype=torch.int64, device=self.device)
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
+        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
+            self.lowbit.after_update(self._lowbit_step, runner.step_status[slot, 0] == 0)
+            self._lowbit_step.add_(1)
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()

@@ -159,6 +159,14 @@ def _table(name: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
             torch.from_numpy(sc).to(device))
 
 
+def warm_tables(dtype: str, device: torch.device) -> None:
+    """Build the code tables of ``dtype`` on ``device`` now (a step captured in a CUDA graph may
+    copy nothing from the host)."""
+    info = dtype_info(dtype)
+    if info.kind == "table":
+        _table(info.name, torch.device(device))
+
+
 # --------------------------------------------------------------------------------------- encode
 def _unit(x: Tensor, info: DTypeInfo, scale: Tensor | float | None) -> Tensor:
     """``x / scale`` in float32 (``x`` itself for unscaled dtypes)."""

@@ -23,6 +23,8 @@ Loom's ``GetActive`` computes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -33,6 +35,13 @@ __all__ = ["loom_scale", "loom_encode", "loom_clamp_master_"]
 _MAX_INT = {"int4": 7.0, "uint4": 7.0, "fp4": 3.0, "int2": 1.0, "uint2": 1.0, "ternary": 1.0}
 _FP4_ORDER = (0x0, 0x1, 0x2, 0x3, 0x4, 0x5, 0x8, 0x9, 0xA, 0xB, 0xC, 0xD)
 _FP4_VALUES = (0.0, 0.75, 1.0, 1.5, 2.0, 3.0, -0.0, -0.75, -1.0, -1.5, -2.0, -3.0)
+
+
+@functools.lru_cache(maxsize=16)
+def fp4_table(device: torch.device) -> tuple[Tensor, Tensor]:
+    """fp4's 12 finite values in Loom's search order, and their codes, on ``device``."""
+    return (torch.tensor(_FP4_VALUES, dtype=torch.float32, device=device),
+            torch.tensor(_FP4_ORDER, dtype=torch.int64, device=device))
 
 
 def loom_scale(master: Tensor, dtype: str) -> Tensor:
@@ -88,9 +97,9 @@ def loom_encode(master: Tensor, dtype: str, scale: Tensor) -> Tensor:
     if name == "fp8e5m2":
         return _truncate_float(y, 5, 2, 15, saturate=False)
     if name == "fp4":
-        ref = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=x.device)
+        ref, codes = fp4_table(x.device)
         diff = (y.unsqueeze(-1) - ref).abs()  # float32, as Go's float32 subtraction
-        return torch.tensor(_FP4_ORDER, dtype=torch.int64, device=x.device)[diff.argmin(-1)]
+        return codes[diff.argmin(-1)]
     if name == "binary":
         return torch.where(y >= 0, 1, -1).to(torch.int64)
     q = _round_away(y)

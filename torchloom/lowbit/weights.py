@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .codec import decode, dtype_info, encode, scale_for
+from .codec import decode, dtype_info, encode, scale_for, warm_tables
 from .config import NO_MASTER_DTYPES, LowBitConfig
-from .loom_compat import loom_clamp_master_, loom_encode, loom_scale
+from .loom_compat import fp4_table, loom_clamp_master_, loom_encode, loom_scale
 from .rng import uniform
 
 __all__ = ["LowBitWeights", "resolve_weight_dtypes", "check_weight_dtype"]
@@ -162,15 +162,17 @@ class LowBitWeights:
         return [s] * len(src)
 
     @torch.no_grad()
-    def _requantize(self, g: _Group, src: list[Tensor], step: int) -> None:
-        """Parameters of ``g`` := Q(src); remembers the scales and what the parameters hold."""
+    def _requantize(self, g: _Group, src: list[Tensor], step: Any, ok: Tensor | None = None) -> None:
+        """Parameters of ``g`` := Q(src) (where ``ok``, a 0-d bool device tensor, holds; everywhere when
+        it is ``None``); remembers the scales and what the parameters hold."""
         cfg = self.config
         info = dtype_info(g.dtype)
         if cfg.loom_compat:
             if g.fixed is None:
                 g.fixed = [loom_scale(torch.cat([t.reshape(-1) for t in src]), g.dtype)] * len(src)
-            for t, s in zip(src, g.fixed):
-                loom_clamp_master_(t, g.dtype, s) if step != INIT_STEP else None
+            if not (isinstance(step, int) and step == INIT_STEP):
+                for t, s in zip(src, g.fixed):
+                    loom_clamp_master_(t, g.dtype, s)
             qs = [decode(loom_encode(t, g.dtype, s), g.dtype, s) for t, s in zip(src, g.fixed)]
             scales = g.fixed
         else:
@@ -181,6 +183,10 @@ class LowBitWeights:
             for i, t, s in zip(g.index, src, scales):
                 u = uniform(t.numel(), self.seed, step, i, t.device) if cfg.effective_rounding == "stochastic" and info.kind != "identity" else None
                 qs.append(decode(encode(t, g.dtype, s, cfg.effective_rounding, u), g.dtype, s).reshape(t.shape))
+        if ok is not None:  # device step: a step the guard refused keeps its weights and scales
+            qs = [torch.where(ok, q, p) for q, p in zip(qs, g.params)]
+            if g.scales:
+                scales = [torch.where(ok, s, old) for s, old in zip(scales, g.scales)]
         for p, q in zip(g.params, qs):
             p.copy_(q)
         if g.master is not None:
@@ -204,6 +210,8 @@ class LowBitWeights:
                     g.before = [b.to(g.params[0].device) for b in g.before]
             return
         for g in self.groups:
+            warm_tables(g.dtype, g.params[0].device)  # no host-to-device copy inside a captured step
+            fp4_table(g.params[0].device)
             if self.config.master == "fp32":
                 g.master = [p.detach().clone() for p in g.params]
                 g.before = [torch.empty_like(p) for p in g.params]
@@ -211,16 +219,19 @@ class LowBitWeights:
         self.started = True
 
     @torch.no_grad()
-    def after_update(self, step: int) -> None:
-        """After an update the engine kept (not undone): the master takes it, the weights are requantised
-        with the draws of ``step``."""
+    def after_update(self, step: Any, ok: Tensor | None = None) -> None:
+        """After an update the engine kept (host loop: called only then), or after every device step
+        with ``ok`` its 0-d bool verdict (device ops only, no host read: graph-capturable): the master
+        takes the update, the weights are requantised with the draws of ``step`` (a Python int, or a
+        0-d int64 device tensor counting the steps)."""
         for g in self.groups:
             if g.master is not None:
                 for m, b, p in zip(g.master, g.before, g.params):
-                    m.add_(p - b)
-                self._requantize(g, g.master, step)
+                    delta = p - b
+                    m.add_(delta if ok is None else torch.where(ok, delta, torch.zeros_like(delta)))
+                self._requantize(g, g.master, step, ok)
             else:
-                self._requantize(g, [p.detach().clone() for p in g.params], step)
+                self._requantize(g, [p.detach().clone() for p in g.params], step, ok)
 
     # ------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
