@@ -148,7 +148,14 @@ def test_nearest_saturates_and_fp4_scale_zero_reads_as_one():
 def test_scale_for_maps_the_largest_weight_to_the_top_code():
     w = torch.tensor([[0.5, -2.0], [1.0, 0.25]])
     assert float(scale_for(w, "int8")) == pytest.approx(2.0 / 127)
-    assert float(scale_for(w, "int4")) == pytest.approx(2.0 / 7)
+    # int4, uint4, fp4: of max|w|·r / qmax (r = 1, 0.9, ..., 0.3) the least squared rounding error
+    x = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    for dtype, qmax in (("int4", 7), ("fp4", 3)):
+        errs = {r: float(((torch.from_numpy(_reference_values(x, dtype, float(x.abs().max()) * r / qmax)) - x) ** 2).sum())
+                for r in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)}
+        best = min(errs, key=errs.get)
+        assert float(scale_for(x, dtype)) == pytest.approx(float(x.abs().max()) * best / qmax, rel=1e-6), (dtype, errs)
+        assert best < 1.0  # a Gaussian's largest weight is worth clipping at 4 bits
     assert float(scale_for(w, "ternary")) == pytest.approx(0.9375)  # mean |w|
     assert scale_for(w, "int8", dim=0).flatten().tolist() == pytest.approx([2.0 / 127, 1.0 / 127])
     assert float(scale_for(torch.zeros(3), "int8")) == 1.0

@@ -165,6 +165,7 @@ def warm_tables(dtype: str, device: torch.device) -> None:
     info = dtype_info(dtype)
     if info.kind == "table":
         _table(info.name, torch.device(device))
+    _clip_ratios(torch.device(device))
 
 
 # --------------------------------------------------------------------------------------- encode
@@ -269,7 +270,40 @@ def scale_for(x: Tensor, dtype: str, dim: int | None = None) -> Tensor:
     if not info.scaled:
         return torch.ones_like(m)
     s = m / info.qmax
-    return torch.where(s > 0, s, torch.ones_like(s))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    if info.name in _CLIP_SEARCH:
+        s = _least_squares_clip(x.detach().to(torch.float32), info.name, s, dim)
+    return s
+
+
+# 16 levels or fewer, spread by max|x|: the largest weights are rare and the grid is coarse, so a
+# scale that clips them and resolves the rest better loses less. Of the candidates max|x|·r / qmax
+# the one with the least squared rounding error is taken (digits, fp32 master, 8 epochs, 3 seeds:
+# int4 96.96 % → see bench/RESULTS.md; fp4 96.59 % → ...).
+_CLIP_SEARCH = ("int4", "uint4", "fp4")
+_CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_ratios(device: torch.device) -> Tensor:
+    return torch.tensor(_CLIP_RATIOS, dtype=torch.float32, device=device)
+
+
+def _least_squares_clip(x: Tensor, dtype: str, s: Tensor, dim: int | None) -> Tensor:
+    """The candidate scale ``s·r`` (``r`` in ``_CLIP_RATIOS``) with the least ``Σ(Q(x) − x)²``
+    (round-to-nearest), per tensor or per row; device ops only."""
+    r = _clip_ratios(x.device)
+    if dim is None:
+        cand = s * r  # [R]
+        xs = x.reshape(1, -1)
+        err = ((quantize(xs, dtype, cand[:, None]) - xs) ** 2).sum(1)
+        return cand[err.argmin()]
+    rows = x.reshape(x.shape[0], -1)  # [N, K]
+    cand = s.reshape(-1, 1) * r  # [N, R]
+    q = quantize(rows[:, None, :], dtype, cand[:, :, None])  # [N, R, K]
+    err = ((q - rows[:, None, :]) ** 2).sum(2)
+    best = cand.gather(1, err.argmin(1, keepdim=True))
+    return best.reshape(s.shape)
 
 
 # ---------------------------------------------------------------------------------------- bytes
