@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .codec import decode, dtype_info, encode, scale_for, warm_tables
 from .config import NO_MASTER_DTYPES, LowBitConfig
 from .loom_compat import fp4_table, loom_clamp_master_, loom_encode, loom_scale
-from .rng import uniform
+from .rng import stream_key, uniform
 
 __all__ = ["LowBitWeights", "resolve_weight_dtypes", "check_weight_dtype"]
 
@@ -179,6 +179,9 @@ class LowBitWeights:
             if cfg.scale == "fixed" and g.fixed is None:
                 g.fixed = self._scales(g, src)
             scales = self._scales(g, src)
+            if info.kind == "grid" and all(sc.dim() == 0 for sc in scales) and all(p.is_contiguous() for p in g.params):
+                self._requantize_grid(g, src, scales, step, ok)
+                return
             qs = []
             for i, t, s in zip(g.index, src, scales):
                 u = uniform(t.numel(), self.seed, step, i, t.device) if cfg.effective_rounding == "stochastic" and info.kind != "identity" else None
@@ -192,6 +195,23 @@ class LowBitWeights:
         if g.master is not None:
             for b, p in zip(g.before, g.params):
                 b.copy_(p)
+        g.scales = list(scales)
+        self._tag(g)
+
+    def _requantize_grid(self, g: _Group, src: list[Tensor], scales: list[Tensor], step: Any, ok: Tensor | None) -> None:
+        """The grid dtypes in one fused launch per parameter (``kernels/requant.py``: Triton on CUDA,
+        its torch reference elsewhere; the same bits either way)."""
+        from ..kernels.requant import requant_grid_
+
+        info = dtype_info(g.dtype)
+        stochastic = self.config.effective_rounding == "stochastic"
+        if ok is not None and g.scales:
+            scales = [torch.where(ok, sc, old) for sc, old in zip(scales, g.scales)]
+        flag = ok if ok is not None else torch.ones((), dtype=torch.bool, device=g.params[0].device)
+        befores = g.before if g.master is not None else [None] * len(g.params)
+        for i, t, p, b, sc in zip(g.index, src, g.params, befores, scales):
+            key_a, key_b = stream_key(self.seed, step, i)
+            requant_grid_(t.detach().reshape(-1).contiguous(), p.data, b, sc, flag, key_a, key_b, info.lo, info.hi, stochastic)
         g.scales = list(scales)
         self._tag(g)
 
