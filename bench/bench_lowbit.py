@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=list(MODES))
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--time", action="store_true", help="print the step time of every mode relative to float32")
+    ap.add_argument("--limit", type=int, default=None, help="train on the first N training rows only (a quick smoke run)")
     a = ap.parse_args()
     try:
         data, hp = load(a.dataset)
@@ -81,6 +82,8 @@ def main() -> None:
         sys.exit(str(e))
     if a.epochs:
         hp["epochs"] = a.epochs
+    if a.limit:
+        data = (data[0][: a.limit], data[1][: a.limit], data[2], data[3])
     device = "cuda" if a.gpu else "cpu"
     seeds = range(a.seeds)
     base = [run(data, hp, s, None, None, device) for s in seeds]
