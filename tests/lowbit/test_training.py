@@ -162,3 +162,17 @@ def test_device_step_requantises_like_the_host_loop():
         t.fit(bad, 1)
     for a, b in zip(before, net.parameters()):
         assert torch.equal(a, b.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,kw", [("int8", {}), ("int4", {"rounding": "stochastic"}), ("fp8e4m3", {}),
+                                      ("bfloat16", {"master": "none"}), ("int8", {"loom_compat": True})])
+def test_cuda_graph_captures_the_requantisation(dtype, kw):
+    """On CUDA the requantisation sits inside the captured steps (cuda_graph=True refuses to fall back)."""
+    net = _net().cuda()
+    t = Trainer(net, TrainingConfig(epochs=3, verbose=0, weight_dtype=dtype, low_bit=LowBitConfig(**kw), use_gpu=True,
+                                    cuda_graph=True, loss_type="cross_entropy", optimizer="momentum", learning_rate=0.1))
+    t.fit([(x.cuda(), y.cuda()) for x, y in _data()], 3)
+    assert t.runner.capture_count > 0
+    assert int(t._lowbit_step) == 9
+    _on_grid(net)
