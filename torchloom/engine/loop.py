@@ -54,6 +54,8 @@ from .types import INT_DTYPES, MESSAGES, EpochOutcome, StepOutput, StepStatus, T
 
 __all__ = ["Trainer"]
 
+_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
+
 
 class Trainer(WarmStart):
     """The training engine: the one epoch loop every method runs.
@@ -157,8 +159,10 @@ class Trainer(WarmStart):
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
         if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
-            self.lowbit.after_update(self._lowbit_step, runner.step_status[slot, 0] == 0)
-            self._lowbit_step.add_(1)
+            status = runner.step_status[slot, 0]
+            self.lowbit.after_update(self._lowbit_step, status == 0)
+            # count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
+            self._lowbit_step.add_((status != _NOT_RUN).to(torch.int64))
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()

@@ -353,7 +353,7 @@ def _least_squares_clip(x: Tensor, dtype: str, s: Tensor, dim: int | None) -> Te
         if xs.shape[1] > _CLIP_SAMPLE:  # a fixed strided sample: the error of 8 scales costs 8 × 4096 values
             xs = xs[:, :: xs.shape[1] // _CLIP_SAMPLE]
         err = ((quantize(xs, dtype, cand[:, None]) - xs) ** 2).sum(1)
-        return cand[err.argmin()]
+        return cand.gather(0, err.argmin().reshape(1)).reshape(())  # gather: no host read
     rows = x.reshape(x.shape[0], -1)  # [N, K]
     if rows.shape[1] > _CLIP_SAMPLE:
         rows = rows[:, :: rows.shape[1] // _CLIP_SAMPLE]
