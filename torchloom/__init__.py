@@ -89,6 +89,7 @@ from .engine import (
     register_method,
     train,
 )
+from .lowbit import LOOM_DTYPES, LowBitConfig
 from .methods import (
     Backprop,
     BackpropTrainer,
@@ -128,6 +129,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__",
+    # low-bit training (docs/low-bit.md)
+    "LowBitConfig",
+    "LOOM_DTYPES",
     "optim",
     "schedules",
     # layers

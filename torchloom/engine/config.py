@@ -83,6 +83,8 @@ class TrainingConfig:
     precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
     distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
     shard_data: bool | None = None  # data-parallel, (X, Y) data: None = shard when every rank holds the same rows, else each rank's rows are its shard; True / False = always / never shard
+    weight_dtype: Any = None  # None = float32; a Loom dtype ("int8", "int4", "ternary", ...) or {layer name: dtype}: train in it (docs/low-bit.md)
+    low_bit: Any = None  # a torchloom.LowBitConfig (master, rounding, scale, loom_compat) for weight_dtype; None = its defaults
     divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
     loss_fn: Any = None
     """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
@@ -196,6 +198,7 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: shard_data must be None (automatic), True or False, got {self.shard_data!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
+        self.low_bit_config()  # checks weight_dtype and low_bit
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
@@ -204,6 +207,20 @@ class TrainingConfig:
                     f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
                     "default or build the optimizer with that lr"
                 )
+
+    def low_bit_config(self) -> Any:
+        """The ``LowBitConfig`` of ``weight_dtype`` (``low_bit`` or the defaults), checked with it;
+        ``None`` when ``weight_dtype`` is ``None``."""
+        from ..lowbit.config import LowBitConfig
+        from ..lowbit.weights import check_weight_dtype
+
+        if self.low_bit is not None and not isinstance(self.low_bit, LowBitConfig):
+            raise TypeError(f"TrainingConfig: low_bit must be None or a torchloom.LowBitConfig, got {type(self.low_bit).__name__}")
+        if self.low_bit is not None:
+            self.low_bit.validate()
+        cfg = self.low_bit if self.low_bit is not None else LowBitConfig()
+        check_weight_dtype(self.weight_dtype, cfg)
+        return None if self.weight_dtype is None else cfg
 
     def method_spec(self) -> tuple[Any, Any]:
         """``(method class, its settings)`` for ``method``, checked against the other fields.

@@ -60,6 +60,8 @@ from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, S
 
 __all__ = ["Trainer"]
 
+_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
+
 
 class Trainer(WarmStart):
     """The training engine: the one epoch loop every method runs.
@@ -109,6 +111,7 @@ class Trainer(WarmStart):
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
+        self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
@@ -156,9 +159,16 @@ class Trainer(WarmStart):
 
     def device_setup(self, runner: Any) -> None:
         self.method.device_setup(runner)
+        if self.lowbit is not None:  # the step count that keys stochastic rounding, on the device
+            self._lowbit_step = torch.tensor(self.global_step, dtype=torch.int64, device=self.device)
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
+        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
+            status = runner.step_status[slot, 0]
+            self.lowbit.after_update(self._lowbit_step, status == 0)
+            # count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
+            self._lowbit_step.add_((status != _NOT_RUN).to(torch.int64))
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()
@@ -180,6 +190,8 @@ class Trainer(WarmStart):
         method's."""
         layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
         own = ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
+        if self.lowbit is not None:
+            own.append("torchloom.kernels.requant")
         return [*own, *layers, *self.method.device_kernel_modules()]
 
     def rate_groups(self) -> list[dict[str, Any]]:
@@ -361,6 +373,8 @@ class Trainer(WarmStart):
                     step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
                 elif step.status is not StepStatus.OK:
                     buffers.restore()
+            if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
+                self.lowbit.after_update(self.global_step)
             if log_now:
                 self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
             if scheduler is not None and not getattr(self.method, "update_pending", False):
@@ -430,6 +444,8 @@ class Trainer(WarmStart):
         self.model.to(self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
+        if self.lowbit is not None:  # the weights become the dtype's values (a master keeps them)
+            self.lowbit.start()
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
@@ -462,6 +478,8 @@ class Trainer(WarmStart):
             state["scheduler"] = self.scheduler.state_dict()
         state["rates"] = [float(g["lr"]) for g in self.rate_groups()]  # what the schedule had set
         state.update(self.method.state_dict())
+        if self.lowbit is not None:
+            state["lowbit"] = self.lowbit.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -469,6 +487,8 @@ class Trainer(WarmStart):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.method.load_state_dict(state)
+        if self.lowbit is not None and "lowbit" in state:
+            self.lowbit.load_state_dict(state["lowbit"])
         for group, lr in zip(self.rate_groups(), state.get("rates", ())):  # a schedule sets it again only at its next step
             group["lr"] = lr
 
@@ -725,6 +745,16 @@ def _with_last(source: Any) -> Any:
         yield (*prev, False)
         prev = item
     yield (*prev, True)
+
+
+def _low_bit_weights(model: Network, config: Any) -> Any:
+    """The ``LowBitWeights`` of ``config.weight_dtype`` (``lowbit/weights.py``), or ``None``."""
+    if getattr(config, "weight_dtype", None) is None:
+        return None
+    from ..lowbit.weights import LowBitWeights
+
+    seed = config.seed if getattr(config, "seed", None) is not None else 0
+    return LowBitWeights(model, config.weight_dtype, config.low_bit_config(), seed=seed)
 
 
 def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:
