@@ -40,7 +40,7 @@ Run from the repository root (times measured on this project's 2-core CPU machin
     PYTHONPATH=. python bench/bench_methods.py --dry-run     # digits, 1 seed, 1 epoch, 2 methods: seconds
     PYTHONPATH=. python bench/bench_methods.py --device cuda --jobs 8 --markdown   # GPU: 8 rows at a time
 
-``--jobs N`` trains N rows (a method at a batch size, every seed) at once in worker processes (spawned;
+``--jobs N`` trains N runs (a method at a batch size and a seed) at once in worker processes (spawned;
 each loads the data itself): the small networks leave a GPU and a many-core host mostly idle, so the
 accuracy table comes N times sooner. ``s/epoch`` then counts N runs sharing the device: it compares
 methods within one run, not with a run of other ``--jobs``.
@@ -312,7 +312,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--markdown", action="store_true", help="markdown tables (for bench/RESULTS.md)")
-    ap.add_argument("--jobs", type=int, default=1, help="rows trained at once in worker processes (default 1: in this process)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs trained at once in worker processes (default 1: in this process)")
     ap.add_argument("--dry-run", action="store_true", help="digits, 1 seed, 1 epoch, bp-sgdm and tween unless --methods: seconds")
     for m in RATES:
         ap.add_argument(f"--lr-{m}", type=float, default=RATES[m], help=f"{m}'s rate (default {RATES[m]:g})")
@@ -387,9 +387,12 @@ def _rows_runs(tasks: list[tuple], split: Split, jobs: int):
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_row_runs, *task) for task in tasks]
-        for f in futures:
-            yield f.result()
+        # one task per seed of each row: five seeds of one slow row do not leave the other workers idle
+        futures = [[pool.submit(_row_runs, *task[:6], [seed], task[7]) for seed in task[6]] for task in tasks]
+        for row in futures:
+            runs = [f.result()[0] for f in row]
+            refused = next((r for r in runs if r.refused), None)
+            yield [refused] if refused else runs
 
 
 def main(argv=None) -> int:

@@ -140,14 +140,18 @@ class TrainingConfig:
     validation_data: Any = None
     """Data in any form ``train()`` accepts, evaluated after every epoch in eval mode without
     gradients: ``val_loss`` and ``val_<metric>`` in the epoch logs."""
-    metrics: Sequence[Any] = ()
+    metrics: Any = ()
     """Metrics logged every epoch: names (``"accuracy"``, ``"binary_accuracy"``, ``"mse"``, ``"mae"``,
-    ``"rmse"``), callables ``metric(output, target)``, or objects with ``update/compute/reset``."""
+    ``"rmse"``), callables ``metric(output, target)``, objects with ``update/compute/reset``, a mapping
+    ``{name: metric}`` (the value is the metric: ``{"mse": my_fn}`` logs ``my_fn`` as ``mse``) or a
+    ``MetricSet``."""
     batch_size: int | None = None
     """For a ``Dataset`` or arrays ``(X, Y)``: rows per batch (>= 1; 32 when not given). Ready-made
     batches are used as given."""
     shuffle: bool = False
-    """For a ``Dataset`` or arrays ``(X, Y)``: a new order every epoch, seeded by ``seed``."""
+    """For a ``Dataset`` or arrays ``(X, Y)``: a new row order every epoch; for a list of batches: a new
+    batch order every epoch; seeded by ``seed`` (and kept exactly across a resume). A ``DataLoader``
+    shuffles itself: ``shuffle=True`` with one is a ``ValueError``."""
     resume_from: Any = None
     """A file written by ``Checkpoint`` (full state, ``str`` or ``os.PathLike``): training continues
     from its epoch up to ``epochs``, bit for bit as one run on CPU."""
@@ -162,9 +166,21 @@ class TrainingConfig:
     distributed: bool | None = None
     """Data-parallel training under ``torch.distributed``: ``None`` when a process group of more than
     one process is initialised, ``True`` required, ``False`` off."""
+    shard_data: bool | None = None
+    """Data-parallel training with ``(X, Y)`` data: ``None`` shards it when every rank holds the same
+    rows, else each rank's rows are its own shard (the usual pre-sharded DDP habit); ``True`` / ``False``
+    always / never shard (a ``Dataset`` is sharded unless ``False``)."""
+    weight_dtype: Any = None
+    """Train in one of Loom's 21 weight dtypes (``"int8"``, ``"int4"``, ``"fp4"``, ``"ternary"``, ...) or
+    a ``{layer name: dtype}`` mapping: the forward and backward run on the dtype's values (docs/low-bit.md).
+    ``None`` = float32."""
+    low_bit: Any = None
+    """A ``torchloom.LowBitConfig`` (``master``, ``rounding``, ``scale``, ``loom_compat``, ``seed``) for
+    ``weight_dtype``; ``None`` = its defaults."""
     divergence_factor: float = 10.0
     """An epoch whose loss exceeds this × the larger of the first epoch's and the best, or whose
-    weights' norm exceeds this × the start's, is reported as diverged (> 1; ``0`` = off)."""
+    weights' norm exceeds this × the start's, is reported as diverged (> 1; ``0`` = off); so is one
+    whose loss climbs back above the first epoch's and 1.1 × the best (engine/divergence.py)."""
     loss_fn: Any = None
     """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
     loss), differentiated by autograd with respect to the output, in place of ``loss_type``; also what
@@ -275,18 +291,7 @@ class TrainingConfig:
                 what = "an int >= 1 (1 = an update every batch)" if least else "an int >= 0 (0 = off)"
                 raise ValueError(f"TrainingConfig: {name} must be {what}, got {value!r}")
         self.method_spec()  # checks method and its agreement with the other fields
-        if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
-            raise TypeError(
-                f"TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), got {self.metrics!r}"
-            )
-        self.metrics = tuple(self.metrics)
-        for m in self.metrics:
-            if not (isinstance(m, str) or callable(m) or hasattr(m, "update")):
-                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
-        try:
-            MetricSet(list(self.metrics))  # names known, callables named, no reserved name
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"TrainingConfig: {e}") from None
+        self.metrics = _metrics_setting(self.metrics)
         check_scheduler(self.scheduler)
         try:
             ObserverList(self.observers)  # each has a hook
@@ -304,8 +309,11 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
+        if self.shard_data is not None and not isinstance(self.shard_data, bool):
+            raise TypeError(f"TrainingConfig: shard_data must be None (automatic), True or False, got {self.shard_data!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
+        self.low_bit_config()  # checks weight_dtype and low_bit
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
@@ -314,6 +322,20 @@ class TrainingConfig:
                     f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
                     "default or build the optimizer with that lr"
                 )
+
+    def low_bit_config(self) -> Any:
+        """The ``LowBitConfig`` of ``weight_dtype`` (``low_bit`` or the defaults), checked with it;
+        ``None`` when ``weight_dtype`` is ``None``."""
+        from ..lowbit.config import LowBitConfig
+        from ..lowbit.weights import check_weight_dtype
+
+        if self.low_bit is not None and not isinstance(self.low_bit, LowBitConfig):
+            raise TypeError(f"TrainingConfig: low_bit must be None or a torchloom.LowBitConfig, got {type(self.low_bit).__name__}")
+        if self.low_bit is not None:
+            self.low_bit.validate()
+        cfg = self.low_bit if self.low_bit is not None else LowBitConfig()
+        check_weight_dtype(self.weight_dtype, cfg)
+        return None if self.weight_dtype is None else cfg
 
     def method_spec(self) -> tuple[Any, Any]:
         """``(method class, its settings)`` for ``method``, checked against the other fields.
@@ -491,3 +513,29 @@ def as_scheduler(spec: Any, optimizer: Optimizer) -> Any:
 def is_plateau(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a monitored value (``ReduceLROnPlateau``) rather than a count."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _metrics_setting(metrics: Any) -> Any:
+    """``TrainingConfig.metrics`` checked (by building the ``MetricSet`` it describes, so an unknown
+    name or a duplicate fails here) and kept in its form: a mapping ``{name: metric}`` as a dict (its
+    values are the metrics: ``{"mse": my_fn}`` logs ``my_fn`` under ``"mse"``), a ``MetricSet`` as it
+    is, any other sequence as a tuple."""
+    if isinstance(metrics, MetricSet):
+        return metrics
+    if isinstance(metrics, Mapping):
+        metrics = dict(metrics)
+    elif isinstance(metrics, (str, bytes)) or callable(metrics) or not hasattr(metrics, "__iter__"):
+        raise TypeError(
+            "TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), a mapping "
+            f"{{name: metric}} or a MetricSet, got {metrics!r}"
+        )
+    else:
+        metrics = tuple(metrics)
+        for m in metrics:
+            if not (isinstance(m, str) or callable(m) or hasattr(m, "update")):
+                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+    try:
+        MetricSet(metrics)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"TrainingConfig: {e}") from None
+    return metrics

@@ -167,6 +167,9 @@ class CudaRunner:
         trainer.device_setup(self)
         tensors = trainer.guarded_device_tensors
         self.update_guard = UpdateGuard(tensors)
+        # module buffers (BatchNorm statistics) change in the forward: saved before every step and put
+        # back when it did not count (status nonzero), device ops only (guards.py)
+        self.buffer_guard = UpdateGuard(trainer.guarded_buffers) if trainer.guarded_buffers() else None
 
     # ------------------------------------------------------------ services for device steps
     def decide(self, slot: int, loss_partials: Tensor, sq_partials: Tensor, clip_norm: float = 0.0) -> None:
@@ -187,6 +190,17 @@ class CudaRunner:
         yield
         self.update_guard.restore_if_nonfinite_(self.step_status[slot, 0])
 
+    def guarded_step(self, x: Tensor, y: Tensor, slot: int) -> None:
+        """The method's device step for ``slot``, with the model's buffers saved before it and put
+        back after it when its status is not OK."""
+        guard = self.buffer_guard
+        if guard is not None:
+            guard.device_flag(self.t.device)
+            guard.save()
+        self.t.device_step(x, y, slot, self)
+        if guard is not None:
+            guard.restore_unless_ok_(self.step_status[slot, 0])
+
     def log(self, slot: int, values: Sequence[Tensor] | Tensor) -> None:
         """Write the method's per-step logs (``trainer.device_log_names`` order) into row ``slot``."""
         row = values if isinstance(values, Tensor) else torch.stack([v.reshape(()).double() for v in values])
@@ -198,6 +212,7 @@ class CudaRunner:
         t = self.t
         return (
             t.device.type == "cuda" and t.training.cuda_graph is not False and source.items is not None
+            and not getattr(source, "shuffled", False)  # graphs replay the batches in one order
             and getattr(t, "metric_set", None) is None
         )
 
@@ -252,12 +267,12 @@ class CudaRunner:
         else:
             count = 0
             self._streamed_samples = 0
-            for k, (x, y) in enumerate(source):
+            for k, (x, y) in enumerate(t.epoch_batches(source, epoch)):
                 if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
                 if logged(k):
                     self._step_lrs[k] = t.lr_logs()
-                t.device_step(x, y, k, self)
+                self.guarded_step(x, y, k)
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
@@ -357,7 +372,7 @@ class CudaRunner:
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
                         try:  # a host read would break the capture: found here, before it starts
                             with _NoHostReads():
-                                t.device_step(*items[k], k, self)
+                                self.guarded_step(*items[k], k)
                         finally:
                             self.dead.zero_()
                         t.device_epoch_begin(self, 1)  # state the warm-up created joins the layout
@@ -372,7 +387,7 @@ class CudaRunner:
                         with capturing(graph, pool):
                             for k in range(k_steps):
                                 self._use_lr_row(k, table=c["lr"] if t.scheduler is not None else None)
-                                t.device_step(c["x"][k], c["y"][k], k, self)
+                                self.guarded_step(c["x"][k], c["y"][k], k)
                     finally:
                         self.step_loss, self.step_status, self.step_logs = epoch_rows
                     c["graph"] = graph
@@ -382,7 +397,7 @@ class CudaRunner:
                     with capturing(graph, pool):
                         for k in range(tail_start, n):
                             self._use_lr_row(k)
-                            t.device_step(*items[k], k, self)
+                            self.guarded_step(*items[k], k)
                     graphs.append(graph)
                     self.capture_count += 1
         finally:

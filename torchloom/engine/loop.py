@@ -61,6 +61,8 @@ from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, S
 
 __all__ = ["Trainer"]
 
+_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
+
 
 class Trainer(WarmStart):
     """The training engine: the one epoch loop every method runs.
@@ -110,6 +112,7 @@ class Trainer(WarmStart):
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
+        self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
@@ -157,9 +160,16 @@ class Trainer(WarmStart):
 
     def device_setup(self, runner: Any) -> None:
         self.method.device_setup(runner)
+        if self.lowbit is not None:  # the step count that keys stochastic rounding, on the device
+            self._lowbit_step = torch.tensor(self.global_step, dtype=torch.int64, device=self.device)
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
+        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
+            status = runner.step_status[slot, 0]
+            self.lowbit.after_update(self._lowbit_step, status == 0)
+            # count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
+            self._lowbit_step.add_((status != _NOT_RUN).to(torch.int64))
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()
@@ -181,6 +191,8 @@ class Trainer(WarmStart):
         method's."""
         layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
         own = ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
+        if self.lowbit is not None:
+            own.append("torchloom.kernels.requant")
         return [*own, *layers, *self.method.device_kernel_modules()]
 
     def rate_groups(self) -> list[dict[str, Any]]:
@@ -280,7 +292,8 @@ class Trainer(WarmStart):
 
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar
-        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing."""
+        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing. Observers that write
+        checkpoints (``writes_checkpoint = True``: ``Checkpoint``) are called after the others."""
         printer: Any = None
         if self.is_main and self.verbose == 2:
             printer = EpochLinePrinter()
@@ -289,7 +302,11 @@ class Trainer(WarmStart):
             # the bar advances per epoch instead (unless another observer forces the host loop anyway)
             host_loop = self._runner is None or any(callable(getattr(o, "on_batch_end", None)) for o in self.user_observers)
             printer = ProgressObserver(per_batch=host_loop)
-        return ObserverList([*self.user_observers, *([printer] if printer else [])])
+        # observers that write a checkpoint come after the others (as Lightning runs its ModelCheckpoint
+        # last): the state they save holds every other observer's state after this epoch
+        writers = [o for o in self.user_observers if getattr(o, "writes_checkpoint", False)]
+        others = [o for o in self.user_observers if not getattr(o, "writes_checkpoint", False)]
+        return ObserverList([*others, *writers, *([printer] if printer else [])])
 
     # ------------------------------------------------------------------- loop
     def run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
@@ -310,7 +327,10 @@ class Trainer(WarmStart):
         cuda_graph = self.training.cuda_graph
         if self._runner is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
             if cuda_graph and epoch == 0 and not self._runner.graph_eligible(source):
-                raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
+                raise ValueError(
+                    "TrainingConfig(cuda_graph=True) needs a fixed list of batches (a DataLoader yields new tensors every "
+                    "epoch; shuffle=True reorders them)"
+                )
             return self._runner.run_epoch(source, epoch)
         if cuda_graph and epoch == 0:
             raise ValueError(
@@ -333,17 +353,29 @@ class Trainer(WarmStart):
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
+            self._buffer_guard = UpdateGuard(self.guarded_buffers)
+        buffers = self._buffer_guard if self.guarded_buffers() else None
         every = getattr(self.training, "log_every_n_steps", 0)
-        for x, y, last in _with_last(source):
+        for x, y, last in _with_last(self.epoch_batches(source, epoch)):
             out.batches_run += 1
             out.samples += batch_rows(x)
             self.last_batch = last  # a method that accumulates gradients updates at the epoch's last batch
             log_now = every > 0 and (self.global_step + 1) % every == 0
             lrs = self.lr_logs() if log_now else None  # the rates this step uses
             guard.save()
+            if buffers is not None:
+                buffers.save()
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if buffers is not None:  # a step that did not count leaves no trace in the running statistics
+                if step.status is StepStatus.OK and not buffers.check_or_restore():
+                    guard.restore()
+                    step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+                elif step.status is not StepStatus.OK:
+                    buffers.restore()
+            if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
+                self.lowbit.after_update(self.global_step)
             if log_now:
                 self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
             if scheduler is not None and not getattr(self.method, "update_pending", False):
@@ -362,6 +394,14 @@ class Trainer(WarmStart):
                 batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(batch_rows(x))}
                 self.observers("on_batch_end", self, self.global_step - 1, batch_logs)
         return out
+
+    def epoch_batches(self, source: "BatchSource", epoch: int) -> Any:
+        """One epoch of ``source``; data-parallel with a streamed source (a ``DataLoader``), each batch
+        agreed among the ranks before its step (``DistContext.agreed_batches``: a rank whose batch
+        failed stops every rank at once; loaders of unequal length end the epoch together)."""
+        if self.dist is None or source.items is not None:
+            return source
+        return self.dist.agreed_batches(source, epoch)
 
     def lr_logs(self) -> dict[str, float]:
         """The learning rates as log values: ``lr`` (the first param group's), and ``lr_group<i>``
@@ -408,6 +448,8 @@ class Trainer(WarmStart):
             check_optimizer_device(optimizer, self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
+        if self.lowbit is not None:  # the weights become the dtype's values (a master keeps them)
+            self.lowbit.start()
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
@@ -427,6 +469,11 @@ class Trainer(WarmStart):
         the trainable parameters and the method's ``state_tensors()``."""
         return [*self.guarded_params(), *self.method.state_tensors()]
 
+    def guarded_buffers(self) -> list[Tensor]:
+        """The model's buffers (BatchNorm's running mean, variance and batch count): a step's forward
+        changes them, so a step that does not count puts them back (``guards.py``)."""
+        return [b for b in self.model.buffers() if b.numel()]
+
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (the model, the schedule and the method's ``state_dict()``), as
         tensors and plain values; ``load_training_state`` puts it back."""
@@ -435,6 +482,8 @@ class Trainer(WarmStart):
             state["scheduler"] = self.scheduler.state_dict()
         state["rates"] = [float(g["lr"]) for g in self.rate_groups()]  # what the schedule had set
         state.update(self.method.state_dict())
+        if self.lowbit is not None:
+            state["lowbit"] = self.lowbit.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -442,6 +491,8 @@ class Trainer(WarmStart):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.method.load_state_dict(state)
+        if self.lowbit is not None and "lowbit" in state:
+            self.lowbit.load_state_dict(state["lowbit"])
         for group, lr in zip(self.rate_groups(), state.get("rates", ())):  # a schedule sets it again only at its next step
             group["lr"] = lr
 
@@ -483,17 +534,28 @@ class Trainer(WarmStart):
         checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, the
         preload threads joined, and the device runner. Returns ``(source, validation, history,
         observers, first_epoch)``."""
-        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+        error = None
+        try:  # data-parallel: a check failing on one rank is agreed below, so no rank waits on it
+            source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+            validation = None
+            if cfg.validation_data is not None:
+                validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
+            resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
+        except Exception as e:  # noqa: BLE001
+            if self.dist is None:
+                raise
+            error = e
         if self.dist is not None:
+            (failed,) = self.dist.agree(error is not None)
+            if failed:
+                self.dist.raise_agreed(error, "the start of training (the data and checkpoint checks)")
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
-        validation = None
-        if cfg.validation_data is not None:
-            validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
-        resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
+            if source.shuffled:  # a shuffled list of batches: every rank draws the same orders (rank 0's seed)
+                source.set_shuffle_seed(self.dist.broadcast_int(source.shuffle_seed))
         self.setup()
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.metric_set = MetricSet(list(cfg.metrics)) if cfg.metrics else None
+        self.metric_set = MetricSet(cfg.metrics) if cfg.metrics else None
         self.metric_names = _metric_names(self.metric_set)
         history = History()
         observers = self.make_observers()
@@ -507,8 +569,10 @@ class Trainer(WarmStart):
         self.skipped_per_epoch: list[int] = []
         first_epoch = 0
         self.divergence = DivergenceWatch(cfg.divergence_factor)
+        self.source = source  # (a checkpoint keeps its shuffling seed)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
+        self.epoch = first_epoch  # epochs done: what on_train_begin sees (a resumed run's observers catch up to it)
         self.divergence.start(self.guarded_params())
         if preload is not None:  # the runner imports and launches Triton's kernels on this thread
             preload.join()
@@ -573,8 +637,16 @@ class Trainer(WarmStart):
             if self.metric_set is not None and out.counted:
                 computed = self.metric_set.compute()
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
-            if validation is not None:
-                logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            error = None
+            try:  # data-parallel: an error here on one rank is agreed below, so no rank waits on it
+                if validation is not None:
+                    logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if out.counted and self.is_main and error is None:
+                _warn_nonfinite_logs(epoch, logs)
             logs.update(epoch_lrs)
             logs.update(
                 {
@@ -586,7 +658,8 @@ class Trainer(WarmStart):
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
                 }
             )
-            self._epoch_scheduler_step(logs)
+            if error is None:
+                self._epoch_scheduler_step(logs)
             if perf is not None:
                 perf.append(
                     {
@@ -597,9 +670,18 @@ class Trainer(WarmStart):
                 )
             history.on_epoch_end(self, epoch, logs)
             self.epoch = epoch + 1  # epochs completed: what a checkpoint written now records
-            observers("on_epoch_end", self, epoch, logs)
-            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to
-                self.stop_training = self.dist.any(self.stop_training)
+            try:
+                if error is None:
+                    observers("on_epoch_end", self, epoch, logs)
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to, fail when any rank failed
+                stop, failed = self.dist.agree(self.stop_training, error is not None)
+                if failed:
+                    self.dist.raise_agreed(error, f"the end of epoch {epoch + 1}")
+                self.stop_training = bool(stop)
             if self.stop_training:
                 break
 
@@ -669,7 +751,32 @@ def _with_last(source: Any) -> Any:
     yield (*prev, True)
 
 
+def _low_bit_weights(model: Network, config: Any) -> Any:
+    """The ``LowBitWeights`` of ``config.weight_dtype`` (``lowbit/weights.py``), or ``None``."""
+    if getattr(config, "weight_dtype", None) is None:
+        return None
+    from ..lowbit.weights import LowBitWeights
+
+    seed = config.seed if getattr(config, "seed", None) is not None else 0
+    return LowBitWeights(model, config.weight_dtype, config.low_bit_config(), seed=seed)
+
+
 def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:
     """The training metrics' names of a run (its ``metric_set``), then the built-in names."""
     names = tuple(getattr(metric_set, "names", ())) if metric_set is not None else ()
     return names + tuple(n for n in METRIC_NAMES if n not in names)
+
+
+def _warn_nonfinite_logs(epoch: int, logs: dict[str, float]) -> None:
+    """A ``DivergenceWarning`` naming the epoch's validation values and metrics that are NaN/±Inf
+    (the epoch's loss has its own warnings): the history keeps them as they are, and ``Checkpoint`` /
+    ``EarlyStopping`` never take such a value as the best, so without a word a monitored
+    ``val_loss`` of NaN would leave no file and no trace."""
+    bad = [f"{k} is {v}" for k, v in logs.items() if k != "loss" and isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        warnings.warn(
+            f"epoch {epoch + 1}: {', '.join(bad)} (the model's outputs or the validation data hold NaN/Inf); "
+            "a non-finite value is never the best for Checkpoint or EarlyStopping",
+            DivergenceWarning,
+            stacklevel=user_stacklevel(),
+        )

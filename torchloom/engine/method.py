@@ -14,6 +14,9 @@ What a method implements:
   device; ``y`` class labels or a target), returning the **pre-update** loss, a ``StepStatus``
   (``NAN_LOSS`` when the loss is not finite: nothing changed; ``NAN_GRAD`` when the update direction
   is not finite: nothing changed) and optional per-step logs (plain floats, averaged per epoch);
+* optionally ``step_from_forward(x, y, out, saved)``: the same step when the caller has already run
+  the forward at the current weights (the live loop serves with it, ``torchloom.live``); by default
+  it calls ``step``;
 * ``state_tensors()``: the tensors besides the trainable parameters that an update changes (momentum,
   optimizer state): the engine snapshots them with the parameters before each update and puts both
   back when the update produced a non-finite value;
@@ -266,6 +269,12 @@ class Method:
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement step(x, y) -> StepOutput")
+
+    def step_from_forward(self, x: Tensor, y: Tensor, out: Tensor, saved: Any) -> StepOutput:
+        """``step(x, y)`` for a caller that has just run ``out, saved = model.forward_saved(x)`` at the
+        current weights (the live loop's serve forward, ``torchloom.live``). A method whose update
+        starts from that forward reuses it (backprop); by default the step runs its own forward."""
+        return self.step(x, y)
 
     def state_tensors(self) -> list[Tensor]:
         """Tensors besides the trainable parameters that an update changes (guarded with them)."""

@@ -8,6 +8,8 @@ sequence lengths that torchloom layers do not hold).
 
 from __future__ import annotations
 
+import base64
+
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -580,7 +582,7 @@ def _base(loom_type: str, act: str = "Linear") -> dict:
     return {"type": loom_type, "activation": act, "dtype": "float32"}
 
 
-def _weights(d: dict, encode: Callable[[], str], description: bool = False) -> dict:
+def _weights(d: dict, mod: nn.Module, encode: Callable[[], str], description: bool = False) -> dict:
     """``d`` with its weights: ``encode()`` (Loom's base64 blob), or none in a torchloom description
     (its weights are the checkpoint's ``state_dict``; encoding them would cost seconds)."""
     if description:
@@ -588,7 +590,45 @@ def _weights(d: dict, encode: Callable[[], str], description: bool = False) -> d
     d["weights"] = encode()
     d["native"] = True
     d["scale"] = 1
+    d["_module"] = mod  # for a low-bit export (``to_loom_json(dtype=...)``), removed before it returns
     return d
+
+
+def requantize_layer(d: dict, dtype: str | None, name: str) -> None:
+    """Rewrite a layer dict's float32 blob (and its nested layers') as native codes of ``dtype``
+    (``None``: the dtype the module was trained in, ``TrainingConfig(weight_dtype=...)``, else float32)
+    with their one scale. A module trained in that dtype is written exactly (its weights are codes ·
+    its scale; checked bit for bit); any other is quantised round-to-nearest with the per-tensor
+    scale ``lowbit.scale_for`` (post-training quantisation)."""
+    for key in ("parallel_branches", "sequential_layers"):
+        for i, sub in enumerate(d.get(key, ())):
+            requantize_layer(sub, dtype, f"{name}.{key}[{i}]")
+    mod = d.pop("_module", None)
+    if mod is None:
+        return
+    from ..lowbit.codec import decode, dtype_info, encode, pack, scale_for
+
+    trained = getattr(mod, "loom_lowbit", None)
+    want = dtype if dtype is not None else (trained["dtype"] if trained else "float32")
+    info = dtype_info(want, "to_loom_json: dtype")
+    if info.name == "float32":
+        return
+    values = torch.from_numpy(np.frombuffer(base64.b64decode(d["weights"]), dtype="<f4").astype(np.float32))
+    if trained and trained["dtype"] == info.name:
+        if trained["scale"] is None:
+            raise _refuse(name, f"trained in {info.name} with scale='per_row'; a Loom file holds one scale per layer "
+                          "(train with scale='per_tensor' or 'fixed' to export it)")
+        scale = trained["scale"].detach().to("cpu", torch.float32)
+        codes = encode(values, info.name, scale, "nearest")
+        if not torch.equal(decode(codes, info.name, scale).view(torch.int32), values.view(torch.int32)):
+            raise _refuse(name, f"its weights are not {info.name} codes times the scale it was trained with (changed "
+                          "after training?); pass dtype='float32', or retrain")
+    else:
+        scale = scale_for(values, info.name)
+        codes = encode(values, info.name, scale, "nearest")
+    d["dtype"] = info.name
+    d["scale"] = float(scale) if info.scaled else 1
+    d["weights"] = base64.b64encode(pack(codes, info.name)).decode("ascii")
 
 
 def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str, *, description: bool = False) -> list[dict]:
@@ -611,7 +651,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         d.update(input_height=mod.in_features, output_height=mod.out_features)
         if mod.bias is not None:
             d["bias"] = True
-        return [_weights(d, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
+        return [_weights(d, mod, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, (_ConvND, _ConvTransposeND)):
         transposed = isinstance(mod, _ConvTransposeND)
         nd = mod.ndim
@@ -644,7 +684,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         for key, a, b in zip(keys, n_in, n_out):
             d[f"input_{key}"] = a
             d[f"output_{key}"] = b
-        return [_weights(d, lambda: _flat((w.contiguous(), 0), like=mod.weight), description)]
+        return [_weights(d, mod, lambda: _flat((w.contiguous(), 0), like=mod.weight), description)]
     if isinstance(mod, (RNN, LSTM)):
         if shape is None:
             raise _refuse(name, f"{type(mod).__name__}: Loom stores the sequence length; " + (
@@ -662,7 +702,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
                                 bias.detach().reshape(4, h)], dim=1)
             return _flat((blocks, 0), like=mod.weight_ih)
 
-        return [_weights(d, encode, description)]
+        return [_weights(d, mod, encode, description)]
     if isinstance(mod, MultiHeadAttention):
         if not (mod.causal and mod.rope):
             raise _refuse(name, "MultiHeadAttention: Loom's attention is always causal with RoPE; "
@@ -673,14 +713,14 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
                  rope_freq_base=mod.rope_theta)
         if shape is not None and len(shape) == 3:
             d["seq_length"] = int(shape[1])
-        return [_weights(d, lambda: _flat(
+        return [_weights(d, mod, lambda: _flat(
             (mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
             (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight), description)]
     if isinstance(mod, SwiGLU):
         h, m = mod.hidden, mod.intermediate
         d = _base("SwiGLU")
         d.update(input_height=h, output_height=m)
-        return [_weights(d, lambda: _flat(
+        return [_weights(d, mod, lambda: _flat(
             (mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
             (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight), description)]
     if isinstance(mod, (RMSNorm, LayerNorm)):
@@ -692,11 +732,11 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str,
         d = _base(type(mod).__name__)
         d.update(input_height=n, output_height=n)
         parts = [(mod.weight, 0)] + ([(mod.bias, 0)] if isinstance(mod, LayerNorm) else [])
-        return [_weights(d, lambda: _flat(*parts, like=mod.weight), description)]
+        return [_weights(d, mod, lambda: _flat(*parts, like=mod.weight), description)]
     if isinstance(mod, Embedding):
         d = _base("Embedding", _act(mod, name))
         d.update(vocab_size=mod.num_embeddings, embedding_dim=mod.embedding_dim)
-        return [_weights(d, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
+        return [_weights(d, mod, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, LoomGridSoftmax):
         if shape is None:
             raise _refuse(name, "LoomGridSoftmax: Loom fixes the number of rows of a 'Grid' softmax in the file; "

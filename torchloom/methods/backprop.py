@@ -361,6 +361,18 @@ class Backprop(Method):
         else:
             out = events.run_forward(self.model, x)
             saved = tuple(record.saved for record in self.model.history)
+        return self._step_after_forward(out, saved, y, events)
+
+    @torch.no_grad()
+    def step_from_forward(self, x: Tensor, y: Tensor, out: Tensor, saved: Any) -> StepOutput:
+        """Steps 2-7 on the forward the caller ran at the current weights (``Network.forward_saved``'s
+        ``out, saved`` for ``x``); with per-layer observer events, the whole ``step`` instead."""
+        events = self.layer_events()
+        if events is not None:  # the events come from a recorded forward
+            return self.step(x, y)
+        return self._step_after_forward(out, saved, y, None)
+
+    def _step_after_forward(self, out: Tensor, saved: Any, y: Tensor, events: Any) -> StepOutput:
         loss_t, grad = self._loss_and_grad(out, y)
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled after

@@ -325,6 +325,10 @@ class _FusedTargetProp(FusedStep):
 
         layers = self.t.model.layers
         difference = self.t.config.pure_targets == "difference"
+        # under bf16 autocast the activations are bfloat16: the delta rule and the estimates read them in
+        # float32, like the float32 weights and the flat direction buffer they meet
+        gap = gap.float()
+        acts = [a if a.dtype == torch.float32 else a.float() for a in acts]
         backend = getattr(self.t, "kernel_backend", None)
         targets: list[Tensor | None] = [None] * (self.n + 1)
         targets[self.n] = target

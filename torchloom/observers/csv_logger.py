@@ -49,6 +49,9 @@ class CSVLogger(Observer):
 
     ``check_ready()`` re-checks the path, settings and the file to append to (they may change after
     construction); trainers call it before a run changes anything.
+
+    A resumed run (``TrainingConfig(resume_from=...)``) writing a new file (``append=False``) starts it
+    with the rows of the epochs done, from the restored history: the file holds the whole run.
     """
 
     _index = "epoch"  # the first column
@@ -163,6 +166,13 @@ class CSVLogger(Observer):
         self.check_ready()
         self._header = self._existing_header()
         self._active = True
+        history = getattr(trainer, "history", None)
+        # a resumed run (TrainingConfig.resume_from) into a new file: the epochs done come first, from
+        # the restored history, so the file holds the whole run
+        resumed = getattr(trainer, "epoch", 0) and history is not None and getattr(trainer, "is_main", True)
+        if resumed and not self.append and self._index == "epoch":
+            for at, epoch in enumerate(getattr(history, "epochs", ())):
+                self._write_row(epoch, {k: v[at] for k, v in history.history.items() if at < len(v)})
         if self._steps is not None:
             self._steps.on_train_begin(trainer)
 
