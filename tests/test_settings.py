@@ -16,7 +16,7 @@ import torch
 
 import torchloom
 from torchloom import TargetPropConfig, TrainingConfig, TweenConfig, train
-from torchloom.engine.settings import field_docs
+from torchloom._settings import field_docs
 
 
 def _public_configs() -> list[type]:

@@ -23,7 +23,7 @@ import griffe
 
 def _field_docs(cls: type) -> dict[str, str]:
     """``{field: the string literal under it}`` from the source of ``cls`` (as
-    ``torchloom.engine.settings.field_docs``; kept here so that the docs build reads the inspected
+    ``torchloom._settings.field_docs``; kept here so that the docs build reads the inspected
     class itself, whichever copy of the package the hooks imported)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))

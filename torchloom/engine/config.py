@@ -30,7 +30,7 @@ from .distributed import unwrap_ddp
 from .losses import check_loss_type
 from .method import DEFAULT_LR, Method, method_class, method_names
 from .metrics import MetricSet
-from .settings import closest, python_numbers, settings
+from .._settings import closest, python_numbers, settings
 
 __all__ = [
     "TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params",

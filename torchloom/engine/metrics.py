@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .settings import closest
+from .._settings import closest
 
 __all__ = ["METRIC_NAMES", "MetricSet"]
 

@@ -18,7 +18,7 @@ import torch
 from ..layers.base import Layer
 from ..layers.network import Network
 from .config import _ALIASES, TrainingConfig, as_network, resolve_device
-from .settings import unknown_setting
+from .._settings import unknown_setting
 from .loop import Trainer
 from .types import TrainingResult
 

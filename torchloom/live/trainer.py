@@ -38,6 +38,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from .._settings import settings
 from typing import Any
 
 import torch
@@ -56,26 +58,43 @@ __all__ = ["LiveConfig", "LiveTrainer", "Ticket", "SCHEDULES"]
 SCHEDULES = ("sample", "batch", "periodic")
 
 
+@settings({"lr": "learning_rate"})
 @dataclass
 class LiveConfig:
     """Settings of a live run (``LiveTrainer``); the method's own settings go in ``method``."""
 
-    method: Any = "backprop"  # a registered name, a method's config, or a Method object
-    learning_rate: float = 0.05  # Welvet adaptv2's SGD rate
-    loss_type: str = "mse"  # adaptv2: MSE on one-hot targets (integer labels are one-hot encoded)
-    optimizer: Any = "sgd"  # backprop's optimizer (other methods keep their own rule)
-    gradient_clip: float = 0.0  # TrainingConfig.gradient_clip: 0 = none
-    schedule: str = "sample"  # "sample" | "batch" | "periodic" (module docstring)
-    batch_size: int = 8  # "batch": labelled samples per update
-    period_s: float = 0.05  # "periodic": seconds between updates (Loom: 50 ms)
-    period_samples: int = 20  # "periodic": the newest samples one update takes (Loom: 20)
-    overlap: bool = False  # serve from a weight snapshot while updates run (on CUDA, on another stream)
-    max_staleness: int = 1  # overlap: weight versions the snapshot may lag (0 or 1)
-    cuda_graph: bool = True  # CUDA: serve and update steps captured in CUDA graphs
-    device: Any = None  # None: the model's device
-    observers: Sequence[Any] = ()  # on_train_begin / on_epoch_end every log_every samples / on_train_end
-    log_every: int = 1000  # samples between observer calls (on_epoch_end with the report's logs)
-    window: int = 50  # samples per window of the per-shock minimum accuracy
+    method: Any = "backprop"
+    """A registered name, a method's config, or a Method object."""
+    learning_rate: float = 0.05
+    """Welvet adaptv2's SGD rate."""
+    loss_type: str = "mse"
+    """Adaptv2: MSE on one-hot targets (integer labels are one-hot encoded)."""
+    optimizer: Any = "sgd"
+    """Backprop's optimizer (other methods keep their own rule)."""
+    gradient_clip: float = 0.0
+    """TrainingConfig.gradient_clip: 0 = none."""
+    schedule: str = "sample"
+    """One of: "sample" | "batch" | "periodic" (module docstring)."""
+    batch_size: int = 8
+    """With schedule "batch": labelled samples per update."""
+    period_s: float = 0.05
+    """With schedule "periodic": seconds between updates (Loom: 50 ms)."""
+    period_samples: int = 20
+    """With schedule "periodic": the newest samples one update takes (Loom: 20)."""
+    overlap: bool = False
+    """Serve from a weight snapshot while updates run (on CUDA, on another stream)."""
+    max_staleness: int = 1
+    """Overlap: weight versions the snapshot may lag (0 or 1)."""
+    cuda_graph: bool = True
+    """CUDA: serve and update steps captured in CUDA graphs."""
+    device: Any = None
+    """None: the model's device."""
+    observers: Sequence[Any] = ()
+    """On_train_begin / on_epoch_end every log_every samples / on_train_end."""
+    log_every: int = 1000
+    """Samples between observer calls (on_epoch_end with the report's logs)."""
+    window: int = 50
+    """Samples per window of the per-shock minimum accuracy."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` / ``TypeError`` naming the field, the value and what is allowed."""

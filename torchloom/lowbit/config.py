@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._settings import settings
+
 from .codec import ROUNDINGS
 
 __all__ = ["LowBitConfig", "MASTERS", "SCALES", "NO_MASTER_DTYPES"]
@@ -16,6 +18,7 @@ NO_MASTER_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32
                     "uint64", "uint32", "uint16", "uint8")
 
 
+@settings()
 @dataclass
 class LowBitConfig:
     """Settings of low-bit training (``TrainingConfig(weight_dtype=..., low_bit=LowBitConfig(...))``).
@@ -23,11 +26,16 @@ class LowBitConfig:
     The fields, each checked in ``__post_init__`` (``ValueError`` naming the field and the value):
     """
 
-    master: str = "fp32"  # "fp32": float32 master weights take the updates, the dtype's values run forward and backward; "none": the weights are the dtype's values alone
-    rounding: str | None = None  # "stochastic" (unbiased: E[q] = w), "nearest" (ties to even), None = stochastic without a master, nearest with one
-    scale: str = "per_tensor"  # "per_tensor" (one per Loom layer, what a Loom file holds, recomputed every step), "per_row" (one per output row), "fixed" (set once from the initial weights)
-    loom_compat: bool = False  # True: Loom v0.80's own update (scale set once by Loom's rule, truncation, int8 wrap, round half away); master, rounding and scale must keep their defaults
-    seed: int | None = None  # the stochastic-rounding key; None = TrainingConfig.seed, or 0
+    master: str = "fp32"
+    """One of: "fp32": float32 master weights take the updates, the dtype's values run forward and backward; "none": the weights are the dtype's values alone."""
+    rounding: str | None = None
+    """One of: "stochastic" (unbiased: E[q] = w), "nearest" (ties to even), None = stochastic without a master, nearest with one."""
+    scale: str = "per_tensor"
+    """One of: "per_tensor" (one per Loom layer, what a Loom file holds, recomputed every step), "per_row" (one per output row), "fixed" (set once from the initial weights)."""
+    loom_compat: bool = False
+    """True: Loom v0.80's own update (scale set once by Loom's rule, truncation, int8 wrap, round half away); master, rounding and scale must keep their defaults."""
+    seed: int | None = None
+    """The stochastic-rounding key; None = TrainingConfig.seed, or 0."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import as_float_target, label_bounds, mse_to_target
-from ..engine.settings import python_numbers, settings
+from .._settings import python_numbers, settings
 from ..layers.attention import MultiHeadAttention
 from ..layers.base import Layer
 from ..layers.dense import Dense

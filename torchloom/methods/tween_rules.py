@@ -33,7 +33,7 @@ from torch import Tensor
 from ..engine.config import as_network
 from ..engine.guards import finite_flag
 from ..engine.losses import LOSS_TYPES, compute_loss, is_label_target, label_bounds, loss_and_grad
-from ..engine.settings import python_numbers, settings
+from .._settings import python_numbers, settings
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import Layer
 from ..layers.network import Network
