@@ -50,6 +50,7 @@ from .layers import (
     dense,
     get_activation,
 )
+from .layers.summary import summary
 from .observers import (
     Checkpoint,
     ConsoleObserver,
@@ -88,6 +89,7 @@ from .engine import (
     register_method,
     train,
 )
+from .lowbit import LOOM_DTYPES, LowBitConfig
 from .methods import (
     DFA,
     Backprop,
@@ -113,9 +115,32 @@ from .methods import (
 )
 
 from ._version import __version__
+from .saving import load_checkpoint
+
+# live mode (torchloom.live) is imported on first use: ``import torchloom`` stays cheap
+_LAZY = {"LiveTrainer": "torchloom.live", "LiveConfig": "torchloom.live", "train_online": "torchloom.live", "live": "torchloom.live"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(module)
+    value = mod if name == "live" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "__version__",
+    # low-bit training (docs/low-bit.md)
+    "LowBitConfig",
+    "LOOM_DTYPES",
     "optim",
     "schedules",
     # layers
@@ -159,6 +184,7 @@ __all__ = [
     "train",
     "evaluate",
     "predict",
+    "summary",
     "MetricSet",
     "TrainingConfig",
     "TrainingBatch",
@@ -212,6 +238,12 @@ __all__ = [
     "EarlyStopping",
     "Checkpoint",
     "TerminateOnDivergence",
+    # saved models
+    "load_checkpoint",
+    # live mode: serve while training on a stream (imported on first use; the module is torchloom.live)
+    "LiveTrainer",
+    "LiveConfig",
+    "train_online",
     # Loom interop
     "from_loom_json",
     "to_loom_json",

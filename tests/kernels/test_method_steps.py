@@ -26,7 +26,7 @@ def _ms():
 
 
 # --------------------------------------------------------------------------------- kernels
-@pytest.mark.parametrize("mode", ["TP", "TWEEN_MSE", "TWEEN_CE"])
+@pytest.mark.parametrize("mode", ["TP", "TP_CE", "TWEEN_MSE", "TWEEN_CE"])
 @pytest.mark.parametrize("labels", [True, False])
 @pytest.mark.parametrize("shape", [(1, 3), (7, 10), (5, 33)])
 def test_target_rows_match_reference(mode, labels, shape):
@@ -249,6 +249,47 @@ def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
     torch.testing.assert_close(gap.cpu(), ref_gap, rtol=1e-5, atol=1e-5)
 
 
+def test_target_rows_tp_cross_entropy_is_the_softmax_gap():
+    """``TP_CE`` against torch's own cross-entropy and its autograd gradient (float64): the gap
+    ``g = p − softmax(out)`` is minus the per-sample gradient, the target ``out + g``."""
+    ms = _ms()
+    g = torch.Generator().manual_seed(5)
+    out = torch.randn(6, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 7, (6,), generator=g)
+    ce = torch.nn.functional.cross_entropy(out, y, reduction="sum")
+    (grad,) = torch.autograd.grad(ce, out)
+    loss, gap, target, _, correct = ms.target_rows(out.detach().float().to(DEVICE), y.to(DEVICE), ms.TP_CE)
+    torch.testing.assert_close(loss.sum().cpu().double(), ce.detach() / 6, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gap.cpu().double(), -grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(target.cpu().double(), out.detach() - grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(correct.cpu(), (out.argmax(-1) == y).float())
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 17), (300, 65, 40)])
+def test_estimate_gap_difference_estimates_the_gap(shape):
+    from torchloom.methods import target_prop_rules as tp
+
+    ms = _ms()
+    g = torch.Generator().manual_seed(shape[0])
+    rows, cols, outs = shape
+    w, gap_out, act = torch.randn(outs, cols, generator=g), torch.randn(rows, outs, generator=g), torch.randn(rows, cols, generator=g)
+    e = tp._weighted_estimate(gap_out.double(), w.double(), w.double().abs().sum(0))
+    t, gap = ms.estimate_gap(gap_out.to(DEVICE), w.to(DEVICE), act.to(DEVICE), difference=True)
+    torch.testing.assert_close(gap.cpu().double(), e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t.cpu().double(), act.double() + e, rtol=1e-5, atol=1e-5)
+    for a, b in zip((t, gap), ms.estimate_gap_ref(gap_out, w, act, difference=True)):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,pure_targets", [("chain_rule", "difference"), ("pure", "difference"), ("pure", "loom")])
+def test_fused_target_prop_cross_entropy_step_equals_the_torch_op_step(mode, pure_targets):
+    _same_run(TargetPropConfig(mode=mode, pure_targets=pure_targets, learning_rate=0.05, gate_threshold=0.3), _data(labels=True), loss_type="cross_entropy")
+
+
+def test_fused_loom_pure_target_prop_step_equals_the_torch_op_step():
+    _same_run(TargetPropConfig(mode="pure", pure_targets="loom", learning_rate=0.02, gate_threshold=0.3), _data(labels=True))
+
+
 @pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
 @pytest.mark.parametrize("loss_type,labels", [("mse", True), ("mse", False), ("cross_entropy", True)])
 def test_fused_tween_step_equals_the_torch_op_step(extra, loss_type, labels):
@@ -339,3 +380,22 @@ def test_fused_step_with_a_frozen_parameter_equals_the_torch_op_step():
         np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=1e-5)
         for p, q in zip(tb.model.parameters(), ta.model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pure_targets", ["difference", "loom"])
+def test_fused_pure_target_prop_step_runs_under_bf16_autocast(pure_targets):
+    """Under ``precision="bf16-mixed"`` the activations are bfloat16 and the weights float32: the fused
+    pure step reads them in float32 (a Triton dot of bf16 and fp32 operands does not compile) and
+    stays close to the torch-op step."""
+    cfg = lambda: TrainingConfig(  # noqa: E731
+        method=TargetPropConfig(mode="pure", pure_targets=pure_targets, learning_rate=0.02, gate_threshold=0.3),
+        epochs=2, verbose=0, loss_type="cross_entropy", precision="bf16-mixed",
+    )
+    data = _data(labels=True)
+    ra, ta = _run(_net(), data, cfg(), "reference")
+    rb, tb = _run(_net(), data, cfg(), "triton" if DEVICE == "cpu" else None)
+    assert ta._fused is None and tb._fused is not None
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=2e-2)
+    moved = max(float((p - q).abs().max()) for p, q in zip(ta.model.parameters(), _net().parameters()))
+    for p, q in zip(tb.model.parameters(), ta.model.parameters()):  # bf16 rounding, far below the steps taken
+        assert float((p - q).abs().max()) <= 0.05 * moved

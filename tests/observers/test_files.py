@@ -87,7 +87,7 @@ def test_csv_logger_rows_parse(tmp_path):
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4
-    assert list(rows[0]) == ["epoch", "loss", "skipped", "counted", "diverged", "epoch_time", "samples_per_second", "eta"]
+    assert list(rows[0]) == ["epoch", "loss", "lr", "skipped", "counted", "diverged", "epoch_time", "samples_per_second", "eta"]
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
     assert [float(r["loss"]) for r in rows] == result.loss_history  # full precision round trip
     assert [float(r["epoch_time"]) for r in rows] == result.epoch_times

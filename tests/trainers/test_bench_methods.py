@@ -37,7 +37,18 @@ def test_a_refused_loss_is_a_row_not_a_crash(capsys):
     assert "refused: TrainingConfig: loss_type='crossentropy' cannot be used with TargetProp" in row
 
 
-@pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"]])
+def test_jobs_run_rows_in_worker_processes_with_the_same_results(capsys, monkeypatch):
+    """``--jobs 2`` trains the rows in two spawned workers: the same seeds give the same accuracies."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # the spawned workers import bench_methods by name
+    args = ["--dry-run", "--markdown", "--methods", "bp-sgdm", "--batch-sizes", "32,256", "--threads", "1"]
+    assert _bench().main(args) == 0
+    one = [line.split("|")[5] for line in capsys.readouterr().out.splitlines() if line.startswith("| bp-sgdm")]
+    assert _bench().main([*args, "--jobs", "2"]) == 0
+    two = [line.split("|")[5] for line in capsys.readouterr().out.splitlines() if line.startswith("| bp-sgdm")]
+    assert len(one) == 2 and one == two
+
+
+@pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"], ["--jobs", "0"]])
 def test_bad_arguments_are_refused(args):
     with pytest.raises(SystemExit):
         _bench().main(["--dry-run", *args])

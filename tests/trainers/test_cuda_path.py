@@ -180,7 +180,7 @@ def test_gpu_dataloader_and_cuda_graph_true_errors():
     ra = train(a, DataLoader(data, batch_size=8), epochs=2, verbose=False)
     rb = train(b, DataLoader(data, batch_size=8), epochs=2, verbose=False, use_gpu=True)
     np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=2e-5)
-    with pytest.raises(ValueError, match="cuda_graph=True\\) needs a list of batches"):
+    with pytest.raises(ValueError, match="cuda_graph=True\\) needs a fixed list of batches"):
         train(_net(torch.float32), DataLoader(data, batch_size=8), epochs=1, verbose=False, use_gpu=True, cuda_graph=True)
     with pytest.raises(ValueError, match="needs one of torchloom's optimizers"):
         net = _net(torch.float32).cuda()

@@ -276,6 +276,37 @@ def test_tweens_dead_network_collapse_is_reported():
     assert r.history["diverged"] == [1.0]
 
 
+def test_a_bounded_collapse_that_undoes_training_is_reported():
+    """Tween at rate 0.5, batch 32, cross-entropy, on digits: no explosion and no dead layer at first,
+    but the loss climbs back above its first epoch's (1.47 → 1.40 → 1.66 …) while the accuracy falls
+    (54 % → 39 % …): every epoch from the one that climbs back is reported, the best never."""
+    x, y = _digits()
+    torch.manual_seed(0)
+    net = Network(Dense(64, 64, "relu"), Dense(64, 64, "relu"), Dense(64, 10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = train(net, (x, y), TrainingConfig(method="tween", learning_rate=0.5, loss_type="cross_entropy", epochs=4, batch_size=32, verbose=0, device="cpu"))
+    loss, flags = r.history["loss"], r.history["diverged"]
+    assert loss[-1] > 1.1 * loss[0]  # the collapse: training undid its progress, with no NaN and no blow-up
+    assert flags[0] == 0.0 and flags[-1] == 1.0
+    messages = [str(w.message) for w in caught if issubclass(w.category, DivergenceWarning)]
+    assert any("training is undoing its progress" in m for m in messages)
+
+
+@pytest.mark.parametrize("losses, flagged", [
+    ([1.467, 1.398, 1.662, 1.70], [2, 3]),  # the measured collapse above
+    ([1.0, 0.5, 0.52, 0.4, 0.45], []),  # wobbles below the first epoch: learning
+    ([2.30, 2.30, 2.31, 2.30], []),  # flat at chance: not learning, but nothing undone
+    ([1.0, 0.2, 0.9, 1.05], [3]),  # back above the start only at the end
+])
+def test_the_regression_rule_of_the_watch(losses, flagged):
+    from torchloom.engine.divergence import DivergenceWatch
+
+    watch = DivergenceWatch(10.0)
+    got = [e for e, v in enumerate(losses) if watch.check(e, v, [], counted=True)]
+    assert got == flagged
+
+
 def test_monitors_never_keep_a_diverged_epoch_and_terminate_stops_there(tmp_path):
     """An epoch with a lower loss that the engine found diverged is not the best; TerminateOnDivergence
     stops at it. The divergence is staged with a rate schedule that jumps ×1e4 at epoch 3."""

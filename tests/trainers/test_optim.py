@@ -183,7 +183,7 @@ def test_train_accepts_optimizer_names(name):
 
 
 def test_registry_and_make_optimizer():
-    assert set(OPTIMIZERS) == {"sgd", "momentum", "adamw", "rmsprop"}
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adam", "adamw", "rmsprop"}
     params = [nn.Parameter(torch.randn(2, 2))]
     assert isinstance(make_optimizer("AdamW", params, 0.1), AdamW)
     assert isinstance(make_optimizer("rmsprop", params, 0.1), RMSprop)

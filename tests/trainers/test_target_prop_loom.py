@@ -175,7 +175,7 @@ def _pure_step(case: str, lr: float = LR):
     spec = CASES[case]
     net = _net([W_FIRST, W_SECOND], ACTS)
     before = [p.detach().clone() for p in net.parameters()]
-    cfg = TargetPropConfig(reduction="sum", mode="pure", learning_rate=lr, depth_scale_factor=1.0)  # Loom: momentum 0.9, gate 0.2
+    cfg = TargetPropConfig(reduction="sum", mode="pure", pure_targets="loom", learning_rate=lr, depth_scale_factor=1.0)  # Loom: momentum 0.9, gate 0.2
     trainer = TargetPropTrainer(net, cfg)
     trainer.step(torch.tensor([spec["input"]]), torch.tensor([spec["target"]]))
     return net, before, trainer.state

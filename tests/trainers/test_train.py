@@ -205,7 +205,7 @@ def _weights(net):
         (None, dict(clip_mode="global"), ValueError, "clip_mode must be one of"),
         (None, dict(gradient_clip=-1.0), ValueError, "gradient_clip must be a finite number >= 0"),
         (None, dict(verbose=3), ValueError, "verbose must be a bool or 0, 1, 2"),
-        (None, dict(bogus=1), TypeError, r"unknown setting\(s\) \['bogus'\]"),
+        (None, dict(bogus=1), TypeError, r"train\(\): unknown setting 'bogus'; valid fields: epochs, "),
         ("shape", {}, ValueError, r"batch 2: target shape \[5, 3\] does not match output shape \[5, 2\]"),
         ("input", {}, ValueError, r"batch 1: Dense\(3→8\): input must have shape \[batch, \.\.\., 3\], got \[5, 4\]"),
         ("batch", {}, ValueError, r"batch 0: target must have the input's batch size 5"),

@@ -12,7 +12,7 @@ import functools
 import math
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +21,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..layers.base import Layer
-from ..layers.network import Network
+from ..layers.network import Network, chain_of
 from ..layers.base import PRECISIONS
-from ..optim.optimizers import OPTIMIZERS
+from ..optim.optimizers import OPTIMIZERS, check_optimizer_options
+from ..observers.base import ObserverList
 from ..optim.schedules import ScheduleLR
 from .distributed import unwrap_ddp
 from .losses import check_loss_type
 from .method import DEFAULT_LR, Method, method_class, method_names
+from .metrics import MetricSet
+from .._settings import closest, python_numbers, settings
 
-__all__ = ["TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params", "as_scheduler", "is_plateau"]
+__all__ = [
+    "TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params",
+    "check_factory_lr", "check_optimizer_device", "check_scheduler", "as_scheduler", "is_plateau",
+]
 
 
 CLIP_MODES = ("norm", "value")
@@ -52,38 +57,156 @@ def _as_number(v: Any) -> Any:
     return v
 
 
+# Names other libraries use for TrainingConfig's fields: TrainingConfig(lr=0.1) says "did you mean
+# 'learning_rate'?" (Keras, Lightning, plain PyTorch loops).
+_ALIASES = {
+    "lr": "learning_rate", "learningrate": "learning_rate", "rate": "learning_rate",
+    "max_epochs": "epochs", "num_epochs": "epochs", "n_epochs": "epochs", "epoch": "epochs", "nb_epoch": "epochs",
+    "loss": "loss_type", "criterion": "loss_fn", "gradient_accumulation_steps": "accumulate_grad_batches",
+    "callbacks": "observers", "callback": "observers", "optim": "optimizer", "opt": "optimizer",
+    "lr_scheduler": "scheduler", "schedule": "scheduler", "gradient_clip_val": "gradient_clip", "clipnorm": "gradient_clip",
+    "clip_grad_norm": "gradient_clip", "max_grad_norm": "gradient_clip", "clipvalue": "clip_mode",
+    "gpu": "use_gpu", "cuda": "use_gpu", "gpus": "use_gpu", "accelerator": "device", "val_data": "validation_data",
+    "validation": "validation_data", "val_dataloaders": "validation_data", "random_seed": "seed",
+    "weight_decay": "optimizer_options", "momentum": "optimizer_options", "betas": "optimizer_options",
+    "eps": "optimizer_options", "nesterov": "optimizer_options", "resume": "resume_from", "ckpt_path": "resume_from",
+}
+
+
+@settings(_ALIASES)
 @dataclass
 class TrainingConfig:
-    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case); the fields are described in the
-    training guide (docs/training.md)."""
+    """Settings of ``train()`` (Loom's ``TrainingConfig`` in snake_case).
 
-    epochs: int = 10  # passes over the batches; >= 1
-    learning_rate: float = DEFAULT_LR  # > 0; used when the optimizer is given by name
-    loss_type: str = "mse"  # "mse" | "cross_entropy" | "crossentropy" (see ``torchloom.LOSS_TYPES``)
-    gradient_clip: float = 0.0  # 0 = off; max global L2 norm, or max |g| with clip_mode="value"
-    clip_mode: str = "norm"  # "norm" (Loom's documents) | "value" (Loom poly's code)
-    verbose: bool | int = True  # 0 silent; 1 (= True) progress bar on a terminal + epoch lines; 2 epoch lines only
-    use_gpu: bool = False  # True = device "cuda:<device_id>"
-    device: str | torch.device | None = None  # explicit device; None = the model's own device
-    device_id: int = 0  # which GPU when use_gpu=True
-    optimizer: str | Optimizer = "sgd"  # "sgd" | "momentum" | ... or a torch.optim.Optimizer instance
-    scheduler: Any = None  # a learning-rate schedule or LRScheduler, stepped once per batch
-    observers: Sequence[Any] = ()  # objects with hook methods (on_epoch_end, ...)
-    track_perf: bool = False  # record per-epoch samples/s and step time in the result
-    seed: int | None = None  # torch.manual_seed at the start, for run-to-run reproducibility
-    cuda_graph: bool | None = None  # CUDA: None = capture steps in graphs when possible, False = never, True = required
-    method: Any = "backprop"  # a registered name ("backprop" | "target_prop" | "tween" | ...), a method's config instance, or a torchloom.Method
-    validation_data: Any = None  # evaluated after every epoch (any data form train() accepts): val_loss, val_<metric>
-    metrics: Sequence[Any] = ()  # names ("accuracy", "mse", "mae", ...) or callables metric(output, target)
-    batch_size: int | None = None  # for a Dataset or (X, Y) tensors: rows per batch (default 32)
-    shuffle: bool = False  # for a Dataset or (X, Y) tensors: a new order every epoch, seeded by seed
-    resume_from: Any = None  # a Checkpoint file (full state): training continues from its epoch up to epochs
-    scheduler_interval: str = "batch"  # "batch" (Loom's per-step schedules) or "epoch"
-    scheduler_monitor: str | None = None  # the log key ReduceLROnPlateau steps on (default val_loss, else loss)
-    precision: str = "32"  # "32" | "bf16-mixed" (autocast, fp32 weights) | "16-mixed" (+ dynamic loss scaling; backprop)
-    distributed: bool | None = None  # data-parallel under torch.distributed: None = when a group of > 1 is initialised, True = required, False = off
-    divergence_factor: float = 10.0  # an epoch diverged when its loss exceeds this × max(first loss, best), or the weights' norm this × the start's (0 = off; engine/divergence.py)
-    alignment_every: int = 0  # every N steps, the angle per layer between the method's update and the exact gradient: alignment_bp/<layer> (0 = off; engine/alignment.py)
+    Every field is checked when the config is built (and again when a run starts, so a field changed
+    afterwards is checked too): a bad value is a ``ValueError`` / ``TypeError`` naming the field, the
+    value and what is allowed; an unknown keyword names the closest field (``TrainingConfig(lr=0.1)``:
+    "did you mean 'learning_rate'?"). Numbers may be NumPy scalars (``np.float32(0.01)``,
+    ``np.int64(5)``): they are stored as Python numbers. The training guide (docs/training.md) has
+    the same table with examples.
+    """
+
+    epochs: int = 10
+    """Passes over the batches (>= 1). With ``resume_from`` it counts the whole run, the resumed
+    epochs included."""
+    learning_rate: float = DEFAULT_LR
+    """The rate (> 0) of an optimizer given by name, and of a method named by ``method`` that has its
+    own rule (TargetProp, Tweening). An optimizer instance or factory keeps its own rate."""
+    loss_type: str = "mse"
+    """The loss every method trains on and logs: ``"mse"``, ``"cross_entropy"`` (logits against class
+    labels ``[B]`` or one-hot / soft targets) or ``"crossentropy"`` (Loom poly's loss on
+    probabilities); see ``torchloom.LOSS_TYPES``."""
+    gradient_clip: float = 0.0
+    """0 = off; else the largest global L2 norm of all gradients together, or with
+    ``clip_mode="value"`` the largest ``|g|`` of each element (>= 0)."""
+    clip_mode: str = "norm"
+    """``"norm"`` (Loom's documents: scale every gradient by ``max_norm / norm`` when the norm is
+    larger) or ``"value"`` (Loom poly's code: clamp each element to ``±gradient_clip``)."""
+    verbose: bool | int = True
+    """``0`` / ``False`` silent; ``1`` / ``True`` a progress bar on a terminal plus one line per epoch;
+    ``2`` epoch lines only."""
+    use_gpu: bool = False
+    """Train on ``cuda:<device_id>`` (the model is moved there; see the GPU guide)."""
+    device: str | torch.device | None = None
+    """An explicit device (``"cpu"``, ``"cuda:1"``); ``None`` = the model's own device (or
+    ``cuda:<device_id>`` with ``use_gpu``)."""
+    device_id: int = 0
+    """Which GPU ``use_gpu=True`` trains on (>= 0)."""
+    optimizer: str | Optimizer | Callable[[list[Tensor]], Optimizer] = "sgd"
+    """A name (``"sgd"``, ``"momentum"`` = SGD with μ 0.9, ``"adam"``, ``"adamw"``, ``"rmsprop"``; set
+    their options in ``optimizer_options``), a ``torch.optim.Optimizer`` built over the model's
+    parameters, or a factory ``params -> Optimizer`` such as ``functools.partial(torch.optim.AdamW,
+    weight_decay=0.1)``, called with the trainable parameters when the run starts."""
+    scheduler: Any = None
+    """A learning-rate schedule: ``lr(step)`` (``torchloom.schedules``: ``cosine_annealing(...)``, ...,
+    or any callable), an ``LRScheduler`` class or ``functools.partial`` of one (built over the
+    optimizer), or an ``LRScheduler`` instance over the optimizer; stepped every batch or epoch
+    (``scheduler_interval``). ``None`` = a constant rate."""
+    observers: Sequence[Any] = ()
+    """Objects with hook methods (``on_epoch_end(trainer, epoch, logs)``, ...): ``EarlyStopping``,
+    ``Checkpoint``, ``CSVLogger``, or your own (any object with one of the hooks)."""
+    track_perf: bool = False
+    """Record per-epoch samples/s and mean step time in ``result.perf``."""
+    seed: int | None = None
+    """``torch.manual_seed(seed)`` at the start of the run (and the shuffle order): the same run gives
+    the same numbers on the same device. ``None`` leaves the random state alone."""
+    cuda_graph: bool | None = None
+    """On CUDA: ``None`` captures steps in CUDA graphs when possible, ``False`` never, ``True``
+    requires it (an error when the run cannot be captured)."""
+    method: Any = "backprop"
+    """The credit-assignment method: a registered name (``"backprop"``, ``"target_prop"``,
+    ``"tween"``, or a rule of your own), a method's config (``TargetPropConfig(...)``,
+    ``TweenConfig(...)``) or a ``torchloom.Method``."""
+    validation_data: Any = None
+    """Data in any form ``train()`` accepts, evaluated after every epoch in eval mode without
+    gradients: ``val_loss`` and ``val_<metric>`` in the epoch logs."""
+    metrics: Any = ()
+    """Metrics logged every epoch: names (``"accuracy"``, ``"binary_accuracy"``, ``"mse"``, ``"mae"``,
+    ``"rmse"``), callables ``metric(output, target)``, objects with ``update/compute/reset``, a mapping
+    ``{name: metric}`` (the value is the metric: ``{"mse": my_fn}`` logs ``my_fn`` as ``mse``) or a
+    ``MetricSet``."""
+    batch_size: int | None = None
+    """For a ``Dataset`` or arrays ``(X, Y)``: rows per batch (>= 1; 32 when not given). Ready-made
+    batches are used as given."""
+    shuffle: bool = False
+    """For a ``Dataset`` or arrays ``(X, Y)``: a new row order every epoch; for a list of batches: a new
+    batch order every epoch; seeded by ``seed`` (and kept exactly across a resume). A ``DataLoader``
+    shuffles itself: ``shuffle=True`` with one is a ``ValueError``."""
+    resume_from: Any = None
+    """A file written by ``Checkpoint`` (full state, ``str`` or ``os.PathLike``): training continues
+    from its epoch up to ``epochs``, bit for bit as one run on CPU."""
+    scheduler_interval: str = "batch"
+    """Step the scheduler every ``"batch"`` (Loom's per-step schedules) or every ``"epoch"``."""
+    scheduler_monitor: str | None = None
+    """The log key a ``ReduceLROnPlateau`` steps on; ``None`` = ``"val_loss"`` with validation data,
+    else ``"loss"``."""
+    precision: str = "32"
+    """``"32"``, ``"bf16-mixed"`` (autocast, float32 weights) or ``"16-mixed"`` (float16 with dynamic
+    loss scaling; backprop only)."""
+    distributed: bool | None = None
+    """Data-parallel training under ``torch.distributed``: ``None`` when a process group of more than
+    one process is initialised, ``True`` required, ``False`` off."""
+    shard_data: bool | None = None
+    """Data-parallel training with ``(X, Y)`` data: ``None`` shards it when every rank holds the same
+    rows, else each rank's rows are its own shard (the usual pre-sharded DDP habit); ``True`` / ``False``
+    always / never shard (a ``Dataset`` is sharded unless ``False``)."""
+    weight_dtype: Any = None
+    """Train in one of Loom's 21 weight dtypes (``"int8"``, ``"int4"``, ``"fp4"``, ``"ternary"``, ...) or
+    a ``{layer name: dtype}`` mapping: the forward and backward run on the dtype's values (docs/low-bit.md).
+    ``None`` = float32."""
+    low_bit: Any = None
+    """A ``torchloom.LowBitConfig`` (``master``, ``rounding``, ``scale``, ``loom_compat``, ``seed``) for
+    ``weight_dtype``; ``None`` = its defaults."""
+    divergence_factor: float = 10.0
+    """An epoch whose loss exceeds this × the larger of the first epoch's and the best, or whose
+    weights' norm exceeds this × the start's, is reported as diverged (> 1; ``0`` = off); so is one
+    whose loss climbs back above the first epoch's and 1.1 × the best (engine/divergence.py)."""
+    loss_fn: Any = None
+    """A custom loss for backprop: ``loss_fn(output, target) -> one-element tensor`` (the batch's mean
+    loss), differentiated by autograd with respect to the output, in place of ``loss_type``; also what
+    ``val_loss`` reports. ``None`` (default): ``loss_type``. The other methods train on their own
+    losses and refuse it."""
+    accumulate_grad_batches: int = 1
+    """Backprop: average the gradients of this many consecutive batches and update once (Lightning's
+    ``accumulate_grad_batches``); with a mean-reduced loss and equal-sized batches, equal to one step
+    on the batch ``k`` times as large. The last batch of an epoch updates with what it has. A
+    per-batch schedule advances once per update. ``1`` (default): an update every batch."""
+    log_every_n_steps: int = 0
+    """Per-step logs every this many steps (Lightning's ``log_every_n_steps``): ``loss``, ``lr`` and
+    the method's step logs of that step go to the observers' ``on_step_log(trainer, step, logs)``
+    hook, ``History.step_history``, ``CSVLogger(step_path=...)`` and ``TensorBoardLogger``. On the
+    CUDA device path they are read with the epoch's one host sync (the steps stay graph-captured) and
+    delivered at the epoch's end. ``0`` (default): off."""
+    optimizer_options: Mapping[str, Any] | None = None
+    """Settings of an optimizer given by name, e.g. ``{"weight_decay": 0.1, "betas": (0.9, 0.95)}``:
+    any argument of its class (``torchloom.optim.SGD`` / ``AdamW`` / ``RMSprop``) but the parameters
+    and ``lr``; checked when the config is built. ``None`` = the optimizer's defaults."""
+    alignment_every: int = 0
+    """Alignment diagnostics: every this many steps, the angle in degrees between the method's update
+    direction and the exact backprop gradient, per layer with parameters, logged per epoch as
+    ``alignment_bp/<layer index>`` (engine/alignment.py; docs/choosing-a-method.md). Measured on the
+    host path, so the CUDA device path is not used (``cuda_graph=True`` is refused). ``0`` (default):
+    off."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,10 +215,9 @@ class TrainingConfig:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. ``train()`` calls it again
         when a run starts, so a field changed after construction is checked too. Numbers may be given
         as numpy scalars or one-element tensors (stored as Python numbers)."""
+        python_numbers(self)  # NumPy scalars → Python numbers
         for name in ("learning_rate", "gradient_clip", "divergence_factor"):
             setattr(self, name, _as_number(getattr(self, name)))
-        if isinstance(self.epochs, numbers.Integral) and not isinstance(self.epochs, (bool, int)):
-            self.epochs = int(self.epochs)
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
         if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
@@ -147,10 +269,22 @@ class TrainingConfig:
             if self.optimizer.lower() not in OPTIMIZERS:
                 raise ValueError(
                     f"TrainingConfig: unknown optimizer {self.optimizer!r}; valid names: "
-                    f"{', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance"
+                    f"{', '.join(map(repr, OPTIMIZERS))}, a torch.optim.Optimizer instance or a factory params -> "
+                    "Optimizer (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1))"
                 )
-        elif not isinstance(self.optimizer, Optimizer):
-            raise TypeError(f"TrainingConfig: optimizer must be a name or a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+            self.optimizer_options = check_optimizer_options(
+                self.optimizer, self.optimizer_options, self.learning_rate, owner="TrainingConfig: optimizer_options"
+            )
+        elif not isinstance(self.optimizer, Optimizer) and not callable(self.optimizer):
+            raise TypeError(
+                f"TrainingConfig: optimizer must be a name ({', '.join(map(repr, OPTIMIZERS))}), a torch.optim.Optimizer or a "
+                f"factory params -> Optimizer (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1)), got {type(self.optimizer).__name__}"
+            )
+        elif self.optimizer_options:
+            raise ValueError(
+                "TrainingConfig: optimizer_options apply to an optimizer given by name; an optimizer instance or factory "
+                "carries its own settings (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1))"
+            )
         if isinstance(self.observers, (str, bytes)) or not hasattr(self.observers, "__iter__"):
             raise TypeError(f"TrainingConfig: observers must be a sequence of observers, got {type(self.observers).__name__}")
         self.observers = tuple(self.observers)
@@ -160,15 +294,26 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
-        self.method_spec()  # checks method and its agreement with the other fields
-        if isinstance(self.metrics, (str, bytes)) or callable(self.metrics) or not hasattr(self.metrics, "__iter__"):
+        if self.loss_fn is not None and (not callable(self.loss_fn) or isinstance(self.loss_fn, (str, type))):
             raise TypeError(
-                f"TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), got {self.metrics!r}"
+                f"TrainingConfig: loss_fn must be None or a callable loss_fn(output, target) -> one-element tensor, got {self.loss_fn!r}"
             )
-        self.metrics = tuple(self.metrics)
-        for m in self.metrics:
-            if not (isinstance(m, str) or callable(m)):
-                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+        for name in ("accumulate_grad_batches", "log_every_n_steps"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                value = int(value)  # a NumPy integer
+                setattr(self, name, value)
+            least = 1 if name == "accumulate_grad_batches" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "an int >= 1 (1 = an update every batch)" if least else "an int >= 0 (0 = off)"
+                raise ValueError(f"TrainingConfig: {name} must be {what}, got {value!r}")
+        self.method_spec()  # checks method and its agreement with the other fields
+        self.metrics = _metrics_setting(self.metrics)
+        check_scheduler(self.scheduler)
+        try:
+            ObserverList(self.observers)  # each has a hook
+        except TypeError as e:
+            raise TypeError(f"TrainingConfig: observers: {e}") from None
         if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) or self.batch_size < 1):
             raise ValueError(f"TrainingConfig: batch_size must be None or an int >= 1, got {self.batch_size!r}")
         if not isinstance(self.shuffle, bool):
@@ -181,8 +326,11 @@ class TrainingConfig:
             raise ValueError(f"TrainingConfig: scheduler_interval must be 'batch' or 'epoch', got {self.scheduler_interval!r}")
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"TrainingConfig: distributed must be None (automatic), True or False, got {self.distributed!r}")
+        if self.shard_data is not None and not isinstance(self.shard_data, bool):
+            raise TypeError(f"TrainingConfig: shard_data must be None (automatic), True or False, got {self.shard_data!r}")
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
+        self.low_bit_config()  # checks weight_dtype and low_bit
         if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
@@ -191,6 +339,20 @@ class TrainingConfig:
                     f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
                     "default or build the optimizer with that lr"
                 )
+
+    def low_bit_config(self) -> Any:
+        """The ``LowBitConfig`` of ``weight_dtype`` (``low_bit`` or the defaults), checked with it;
+        ``None`` when ``weight_dtype`` is ``None``."""
+        from ..lowbit.config import LowBitConfig
+        from ..lowbit.weights import check_weight_dtype
+
+        if self.low_bit is not None and not isinstance(self.low_bit, LowBitConfig):
+            raise TypeError(f"TrainingConfig: low_bit must be None or a torchloom.LowBitConfig, got {type(self.low_bit).__name__}")
+        if self.low_bit is not None:
+            self.low_bit.validate()
+        cfg = self.low_bit if self.low_bit is not None else LowBitConfig()
+        check_weight_dtype(self.weight_dtype, cfg)
+        return None if self.weight_dtype is None else cfg
 
     def method_spec(self) -> tuple[Any, Any]:
         """``(method class, its settings)`` for ``method``, checked against the other fields.
@@ -257,24 +419,10 @@ def resolve_device(device: str | torch.device | None, use_gpu: bool, device_id: 
 
 
 def as_network(model: Any) -> Network:
-    """``model`` as a ``Network``: a Network as is; a torchloom layer, a list of layers and modules,
-    or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
-    Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
-    through their hand-written backward. The parameters are the model's own (nothing is copied)."""
-    model = unwrap_ddp(model)  # a DistributedDataParallel wrapper: its .module, with a note
-    if isinstance(model, Network):
-        return model
-    if isinstance(model, Layer):
-        return Network(model)
-    if isinstance(model, torch.nn.Sequential) and len(model):
-        return Network(*model)
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model):
-        return Network(*model)
-    if isinstance(model, torch.nn.Module):
-        return Network(model)
-    raise TypeError(
-        f"model must be a torchloom Network, a torchloom layer, an nn.Module or a list of them, got {type(model).__name__}"
-    )
+    """``model`` as a ``Network`` (``torchloom.layers.network.chain_of``: a Network as is, a layer,
+    a list or an ``nn.Sequential`` as the chain of its items, any other ``nn.Module`` as a one-link
+    chain; the parameters are the model's own), after unwrapping ``DistributedDataParallel``."""
+    return chain_of(unwrap_ddp(model))  # a DistributedDataParallel wrapper: its .module, with a note
 
 
 def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None:
@@ -291,6 +439,62 @@ def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None
         )
     if not any(p.requires_grad for p in held):
         raise ValueError(f"optimizer: {type(optimizer).__name__} holds none of the model's trainable parameters")
+
+
+def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
+    """``ValueError`` when ``learning_rate`` was set (not its default) beside an optimizer factory that
+    built another rate: the factory's rate is used, so one of the two would be ignored."""
+    if isinstance(config.optimizer, (str, Optimizer)) or config.learning_rate == DEFAULT_LR:
+        return
+    lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    if lrs != [float(config.learning_rate)]:
+        raise ValueError(
+            f"TrainingConfig: learning_rate={config.learning_rate!r} is given with an optimizer factory that builds "
+            f"lr {lrs if len(lrs) > 1 else lrs[0]}; the factory's lr is used: leave learning_rate at its default or "
+            f"give the factory that lr (e.g. functools.partial(torch.optim.AdamW, lr={config.learning_rate!r}, ...))"
+        )
+
+
+def check_optimizer_device(optimizer: Optimizer, device: torch.device) -> None:
+    """``ValueError`` when ``optimizer`` (after the model moved to the training ``device``) holds a
+    parameter that is not on ``device`` (a move that made new parameters left the optimizer with the
+    old ones), or state on another device than its parameter: an optimizer built and used before
+    ``train()`` moved the model (``use_gpu=True`` / ``device``) whose parameters or state stayed
+    behind."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            stale = p.device != device
+            state = optimizer.state.get(p, {})
+            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != p.device]
+            if stale or away:
+                where = f"parameters on {p.device}" if stale else f"state {away[0]!r} on {state[away[0]].device}"
+                raise ValueError(
+                    f"optimizer: the {type(optimizer).__name__} instance holds {where}, but training runs on {device} "
+                    "(train() moved the model there: use_gpu/device); build the optimizer after moving the model "
+                    f"(model.to({str(device)!r})), or give it by name or as a factory (e.g. optimizer='adamw' or "
+                    "functools.partial(torch.optim.AdamW, weight_decay=0.1)), which train() builds on the training device"
+                )
+
+
+def check_scheduler(spec: Any) -> None:
+    """``TypeError`` unless ``spec`` is a form ``as_scheduler`` takes: ``None``, an ``LRScheduler``
+    instance, an ``LRScheduler`` class or ``functools.partial`` of one, or a schedule ``lr(step)``
+    (any callable). A string names the closest of ``torchloom.schedules``."""
+    if spec is None or callable(spec) or isinstance(spec, (LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        return
+    from ..optim import schedules
+
+    names = [n for n in schedules.__all__ if n[0].islower() and callable(getattr(schedules, n))]
+    hint = ""
+    if isinstance(spec, str):
+        guess = closest(spec, names)
+        hint = f" (did you mean torchloom.schedules.{guess}(...)?)" if guess else ""
+    raise TypeError(
+        f"TrainingConfig: scheduler must be None, a schedule lr(step) (torchloom.schedules: {', '.join(names)}; or any "
+        "callable), an LRScheduler class or functools.partial of one (e.g. functools.partial("
+        "torch.optim.lr_scheduler.ReduceLROnPlateau, patience=2)) or an LRScheduler instance, "
+        f"got {spec!r}{hint}"
+    )
 
 
 def _scheduler_class(spec: Any) -> bool:
@@ -326,3 +530,29 @@ def as_scheduler(spec: Any, optimizer: Optimizer) -> Any:
 def is_plateau(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a monitored value (``ReduceLROnPlateau``) rather than a count."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _metrics_setting(metrics: Any) -> Any:
+    """``TrainingConfig.metrics`` checked (by building the ``MetricSet`` it describes, so an unknown
+    name or a duplicate fails here) and kept in its form: a mapping ``{name: metric}`` as a dict (its
+    values are the metrics: ``{"mse": my_fn}`` logs ``my_fn`` under ``"mse"``), a ``MetricSet`` as it
+    is, any other sequence as a tuple."""
+    if isinstance(metrics, MetricSet):
+        return metrics
+    if isinstance(metrics, Mapping):
+        metrics = dict(metrics)
+    elif isinstance(metrics, (str, bytes)) or callable(metrics) or not hasattr(metrics, "__iter__"):
+        raise TypeError(
+            "TrainingConfig: metrics must be a sequence of metric names or callables, e.g. ('accuracy',), a mapping "
+            f"{{name: metric}} or a MetricSet, got {metrics!r}"
+        )
+    else:
+        metrics = tuple(metrics)
+        for m in metrics:
+            if not (isinstance(m, str) or callable(m) or hasattr(m, "update")):
+                raise TypeError(f"TrainingConfig: each metric must be a name or a callable metric(output, target), got {m!r}")
+    try:
+        MetricSet(metrics)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"TrainingConfig: {e}") from None
+    return metrics

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layers.base import host_checks
 from .guards import UpdateGuard
-from .types import EpochOutcome, StepStatus, user_stacklevel
+from .types import EpochOutcome, StepStatus, batch_rows, user_stacklevel
 
 __all__ = ["CudaRunner", "STEPS_PER_GRAPH", "NAN_WEIGHTS", "steps_per_graph"]
 
@@ -162,10 +162,14 @@ class CudaRunner:
         self._streamed_samples = 0
         self.capture_count = 0  # graphs captured (for tests and curiosity)
         self.capture_failed = False
+        self._step_lrs: dict[int, dict[str, float]] = {}
         self.eager_first_epoch = _needs_eager_checks(trainer.model)
         trainer.device_setup(self)
         tensors = trainer.guarded_device_tensors
         self.update_guard = UpdateGuard(tensors)
+        # module buffers (BatchNorm statistics) change in the forward: saved before every step and put
+        # back when it did not count (status nonzero), device ops only (guards.py)
+        self.buffer_guard = UpdateGuard(trainer.guarded_buffers) if trainer.guarded_buffers() else None
 
     # ------------------------------------------------------------ services for device steps
     def decide(self, slot: int, loss_partials: Tensor, sq_partials: Tensor, clip_norm: float = 0.0) -> None:
@@ -186,6 +190,17 @@ class CudaRunner:
         yield
         self.update_guard.restore_if_nonfinite_(self.step_status[slot, 0])
 
+    def guarded_step(self, x: Tensor, y: Tensor, slot: int) -> None:
+        """The method's device step for ``slot``, with the model's buffers saved before it and put
+        back after it when its status is not OK."""
+        guard = self.buffer_guard
+        if guard is not None:
+            guard.device_flag(self.t.device)
+            guard.save()
+        self.t.device_step(x, y, slot, self)
+        if guard is not None:
+            guard.restore_unless_ok_(self.step_status[slot, 0])
+
     def log(self, slot: int, values: Sequence[Tensor] | Tensor) -> None:
         """Write the method's per-step logs (``trainer.device_log_names`` order) into row ``slot``."""
         row = values if isinstance(values, Tensor) else torch.stack([v.reshape(()).double() for v in values])
@@ -197,6 +212,7 @@ class CudaRunner:
         t = self.t
         return (
             t.device.type == "cuda" and t.training.cuda_graph is not False and source.items is not None
+            and not getattr(source, "shuffled", False)  # graphs replay the batches in one order
             and getattr(t, "metric_set", None) is None
         )
 
@@ -228,9 +244,22 @@ class CudaRunner:
                     RuntimeWarning,
                     stacklevel=user_stacklevel(),
                 )
+        every = getattr(t.training, "log_every_n_steps", 0)
+        start = t.global_step
+
+        def logged(k: int) -> bool:  # whether step k of this epoch's logs are delivered (log_every_n_steps)
+            return every > 0 and (start + k + 1) % every == 0
+
+        self._step_lrs: dict[int, dict[str, float]] = {}  # the rates of the logged steps, host floats
         if self.graphs is not None:
+            if every > 0:
+                base = t.lr_logs()
+                self._step_lrs = {k: base for k in range(n) if logged(k)}
             if t.scheduler is not None:
                 self.lr_table[:, :, 0].copy_(self._epoch_lrs(n))
+                if every > 0:
+                    names = list(base)
+                    self._step_lrs = {k: dict(zip(names, self._lr_rows[k])) for k in range(n) if logged(k)}
             with t.op_recorder():
                 self._replay(source)
             t.finish_op_record()
@@ -238,14 +267,16 @@ class CudaRunner:
         else:
             count = 0
             self._streamed_samples = 0
-            for k, (x, y) in enumerate(source):
+            for k, (x, y) in enumerate(t.epoch_batches(source, epoch)):
                 if k >= self.step_loss.shape[0]:
                     self._grow_arrays()
-                t.device_step(x, y, k, self)
+                if logged(k):
+                    self._step_lrs[k] = t.lr_logs()
+                self.guarded_step(x, y, k)
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
-                self._streamed_samples += x.shape[0]
+                self._streamed_samples += batch_rows(x)
         t.global_step += count
         return self._read_back(count, epoch, source)
 
@@ -276,6 +307,7 @@ class CudaRunner:
             rows.append([float(g["lr"]) for g in groups])
             if scheduler is not None:
                 scheduler.step()
+        self._lr_rows = rows  # as host floats, for the step logs (log_every_n_steps)
         return torch.tensor(rows, dtype=torch.float32)
 
     def _capture(self, source: Any, steps_left: int) -> None:
@@ -340,7 +372,7 @@ class CudaRunner:
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
                         try:  # a host read would break the capture: found here, before it starts
                             with _NoHostReads():
-                                t.device_step(*items[k], k, self)
+                                self.guarded_step(*items[k], k)
                         finally:
                             self.dead.zero_()
                         t.device_epoch_begin(self, 1)  # state the warm-up created joins the layout
@@ -355,7 +387,7 @@ class CudaRunner:
                         with capturing(graph, pool):
                             for k in range(k_steps):
                                 self._use_lr_row(k, table=c["lr"] if t.scheduler is not None else None)
-                                t.device_step(c["x"][k], c["y"][k], k, self)
+                                self.guarded_step(c["x"][k], c["y"][k], k)
                     finally:
                         self.step_loss, self.step_status, self.step_logs = epoch_rows
                     c["graph"] = graph
@@ -365,7 +397,7 @@ class CudaRunner:
                     with capturing(graph, pool):
                         for k in range(tail_start, n):
                             self._use_lr_row(k)
-                            t.device_step(*items[k], k, self)
+                            self.guarded_step(*items[k], k)
                     graphs.append(graph)
                     self.capture_count += 1
         finally:
@@ -447,6 +479,11 @@ class CudaRunner:
                 break
         if sizes is None:
             out.samples = self._streamed_samples
+        start = self.t.global_step - count
+        for k, lrs in sorted(self._step_lrs.items()):  # log_every_n_steps: from this one read, no sync of their own
+            if k < out.batches_run:
+                method_logs = dict(zip(names, logs[k])) if logs is not None else None
+                self.t.log_step(start + k, losses[k], method_logs, lrs, statuses[k] != 0)
         kept = (losses[: out.batches_run], statuses[: out.batches_run], logs[: out.batches_run] if logs is not None else None)
         self.t.device_epoch_end(self, *kept, extra_values)
         return out

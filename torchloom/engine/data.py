@@ -128,15 +128,33 @@ def _pair(batch: Any, where: str) -> tuple[Any, Any]:
     )
 
 
-def _checked_pair(batch: Any, where: str) -> tuple[Tensor, Tensor]:
-    """One batch as two tensors ``[batch, ...]`` with the same batch size."""
-    x, y = _pair(batch, where)
-    x, y = _as_tensor(x, f"{where}: input"), _as_tensor(y, f"{where}: target")
-    if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"{where}: input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-    if y.dim() == 0 or y.shape[0] != x.shape[0]:
+def as_inputs(x: Any, what: str) -> Tensor | tuple[Tensor, ...]:
+    """An input batch as a tensor ``[batch, ...]``, or, for a model of several inputs, a tuple of
+    tensors ``(x1, x2, ...)`` each ``[batch, ...]`` with one batch size (``model(*inputs)``)."""
+    if not isinstance(x, tuple):
+        x = _as_tensor(x, what)
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"{what} must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        return x
+    if not x:
+        raise ValueError(f"{what} is an empty tuple; a model of several inputs takes a tuple (x1, x2, ...) of tensors")
+    xs = tuple(_as_tensor(t, f"{what} {i}") for i, t in enumerate(x))
+    if any(t.dim() == 0 for t in xs) or len({t.shape[0] for t in xs}) != 1 or xs[0].shape[0] == 0:
         raise ValueError(
-            f"{where}: target must have the input's batch size {x.shape[0]} as its first dimension, "
+            f"{what}s must each be [batch, ...] with one batch size >= 1, got shapes {[list(t.shape) for t in xs]}"
+        )
+    return xs
+
+
+def _checked_pair(batch: Any, where: str) -> tuple[Tensor | tuple[Tensor, ...], Tensor]:
+    """One batch as ``(input, target)``, tensors ``[batch, ...]`` with the same batch size (the input
+    a tuple of such tensors for a model of several inputs)."""
+    x, y = _pair(batch, where)
+    x, y = as_inputs(x, f"{where}: input"), _as_tensor(y, f"{where}: target")
+    rows = (x[0] if isinstance(x, tuple) else x).shape[0]
+    if y.dim() == 0 or y.shape[0] != rows:
+        raise ValueError(
+            f"{where}: target must have the input's batch size {rows} as its first dimension, "
             f"got shape {list(y.shape)}"
         )
     return x, y
@@ -281,7 +299,7 @@ class _TensorBatches(Batches):
         self.drop_last = drop_last
         self.is_list = not shuffle
         self.seed = (seed if seed is not None else _draw_seed()) if shuffle else seed
-        n = X.shape[0]
+        n = _rows(X)
         self._n = n // batch_size if drop_last else math.ceil(n / batch_size)
 
     def _length(self) -> int:
@@ -290,7 +308,7 @@ class _TensorBatches(Batches):
     def order(self, epoch: int) -> Tensor:
         """The row order of epoch ``epoch`` (int64 ``[n]`` on the CPU): ``arange(n)`` without shuffling,
         else ``randperm(n)`` from a ``torch.Generator`` seeded with ``epoch_seed(seed, epoch)``."""
-        n = self.X.shape[0]
+        n = _rows(self.X)
         if not self.shuffle:
             return torch.arange(n)
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
@@ -300,13 +318,14 @@ class _TensorBatches(Batches):
         bs = self.batch_size
         if not self.shuffle:
             for i in range(self._n):
-                yield self.X[i * bs : (i + 1) * bs], self.Y[i * bs : (i + 1) * bs]
+                yield _take(self.X, slice(i * bs, (i + 1) * bs)), self.Y[i * bs : (i + 1) * bs]
             return
         order = self.order(epoch)
-        ox = order.to(self.X.device)
-        oy = ox if self.Y.device == self.X.device else order.to(self.Y.device)
+        x_device = (self.X[0] if isinstance(self.X, tuple) else self.X).device
+        ox = order.to(x_device)
+        oy = ox if self.Y.device == x_device else order.to(self.Y.device)
         for i in range(self._n):
-            yield self.X[ox[i * bs : (i + 1) * bs]], self.Y[oy[i * bs : (i + 1) * bs]]
+            yield _take(self.X, ox[i * bs : (i + 1) * bs]), self.Y[oy[i * bs : (i + 1) * bs]]
 
     def materialise(self) -> list[tuple[Tensor, Tensor]]:
         if self.shuffle:
@@ -314,7 +333,7 @@ class _TensorBatches(Batches):
         return list(self._epoch_iter(0))
 
     def describe(self) -> str:
-        return f"(X, Y) tensors of {self.X.shape[0]} rows, batch_size={self.batch_size}" + (", shuffled" if self.shuffle else "")
+        return f"(X, Y) tensors of {_rows(self.X)} rows, batch_size={self.batch_size}" + (", shuffled" if self.shuffle else "")
 
 
 class _LoaderBatches(Batches):
@@ -379,8 +398,9 @@ def as_batch_iterable(
               ``TrainingBatch``, an ``(input, target)`` pair or a dict with ``'input'`` and
               ``'target'``; inputs ``[batch, ...]``, targets with the same first dimension. Used in
               order; ``batch_size``, ``shuffle`` and ``drop_last`` do not apply (errors if given).
-            * a tuple ``(X, Y)`` of two tensors (or NumPy arrays) ``X [n, ...]``, ``Y [n, ...]``:
-              batches of ``batch_size`` rows (default 32; the last one shorter unless ``drop_last``).
+            * a tuple ``(X, Y)`` of two tensors (or NumPy arrays) ``X [n, ...]``, ``Y [n, ...]``
+              (``X`` may be a tuple ``(X1, X2, ...)`` of such tensors for a model of several
+              inputs, each batch's input then the tuple of their rows): batches of ``batch_size`` rows (default 32; the last one shorter unless ``drop_last``).
               With ``shuffle=True`` each epoch uses a new permutation of the rows (see ``seed``).
               A tuple of exactly two tensors is always read this way, never as two batches.
             * a ``torch.utils.data.DataLoader``: used as is; ``batch_size``, ``shuffle`` and
@@ -428,7 +448,7 @@ def as_batch_iterable(
     if isinstance(data, Dataset):
         return _from_dataset(data, batch_size, shuffle, seed, drop_last, name)
 
-    if isinstance(data, tuple) and len(data) == 2 and all(_is_array(a) for a in data):
+    if _is_xy(data):
         return _from_tensors(data[0], data[1], batch_size, shuffle, seed, drop_last, name)
 
     if isinstance(data, (str, bytes, Tensor, TrainingBatch, Mapping)) or _is_array(data) or not isinstance(data, Iterable):
@@ -458,24 +478,50 @@ def _no_batching_args(name: str, what: str, batch_size: int | None, shuffle: boo
             )
 
 
+def _rows(X: Tensor | tuple[Tensor, ...]) -> int:
+    return (X[0] if isinstance(X, tuple) else X).shape[0]
+
+
+def _take(X: Tensor | tuple[Tensor, ...], rows: Any) -> Tensor | tuple[Tensor, ...]:
+    """Rows of ``X``, or of each input of a tuple ``(X1, X2, ...)`` (a model of several inputs)."""
+    return tuple(x[rows] for x in X) if isinstance(X, tuple) else X[rows]
+
+
+def _is_xy(data: Any) -> bool:
+    """A tuple ``(X, Y)`` of two tensors or arrays, ``X`` possibly a tuple ``(X1, X2, ...)`` of them
+    (the inputs of a model that takes several)."""
+    if not (isinstance(data, tuple) and len(data) == 2 and _is_array(data[1])):
+        return False
+    X = data[0]
+    return _is_array(X) or (isinstance(X, tuple) and len(X) > 0 and all(_is_array(x) for x in X))
+
+
 def _from_tensors(X: Any, Y: Any, batch_size: int | None, shuffle: bool, seed: int | None, drop_last: bool, name: str) -> Batches:
-    X, Y = _as_tensor(X, f"{name}: X"), _as_tensor(Y, f"{name}: Y")
-    if X.dim() == 0 or Y.dim() == 0:
+    if isinstance(X, tuple):  # (X1, X2, ...): the inputs of a model of several, sliced alike
+        X = tuple(_as_tensor(x, f"{name}: X[{i}]") for i, x in enumerate(X))
+        shapes = [list(x.shape) for x in X]
+        if any(x.dim() == 0 for x in X) or len({x.shape[0] for x in X}) != 1:
+            raise ValueError(f"{name}: the inputs (X1, X2, ...) must be tensors [n, ...] with the same number of rows, got shapes {shapes}")
+        first = X[0]
+    else:
+        X = first = _as_tensor(X, f"{name}: X")
+    Y = _as_tensor(Y, f"{name}: Y")
+    if first.dim() == 0 or Y.dim() == 0:
         raise ValueError(
             f"{name}: (X, Y) must be tensors [n, ...] with a first (sample) dimension, got shapes "
-            f"{list(X.shape)} and {list(Y.shape)}"
+            f"{list(first.shape)} and {list(Y.shape)}"
         )
-    if X.shape[0] != Y.shape[0]:
+    if first.shape[0] != Y.shape[0]:
         raise ValueError(
-            f"{name}: X and Y must have the same number of rows (first dimension), got X {list(X.shape)} "
+            f"{name}: X and Y must have the same number of rows (first dimension), got X {list(first.shape)} "
             f"and Y {list(Y.shape)}"
         )
-    if X.shape[0] == 0:
+    if first.shape[0] == 0:
         raise ValueError(f"{name} is empty: (X, Y) have 0 rows")
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
-    if drop_last and X.shape[0] < batch_size:
+    if drop_last and first.shape[0] < batch_size:
         raise ValueError(
-            f"{name}: drop_last=True with batch_size={batch_size} leaves no batch of the {X.shape[0]} rows"
+            f"{name}: drop_last=True with batch_size={batch_size} leaves no batch of the {first.shape[0]} rows"
         )
     return _TensorBatches(X, Y, batch_size, shuffle, seed, drop_last, name)
 

@@ -279,7 +279,85 @@ class DistContext:
                 "rank an equal shard of every batch)"
             )
 
+    def agree(self, *flags: bool) -> list[int]:
+        """For each flag, on how many ranks it is true (one SUM all-reduce; every rank must call it)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=self._scalar_device())
+        tdist.all_reduce(t, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def agreed_batches(self, batches: Any, epoch: int) -> Iterator[Any]:
+        """``batches`` (one epoch of a streamed source) with every step agreed before it runs (one small
+        all-reduce a batch): a rank whose next batch failed to load or convert makes every rank raise
+        at once (that rank its own error, the others a ``RuntimeError`` naming it) instead of leaving
+        them waiting in the next collective until the process group's timeout; when some ranks have
+        no batch left the epoch ends on every rank, with a warning (unequal loaders), rather than
+        leaving a collective half-joined."""
+        it = iter(batches)
+        step = 0
+        while True:
+            batch, error = None, None
+            try:
+                batch = next(it)
+            except StopIteration:
+                pass
+            except Exception as e:  # noqa: BLE001 - agreed first, raised below on every rank
+                error = e
+            have, failed = self.agree(batch is not None, error is not None)
+            if failed:
+                self.raise_agreed(error, f"epoch {epoch + 1}, batch {step}")
+            if have < self.world_size:
+                if have and self.is_main:
+                    warnings.warn(
+                        f"data-parallel training: epoch {epoch + 1} ends after {step} batches on every rank: "
+                        f"{self.world_size - have} of {self.world_size} ranks had no batch {step} (loaders of unequal "
+                        "length; the other ranks' remaining batches are left out)",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                return
+            yield batch
+            step += 1
+
+    def raise_agreed(self, error: BaseException | None, where: str) -> None:
+        """After ``agree`` found a failure on some rank: this rank's own ``error``, or a
+        ``RuntimeError`` saying another rank failed at ``where``."""
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"data-parallel training stopped at {where}: another rank failed there (its error is in its own "
+            f"output); rank {self.rank} stops with it"
+        )
+
     # ------------------------------------------------------------------------------ data
+    def shards(self, data: tuple[Any, Any], setting: bool | None, name: str) -> bool:
+        """Whether ``(X, Y)`` given to every rank is cut into shards (``TrainingConfig.shard_data``):
+        ``True`` / ``False`` as set; ``None``: when every rank holds the same rows (row count and a
+        position-weighted checksum agreed in one all-reduce), else the data is each rank's own shard
+        (the usual habit of loading one's part per rank), used whole."""
+        if setting is not None:
+            return setting
+        sums = []
+        arrays = [m for a in data for m in (a if isinstance(a, (tuple, list)) else (a,))]  # (X1, X2, ...), Y
+        for a in arrays:
+            t = torch.as_tensor(a).detach().reshape(len(a), -1).to("cpu", torch.float64).nan_to_num(0.0, 1e300, -1e300)
+            weights = torch.arange(1, t.numel() + 1, dtype=torch.float64).reshape(t.shape) % 997 + 1
+            sums += [float(t.shape[0]), float(t.sum()), float((t * weights).sum())]
+        t = torch.tensor(sums + [-v for v in sums], dtype=torch.float64, device=self._scalar_device())
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.group)
+        n = len(sums)
+        return bool(torch.equal(t[:n], -t[n:]))
+
+    def local_batch_size(self, batch_size: int | None, name: str) -> int:
+        """Rows per step of a rank's own (not sharded) data: the global ``batch_size`` over the ranks."""
+        bs = batch_size if batch_size is not None else 32
+        if bs % self.world_size:
+            raise ValueError(
+                f"{name}: batch_size={bs} is the global batch of data-parallel training and must be a multiple of the "
+                f"world size {self.world_size} (each rank takes batch_size / {self.world_size} of its own rows a step); "
+                f"e.g. batch_size={max(bs // self.world_size, 1) * self.world_size}"
+            )
+        return bs // self.world_size
+
     def shard_rows(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor] | None:
         """This rank's contiguous equal share of one global batch of ``b`` rows: rows
         ``r·(b//W) … (r+1)·(b//W) − 1`` (the ``b mod W`` trailing rows are left out); ``None`` when

@@ -24,6 +24,7 @@ from ..layers.network import Network
 from .data import as_batch_iterable, predict_inputs
 from .losses import LOSS_TYPES, check_loss_type, check_target, is_label_target, loss_and_grad
 from .metrics import MetricSet
+from .types import batch_rows
 
 __all__ = ["evaluate", "predict"]
 
@@ -39,7 +40,8 @@ def evaluate(
     """The loss and metrics of ``model`` over ``data``: ``{"loss": ..., <metric name>: ..., ...}``.
 
     Args:
-        model: any ``nn.Module``; called as ``model(x)`` on each input batch and must return a
+        model: any ``nn.Module``; called as ``model(x)`` on each input batch (``model(*x)`` when
+            the input is a tuple ``(x1, x2, ...)``, a model of several inputs) and must return a
             tensor ``[batch, ...]``.
         data: any form of ``as_batch_iterable``: a list of ``(input, target)`` batches (or
             ``TrainingBatch``es / dicts), a tuple ``(X, Y)`` of tensors, a ``DataLoader``, a
@@ -90,7 +92,7 @@ def evaluate(
             out = _forward(model, x, i)
             if y.is_floating_point():
                 y = y.to(out.dtype)
-            n = x.shape[0]
+            n = batch_rows(x)
             if named_loss is not None:
                 try:
                     check_target(out.shape, y, named_loss, check_labels=host_checks)
@@ -213,18 +215,22 @@ def _float_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def _to_device(x: Tensor, dev: torch.device, dtype: torch.dtype | None) -> Tensor:
+def _to_device(x: Tensor | tuple[Tensor, ...], dev: torch.device, dtype: torch.dtype | None) -> Tensor | tuple[Tensor, ...]:
+    if isinstance(x, tuple):  # a model of several inputs
+        return tuple(_to_device(t, dev, dtype) for t in x)
     return x.to(dev, dtype=dtype if (dtype is not None and x.is_floating_point()) else None, non_blocking=True)
 
 
-def _forward(model: nn.Module, x: Tensor, index: int) -> Tensor:
-    out = model(x)
+def _forward(model: nn.Module, x: Tensor | tuple[Tensor, ...], index: int) -> Tensor:
+    # several inputs: model(*inputs); a Network passes the tuple to its first link, which unpacks it
+    out = model(*x) if isinstance(x, tuple) and not isinstance(model, Network) else model(x)
     if not isinstance(out, Tensor):
         raise TypeError(f"data: batch {index}: the model returned {type(out).__name__}; evaluate/predict need a tensor output")
-    if out.dim() == 0 or out.shape[0] != x.shape[0]:
+    rows = batch_rows(x)
+    if out.dim() == 0 or out.shape[0] != rows:
         raise ValueError(
             f"data: batch {index}: the model's output {list(out.shape)} has no batch dimension of the input's "
-            f"{x.shape[0]} rows"
+            f"{rows} rows"
         )
     return out
 

@@ -7,6 +7,11 @@ optimizer's or method's state tensors) before the update, checks them after it a
 became non-finite, puts every tensor back as it was, so the step reads as skipped
 (``StepStatus.NAN_WEIGHTS``).
 
+Module buffers (BatchNorm's running statistics) change in the forward, before any update: the engine
+guards them with a second ``UpdateGuard`` saved before each step and restored (``restore`` /
+``restore_unless_ok_``) whenever the step did not count, so a skipped NaN batch leaves no NaN
+statistics behind for ``evaluate()``.
+
 Two forms:
 
 * host (``check_or_restore``): one ``finite_flag`` read on the host, restore on the host;
@@ -157,6 +162,30 @@ class UpdateGuard:
         for t in new:
             t.zero_()
         return False
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put every guarded tensor back as ``save`` found it, whatever its values now (a skipped step
+        whose forward already changed module buffers: BatchNorm's running statistics); tensors made
+        since ``save`` are zeroed."""
+        new = self._new_tensors()
+        if self._live:
+            torch._foreach_copy_(self._live, self._backup)
+        for t in new:
+            t.zero_()
+
+    @torch.no_grad()
+    def restore_unless_ok_(self, status: Tensor) -> None:
+        """Device form of ``restore``: put every guarded tensor back when the 0-d int32 ``status`` of
+        the step is not OK (nonzero: a NaN/Inf loss or gradients, an undone update, a step not run).
+        No host read."""
+        from ..kernels.weight_guard import restore_if_flagged_
+
+        if not self._live:
+            return
+        flag = self.device_flag(status.device)
+        flag.copy_(status != 0)
+        restore_if_flagged_(self._live, self._backup, flag)
 
     # -------------------------------------------------------------------------- device form
     def device_flag(self, device: torch.device) -> Tensor:

@@ -20,6 +20,11 @@ never Loom's 0, and issues a ``DivergenceWarning`` whatever the verbose level. E
 ``skipped`` and ``counted`` batch counts; the result holds ``skipped_per_epoch``. Observers are called
 by name; ``History`` is always kept. Per-batch work for observers (``on_batch_end``) happens only when
 one implements that hook; per-layer events are the method's to send (``Method.layer_events()``).
+
+Logs: each epoch's holds ``lr`` (the rate it starts with) and its own ``samples_per_second``; with
+``TrainingConfig.log_every_n_steps`` = N, every N-th step's ``loss``, ``lr``, method logs and
+``skipped`` go to ``History.step_history`` and the observers' ``on_step_log`` (``log_step``; the
+device path delivers them from its one read per epoch).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..layers.base import precision_context
 from ..layers.network import Network
@@ -42,7 +48,7 @@ from ..observers.progress import EpochLinePrinter, ProgressObserver, print_line
 from . import checkpoint
 from .alignment import AlignmentProbe
 from .batches import BatchSource, moved
-from .config import as_scheduler, is_plateau, resolve_device, resolve_method
+from .config import as_scheduler, check_optimizer_device, is_plateau, resolve_device, resolve_method
 from .divergence import DivergenceWatch
 from .cuda_path import CudaRunner
 from .distributed import resolve_distributed
@@ -51,9 +57,12 @@ from .guards import UpdateGuard
 from .method import Method
 from .metrics import METRIC_NAMES, MetricSet
 from .start import WarmStart
-from .types import INT_DTYPES, MESSAGES, EpochOutcome, StepOutput, StepStatus, TrainingResult, DivergenceWarning, user_stacklevel
+from .data import as_inputs
+from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, StepStatus, TrainingResult, DivergenceWarning, user_stacklevel
 
 __all__ = ["Trainer"]
+
+_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
 
 
 class Trainer(WarmStart):
@@ -105,6 +114,7 @@ class Trainer(WarmStart):
         self.steps_per_epoch: int | None = None  # batches per epoch; None for an unsized DataLoader
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
+        self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
@@ -152,9 +162,16 @@ class Trainer(WarmStart):
 
     def device_setup(self, runner: Any) -> None:
         self.method.device_setup(runner)
+        if self.lowbit is not None:  # the step count that keys stochastic rounding, on the device
+            self._lowbit_step = torch.tensor(self.global_step, dtype=torch.int64, device=self.device)
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
+        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
+            status = runner.step_status[slot, 0]
+            self.lowbit.after_update(self._lowbit_step, status == 0)
+            # count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
+            self._lowbit_step.add_((status != _NOT_RUN).to(torch.int64))
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()
@@ -176,6 +193,8 @@ class Trainer(WarmStart):
         method's."""
         layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
         own = ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
+        if self.lowbit is not None:
+            own.append("torchloom.kernels.requant")
         return [*own, *layers, *self.method.device_kernel_modules()]
 
     def rate_groups(self) -> list[dict[str, Any]]:
@@ -202,23 +221,50 @@ class Trainer(WarmStart):
         model's device (``self.device``; floats in ``self.dtype``, integer labels as int64), checked
         to be ``[batch, ...]`` with one batch size, and the model's output shape for ``x``. ``where``
         prefixes error messages ("batch 3: ")."""
-        x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+        if isinstance(x, tuple):  # several inputs, model(*inputs)
+            self._check_multi_input(x, where)
+            x = as_inputs(x, f"{where}input")
+            xs = x
+        else:
+            x = x if isinstance(x, Tensor) else torch.as_tensor(x)
+            xs = (x,)
+            if x.dim() == 0 or x.shape[0] == 0:
+                raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
         y = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"{where}input must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        if y.dim() == 0 or y.shape[0] != x.shape[0]:
+        rows = xs[0].shape[0]
+        if y.dim() == 0 or y.shape[0] != rows:
             raise ValueError(
-                f"{where}target must have the input's batch size {x.shape[0]} as its first dimension, "
+                f"{where}target must have the input's batch size {rows} as its first dimension, "
                 f"got shape {list(y.shape)}"
             )
-        if not (x.is_floating_point() or x.dtype in INT_DTYPES):
-            raise TypeError(f"{where}input must be a floating or integer tensor, got dtype {x.dtype}")
+        for t in xs:
+            if not (t.is_floating_point() or t.dtype in INT_DTYPES):
+                raise TypeError(f"{where}input must be a floating or integer tensor, got dtype {t.dtype}")
         if not (y.is_floating_point() or y.dtype in INT_DTYPES):
             raise TypeError(f"{where}target must be a floating tensor or integer class labels, got dtype {y.dtype}")
-        out_shape = (x.shape[0], *self.output_shape(x, where))
-        x = moved(x, self.device, self.dtype if x.is_floating_point() else x.dtype)
+        out_shape = (rows, *self.output_shape(x, where))
+        xs = tuple(moved(t, self.device, self.dtype if t.is_floating_point() else t.dtype) for t in xs)
+        x = xs if isinstance(x, tuple) else xs[0]
         y = moved(y, self.device, torch.long if y.dtype in INT_DTYPES else self.dtype)
         return x, y, out_shape
+
+    def _check_multi_input(self, x: tuple, where: str) -> None:
+        """``TypeError`` unless the method trains models of several inputs (``Method.multi_input``:
+        backprop) and the model's first link is a plain ``nn.Module`` that takes them (``model(*inputs)``)."""
+        from ..layers.module_layer import ModuleLayer
+
+        if not getattr(self.method, "multi_input", False):
+            raise TypeError(
+                f"{where}input is a tuple of {len(x)} inputs; method {self.method.name or type(self.method).__name__!r} "
+                "trains models of one input tensor (backprop trains models of several: model(*inputs))"
+            )
+        if not isinstance(self.model[0], ModuleLayer):
+            raise TypeError(
+                f"{where}input is a tuple of {len(x)} inputs, but the model's first layer "
+                f"{type(self.model[0]).__name__} takes one input tensor; a model of several inputs is an "
+                "nn.Module whose forward takes them (model(*inputs))"
+            )
+        self.multi_input = True  # no device step: the runner's slots hold one input tensor per step
 
     def output_shape(self, x: Tensor, where: str = "") -> tuple[int, ...]:
         """The model's output shape without the batch dimension for inputs like ``x``: one forward
@@ -226,12 +272,14 @@ class Trainer(WarmStart):
         the model moves), once per distinct input shape and dtype, cached. A layer's ``ValueError``
         about the input's shape is raised with ``where`` in front."""
         shapes = self.__dict__.setdefault("_output_shapes", {})
-        key = (tuple(x.shape[1:]), x.is_floating_point())
+        xs = x if isinstance(x, tuple) else (x,)
+        key = tuple((tuple(t.shape[1:]), t.is_floating_point()) for t in xs)
         if key not in shapes:
             first = next(self.model.parameters(), None)
-            probe = x
+            probe = xs
             if first is not None:
-                probe = probe.to(first.device, dtype=first.dtype if probe.is_floating_point() else None)
+                probe = tuple(t.to(first.device, dtype=first.dtype if t.is_floating_point() else None) for t in xs)
+            probe = probe if isinstance(x, tuple) else probe[0]
             was_training = self.model.training
             self.model.eval()  # no BatchNorm statistics, no dropout draw: the probe leaves no trace
             try:
@@ -246,7 +294,8 @@ class Trainer(WarmStart):
 
     def make_observers(self) -> ObserverList:
         """The user's observers plus the console printer of the ``verbose`` level: 1 = progress bar
-        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing."""
+        (on a terminal) + epoch lines, 2 = epoch lines only, 0 = nothing. Observers that write
+        checkpoints (``writes_checkpoint = True``: ``Checkpoint``) are called after the others."""
         printer: Any = None
         if self.is_main and self.verbose == 2:
             printer = EpochLinePrinter()
@@ -255,7 +304,11 @@ class Trainer(WarmStart):
             # the bar advances per epoch instead (unless another observer forces the host loop anyway)
             host_loop = self._runner is None or any(callable(getattr(o, "on_batch_end", None)) for o in self.user_observers)
             printer = ProgressObserver(per_batch=host_loop)
-        return ObserverList([*self.user_observers, *([printer] if printer else [])])
+        # observers that write a checkpoint come after the others (as Lightning runs its ModelCheckpoint
+        # last): the state they save holds every other observer's state after this epoch
+        writers = [o for o in self.user_observers if getattr(o, "writes_checkpoint", False)]
+        others = [o for o in self.user_observers if not getattr(o, "writes_checkpoint", False)]
+        return ObserverList([*others, *writers, *([printer] if printer else [])])
 
     # ------------------------------------------------------------------- loop
     def run_epoch(self, source: "BatchSource", epoch: int) -> "EpochOutcome":
@@ -276,7 +329,10 @@ class Trainer(WarmStart):
         cuda_graph = self.training.cuda_graph
         if self._runner is not None and not self.observers.wants("on_batch_end") and LayerEvents.for_trainer(self) is None:
             if cuda_graph and epoch == 0 and not self._runner.graph_eligible(source):
-                raise ValueError("TrainingConfig(cuda_graph=True) needs a list of batches (a DataLoader yields new tensors every epoch)")
+                raise ValueError(
+                    "TrainingConfig(cuda_graph=True) needs a fixed list of batches (a DataLoader yields new tensors every "
+                    "epoch; shuffle=True reorders them)"
+                )
             return self._runner.run_epoch(source, epoch)
         if cuda_graph and epoch == 0:
             raise ValueError(
@@ -299,21 +355,39 @@ class Trainer(WarmStart):
         guard = self.__dict__.get("_update_guard")
         if guard is None:
             guard = self._update_guard = UpdateGuard(self.guarded_tensors)
+            self._buffer_guard = UpdateGuard(self.guarded_buffers)
+        buffers = self._buffer_guard if self.guarded_buffers() else None
+        every = getattr(self.training, "log_every_n_steps", 0)
         probe = self.__dict__.get("alignment")
-        for x, y in source:
+        for x, y, last in _with_last(self.epoch_batches(source, epoch)):
             out.batches_run += 1
-            out.samples += x.shape[0]
+            out.samples += batch_rows(x)
+            self.last_batch = last  # a method that accumulates gradients updates at the epoch's last batch
+            log_now = every > 0 and (self.global_step + 1) % every == 0
+            lrs = self.lr_logs() if log_now else None  # the rates this step uses
             guard.save()
+            if buffers is not None:
+                buffers.save()
             measure = probe is not None and probe.due(self.global_step)
             if measure:  # alignment diagnostics: the exact gradient and the method's direction, before the step
                 probe.before(x, y)
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+            if buffers is not None:  # a step that did not count leaves no trace in the running statistics
+                if step.status is StepStatus.OK and not buffers.check_or_restore():
+                    guard.restore()
+                    step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
+                elif step.status is not StepStatus.OK:
+                    buffers.restore()
+            if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
+                self.lowbit.after_update(self.global_step)
             if measure:
                 probe.after(step.status is StepStatus.OK)
-            if scheduler is not None:
-                scheduler.step()
+            if log_now:
+                self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
+            if scheduler is not None and not getattr(self.method, "update_pending", False):
+                scheduler.step()  # once per update (an accumulating method updates every k batches)
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
@@ -325,9 +399,37 @@ class Trainer(WarmStart):
                 continue
             out.add(step.loss, step.logs)
             if wants_batch:
-                batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(x.shape[0])}
+                batch_logs = {"loss": step.loss, **(step.logs or {}), "batch_size": float(batch_rows(x))}
                 self.observers("on_batch_end", self, self.global_step - 1, batch_logs)
         return out
+
+    def epoch_batches(self, source: "BatchSource", epoch: int) -> Any:
+        """One epoch of ``source``; data-parallel with a streamed source (a ``DataLoader``), each batch
+        agreed among the ranks before its step (``DistContext.agreed_batches``: a rank whose batch
+        failed stops every rank at once; loaders of unequal length end the epoch together)."""
+        if self.dist is None or source.items is not None:
+            return source
+        return self.dist.agreed_batches(source, epoch)
+
+    def lr_logs(self) -> dict[str, float]:
+        """The learning rates as log values: ``lr`` (the first param group's), and ``lr_group<i>``
+        for each further group; ``{}`` for a method without a rate. Host floats (a rate held in a
+        device tensor is read: once per epoch, or per logged step)."""
+        groups = self.rate_groups()
+        logs = {}
+        for i, g in enumerate(groups):
+            lr = g["lr"]
+            logs["lr" if i == 0 else f"lr_group{i}"] = float(lr.item() if isinstance(lr, Tensor) else lr)
+        return logs
+
+    def log_step(self, step: int, loss: float, method_logs: dict[str, float] | None, lrs: dict[str, float] | None, skipped: bool) -> None:
+        """Hand one step's logs to ``History`` and the observers' ``on_step_log(trainer, step, logs)``
+        (every ``TrainingConfig.log_every_n_steps`` steps; ``step`` 0-based over the run): ``loss``
+        (the pre-update loss), the method's step logs, the rates the step used and ``skipped`` (1.0
+        when the step did not count)."""
+        logs = {"loss": float(loss), **(method_logs or {}), **(lrs or {}), "skipped": float(skipped)}
+        self.history.on_step_log(self, step, logs)
+        self.observers("on_step_log", self, step, logs)
 
     def report_nan(self, status: StepStatus, epoch: int) -> None:
         """Print Loom's message for a NaN/Inf loss or gradient, or an undone update (when verbose)."""
@@ -349,8 +451,13 @@ class Trainer(WarmStart):
         and after a resume's restore)."""
         self.method.setup()
         self.model.to(self.device)
+        optimizer = getattr(self.method, "optimizer", None)
+        if isinstance(optimizer, Optimizer):  # one built before the move must have moved with the model
+            check_optimizer_device(optimizer, self.device)
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
+        if self.lowbit is not None:  # the weights become the dtype's values (a master keeps them)
+            self.lowbit.start()
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per
@@ -370,6 +477,11 @@ class Trainer(WarmStart):
         the trainable parameters and the method's ``state_tensors()``."""
         return [*self.guarded_params(), *self.method.state_tensors()]
 
+    def guarded_buffers(self) -> list[Tensor]:
+        """The model's buffers (BatchNorm's running mean, variance and batch count): a step's forward
+        changes them, so a step that does not count puts them back (``guards.py``)."""
+        return [b for b in self.model.buffers() if b.numel()]
+
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (the model, the schedule and the method's ``state_dict()``), as
         tensors and plain values; ``load_training_state`` puts it back."""
@@ -378,6 +490,8 @@ class Trainer(WarmStart):
             state["scheduler"] = self.scheduler.state_dict()
         state["rates"] = [float(g["lr"]) for g in self.rate_groups()]  # what the schedule had set
         state.update(self.method.state_dict())
+        if self.lowbit is not None:
+            state["lowbit"] = self.lowbit.state_dict()
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -385,6 +499,8 @@ class Trainer(WarmStart):
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.method.load_state_dict(state)
+        if self.lowbit is not None and "lowbit" in state:
+            self.lowbit.load_state_dict(state["lowbit"])
         for group, lr in zip(self.rate_groups(), state.get("rates", ())):  # a schedule sets it again only at its next step
             group["lr"] = lr
 
@@ -426,17 +542,28 @@ class Trainer(WarmStart):
         checkpoint to resume from read, ``setup()``, the seed, the observers, a resume's restore, the
         preload threads joined, and the device runner. Returns ``(source, validation, history,
         observers, first_epoch)``."""
-        source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+        error = None
+        try:  # data-parallel: a check failing on one rank is agreed below, so no rank waits on it
+            source = batches if isinstance(batches, BatchSource) else BatchSource(batches, self.convert_batch, cfg, dist=self.dist)
+            validation = None
+            if cfg.validation_data is not None:
+                validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
+            resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
+        except Exception as e:  # noqa: BLE001
+            if self.dist is None:
+                raise
+            error = e
         if self.dist is not None:
+            (failed,) = self.dist.agree(error is not None)
+            if failed:
+                self.dist.raise_agreed(error, "the start of training (the data and checkpoint checks)")
             self.dist.check_same_count(len(source) if source.sized else None, "batches")
-        validation = None
-        if cfg.validation_data is not None:
-            validation = BatchSource(cfg.validation_data, self.convert_batch, cfg, name="validation_data", shuffle=False)
-        resume = checkpoint.read(self, cfg.resume_from, epochs) if cfg.resume_from is not None else None
+            if source.shuffled:  # a shuffled list of batches: every rank draws the same orders (rank 0's seed)
+                source.set_shuffle_seed(self.dist.broadcast_int(source.shuffle_seed))
         self.setup()
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.metric_set = MetricSet(list(cfg.metrics)) if cfg.metrics else None
+        self.metric_set = MetricSet(cfg.metrics) if cfg.metrics else None
         self.metric_names = _metric_names(self.metric_set)
         history = History()
         observers = self.make_observers()
@@ -452,8 +579,10 @@ class Trainer(WarmStart):
         self.divergence = DivergenceWatch(cfg.divergence_factor)
         every = getattr(cfg, "alignment_every", 0)
         self.alignment = AlignmentProbe(self, every) if every else None
+        self.source = source  # (a checkpoint keeps its shuffling seed)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
+        self.epoch = first_epoch  # epochs done: what on_train_begin sees (a resumed run's observers catch up to it)
         self.divergence.start(self.guarded_params())
         if preload is not None:  # the runner imports and launches Triton's kernels on this thread
             preload.join()
@@ -474,6 +603,7 @@ class Trainer(WarmStart):
             source.set_epoch(epoch)
             self.model.train()  # validation switches to eval mode and back; training runs in train mode
             observers("on_epoch_begin", self, epoch)
+            epoch_lrs = self.lr_logs()  # the rates the epoch starts with
             epoch_start = time.perf_counter()
             snapshot = copy.deepcopy(self.training_state()) if source.items is None else None
             if self.metric_set is not None:
@@ -514,24 +644,34 @@ class Trainer(WarmStart):
                 "loss": avg_loss,
                 **{k: v / out.counted for k, v in out.extra_sums.items() if out.counted},
             }
-            if self.alignment is not None:  # alignment_bp/<layer>: the epoch's mean angle to the exact gradient
-                logs.update(self.alignment.epoch_logs())
             if self.metric_set is not None and out.counted:
                 computed = self.metric_set.compute()
                 logs.update(computed if self.dist is None else self.dist.mean_values(computed))  # equal shards: the global value
-            if validation is not None:
-                logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            error = None
+            try:  # data-parallel: an error here on one rank is agreed below, so no rank waits on it
+                if validation is not None:
+                    logs.update({f"val_{k}": v for k, v in self.evaluate_source(validation).items()})
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if out.counted and self.is_main and error is None:
+                _warn_nonfinite_logs(epoch, logs)
+            if self.alignment is not None:  # alignment_bp/<layer>: the epoch's mean angle (NaN: not measured; no warning)
+                logs.update(self.alignment.epoch_logs())
+            logs.update(epoch_lrs)
             logs.update(
                 {
                     "skipped": float(skipped),
                     "counted": float(out.counted),
                     "diverged": float(bool(diverged)),
                     "epoch_time": epoch_time,
-                    "samples_per_second": total_samples / elapsed if elapsed > 0 else 0.0,
+                    "samples_per_second": out.samples / epoch_time if epoch_time > 0 else 0.0,  # this epoch's
                     "eta": elapsed / (epoch + 1 - first_epoch) * (epochs - epoch - 1),
                 }
             )
-            self._epoch_scheduler_step(logs)
+            if error is None:
+                self._epoch_scheduler_step(logs)
             if perf is not None:
                 perf.append(
                     {
@@ -542,9 +682,18 @@ class Trainer(WarmStart):
                 )
             history.on_epoch_end(self, epoch, logs)
             self.epoch = epoch + 1  # epochs completed: what a checkpoint written now records
-            observers("on_epoch_end", self, epoch, logs)
-            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to
-                self.stop_training = self.dist.any(self.stop_training)
+            try:
+                if error is None:
+                    observers("on_epoch_end", self, epoch, logs)
+            except Exception as e:  # noqa: BLE001
+                if self.dist is None:
+                    raise
+                error = e
+            if self.dist is not None:  # data-parallel: stop when any rank's observers asked to, fail when any rank failed
+                stop, failed = self.dist.agree(self.stop_training, error is not None)
+                if failed:
+                    self.dist.raise_agreed(error, f"the end of epoch {epoch + 1}")
+                self.stop_training = bool(stop)
             if self.stop_training:
                 break
 
@@ -600,7 +749,46 @@ class Trainer(WarmStart):
         return checkpoint.state_of(self)
 
 
+def _with_last(source: Any) -> Any:
+    """``(x, y, is_last)`` for each batch of ``source``: one batch of look-ahead, so an unsized
+    ``DataLoader`` tells its last batch too."""
+    it = iter(source)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield (*prev, False)
+        prev = item
+    yield (*prev, True)
+
+
+def _low_bit_weights(model: Network, config: Any) -> Any:
+    """The ``LowBitWeights`` of ``config.weight_dtype`` (``lowbit/weights.py``), or ``None``."""
+    if getattr(config, "weight_dtype", None) is None:
+        return None
+    from ..lowbit.weights import LowBitWeights
+
+    seed = config.seed if getattr(config, "seed", None) is not None else 0
+    return LowBitWeights(model, config.weight_dtype, config.low_bit_config(), seed=seed)
+
+
 def _metric_names(metric_set: MetricSet | None) -> tuple[str, ...]:
     """The training metrics' names of a run (its ``metric_set``), then the built-in names."""
     names = tuple(getattr(metric_set, "names", ())) if metric_set is not None else ()
     return names + tuple(n for n in METRIC_NAMES if n not in names)
+
+
+def _warn_nonfinite_logs(epoch: int, logs: dict[str, float]) -> None:
+    """A ``DivergenceWarning`` naming the epoch's validation values and metrics that are NaN/±Inf
+    (the epoch's loss has its own warnings): the history keeps them as they are, and ``Checkpoint`` /
+    ``EarlyStopping`` never take such a value as the best, so without a word a monitored
+    ``val_loss`` of NaN would leave no file and no trace."""
+    bad = [f"{k} is {v}" for k, v in logs.items() if k != "loss" and isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        warnings.warn(
+            f"epoch {epoch + 1}: {', '.join(bad)} (the model's outputs or the validation data hold NaN/Inf); "
+            "a non-finite value is never the best for Checkpoint or EarlyStopping",
+            DivergenceWarning,
+            stacklevel=user_stacklevel(),
+        )

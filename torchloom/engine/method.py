@@ -14,6 +14,9 @@ What a method implements:
   device; ``y`` class labels or a target), returning the **pre-update** loss, a ``StepStatus``
   (``NAN_LOSS`` when the loss is not finite: nothing changed; ``NAN_GRAD`` when the update direction
   is not finite: nothing changed) and optional per-step logs (plain floats, averaged per epoch);
+* optionally ``step_from_forward(x, y, out, saved)``: the same step when the caller has already run
+  the forward at the current weights (the live loop serves with it, ``torchloom.live``); by default
+  it calls ``step``;
 * ``state_tensors()``: the tensors besides the trainable parameters that an update changes (momentum,
   optimizer state): the engine snapshots them with the parameters before each update and puts both
   back when the update produced a non-finite value;
@@ -83,7 +86,11 @@ class Method:
     * ``losses``: the ``loss_type`` names it can train on (``None``: any the engine knows), with
       ``loss_hint`` saying why in the refusal; a config with a ``loss_type`` field of its own may name
       the loss instead of the ``TrainingConfig`` (``loss_of``);
-    * ``device_log_names``: the per-step logs its device step writes (``runner.log``).
+    * ``device_log_names``: the per-step logs its device step writes (``runner.log``);
+    * ``multi_input``: whether it trains models of several inputs (batches ``((x1, x2, ...), y)``,
+      ``model(*inputs)``); ``custom_loss``: whether it takes ``TrainingConfig.loss_fn``;
+      ``accumulates``: whether it takes ``TrainingConfig.accumulate_grad_batches`` > 1 (backprop all
+      three; a method that needs the one input tensor and its own loss refuses them).
 
     A method object is bound to one training run at a time (``bind``): its state is built then.
     """
@@ -95,6 +102,9 @@ class Method:
     losses: ClassVar[tuple[str, ...] | None] = None
     loss_hint: ClassVar[str] = ""
     device_log_names: tuple[str, ...] = ()
+    multi_input: ClassVar[bool] = False
+    custom_loss: ClassVar[bool] = False
+    accumulates: ClassVar[bool] = False
     engine: Any = None
 
     # ------------------------------------------------------------------ building
@@ -123,16 +133,32 @@ class Method:
     def check_training(cls, training: Any, config: Any) -> None:
         """Raise ``ValueError`` when ``training`` (a ``TrainingConfig``) asks for something this method
         cannot do with ``config`` (its settings). The base refuses, for a method with its own update
-        rule (``uses_optimizer`` False), an optimizer other than the default and float16 loss scaling;
+        rule (``uses_optimizer`` False), an optimizer other than the default, ``optimizer_options`` and
+        float16 loss scaling;
         a loss it cannot train on (``losses``) or a config's ``loss_type`` that disagrees with the
         ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
         ``learning_rate`` that disagrees with it (one rate, one place)."""
         label = cls.display_name(config)
+        if getattr(training, "loss_fn", None) is not None and not cls.custom_loss:
+            raise ValueError(
+                f"TrainingConfig: loss_fn is for backprop; method {label} trains on its own loss "
+                "(set loss_type, or use method='backprop')"
+            )
+        if getattr(training, "accumulate_grad_batches", 1) != 1 and not cls.accumulates:
+            raise ValueError(
+                f"TrainingConfig: accumulate_grad_batches={training.accumulate_grad_batches!r} is for backprop; "
+                f"method {label} updates the weights from every batch by its own rule (leave it at 1)"
+            )
         if not cls.uses_optimizer:
             if not (isinstance(training.optimizer, str) and training.optimizer.lower() == "sgd"):
                 raise ValueError(
                     f"TrainingConfig: optimizer={training.optimizer!r} cannot be used with method {label}: it "
                     "updates the weights with its own momentum rule (leave optimizer='sgd')"
+                )
+            if getattr(training, "optimizer_options", None):
+                raise ValueError(
+                    f"TrainingConfig: optimizer_options cannot be used with method {label}: it updates the weights "
+                    "with its own momentum rule (its settings are in its config)"
                 )
             if training.precision == "16-mixed":
                 raise ValueError(
@@ -248,6 +274,12 @@ class Method:
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement step(x, y) -> StepOutput")
+
+    def step_from_forward(self, x: Tensor, y: Tensor, out: Tensor, saved: Any) -> StepOutput:
+        """``step(x, y)`` for a caller that has just run ``out, saved = model.forward_saved(x)`` at the
+        current weights (the live loop's serve forward, ``torchloom.live``). A method whose update
+        starts from that forward reuses it (backprop); by default the step runs its own forward."""
+        return self.step(x, y)
 
     def state_tensors(self) -> list[Tensor]:
         """Tensors besides the trainable parameters that an update changes (guarded with them)."""

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._settings import closest
+
 __all__ = ["METRIC_NAMES", "MetricSet"]
 
 METRIC_NAMES = ("accuracy", "binary_accuracy", "mse", "mae", "rmse")
@@ -311,7 +313,11 @@ def _build(key: str | None, m: Any) -> _Metric:
     if isinstance(m, str):
         if m not in METRIC_NAMES:
             low = m.lower().replace("-", "_")
-            hint = f" (names are lower case: did you mean {low!r}?)" if low in METRIC_NAMES else ""
+            close = closest(low, METRIC_NAMES)
+            if low in METRIC_NAMES:
+                hint = f" (names are lower case: did you mean {low!r}?)"
+            else:
+                hint = f" (did you mean {close!r}?)" if close else ""
             raise ValueError(f"metrics: unknown metric name {m!r}; valid names: {', '.join(map(repr, METRIC_NAMES))}{hint}")
         metric: _Metric = _Named(m, m)
     elif isinstance(m, type):

@@ -345,6 +345,14 @@ class OpWarm:
 
     def _run(self, i: int) -> None:
         try:
+            if self._device.type == "cuda":
+                # this thread's current device and CUDA context (a new thread has neither): without
+                # it cuBLAS warns "no current CUDA context" at the first matmul, and the ops of a
+                # run on cuda:1 would load on cuda:0
+                try:
+                    torch.cuda.set_device(self._device)
+                except Exception:  # noqa: BLE001 - a warm-up hint only: its ops then fail and the run loads them itself
+                    pass
             if i == 0:
                 for j in range(1, self._planned):
                     if not self._start_thread(j):

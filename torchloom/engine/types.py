@@ -10,7 +10,7 @@ import enum
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from ..observers.history import History
 __all__ = [
     "StepStatus", "StepOutput", "EpochOutcome", "TrainingBatch", "TrainingResult", "DivergenceWarning",
     "NAN_LOSS_MESSAGE", "NAN_GRAD_MESSAGE", "NAN_WEIGHTS_MESSAGE", "MESSAGES", "INT_DTYPES", "user_stacklevel",
+    "batch_rows",
 ]
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -69,7 +70,8 @@ class TrainingResult:
     batches that did not count (NaN/Inf loss, NaN/Inf gradients, an update undone because it made a
     weight non-finite, and batches an abandoned epoch did not reach); ``skipped_per_epoch``: the same,
     epoch by epoch; ``history``: every epoch log (``History``); ``perf``: per-epoch samples/s and mean
-    step time when ``track_perf`` was set."""
+    step time when ``track_perf`` was set; ``model``: the model ``train()`` trained (the one a model
+    factory built)."""
 
     final_loss: float
     total_time: float
@@ -80,6 +82,7 @@ class TrainingResult:
     history: History = field(default_factory=History)
     perf: list[dict[str, float]] | None = None
     skipped_per_epoch: list[int] = field(default_factory=list)
+    model: Any = None  # the model trained (by ``train()``: the one a model factory built, too)
 
 
 @dataclass
@@ -99,6 +102,12 @@ class EpochOutcome:
         self.counted += 1
         for k, v in (logs or {}).items():
             self.extra_sums[k] = self.extra_sums.get(k, 0.0) + v
+
+
+def batch_rows(x: Tensor | tuple[Tensor, ...]) -> int:
+    """Rows of an input batch: ``x.shape[0]``, or the first tensor's for a model of several inputs
+    (a tuple ``(x1, x2, ...)``, every one ``[batch, ...]``)."""
+    return (x[0] if isinstance(x, tuple) else x).shape[0]
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchloom/

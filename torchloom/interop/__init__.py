@@ -73,7 +73,7 @@ from torch import Tensor, nn
 from ..layers.base import Layer
 from ..layers.network import Network, Sequential
 from ._codec import DEFAULT_MAX_PARAMETERS, NotFileNorJSONError, max_bytes_for, parse_spec, read_json_source
-from ._convert import GELU_CHOICES, LoomGridSoftmax, LoomReshape, build_network, export_layers
+from ._convert import GELU_CHOICES, LoomGridSoftmax, LoomReshape, build_network, export_layers, requantize_layer
 
 __all__ = [
     "from_loom_json", "to_loom_json", "load_loom", "save_loom", "LoomReshape", "LoomGridSoftmax",
@@ -178,7 +178,7 @@ def _example_shapes(net: nn.Module, example_input) -> dict[int, tuple[int, ...]]
     return shapes
 
 
-def to_loom_json(net: Layer, *, example_input: Tensor | Sequence[int] | None = None) -> dict:
+def to_loom_json(net: Layer, *, example_input: Tensor | Sequence[int] | None = None, dtype: str | None = None) -> dict:
     """Loom's saved-network JSON (a dict) for ``net``: one grid row, one top-level layer per cell,
     float32 weights. ``example_input`` (a tensor or its shape ``[batch, ...]``) is needed where Loom
     stores sizes that torchloom layers do not hold: the spatial sizes of convolutions and the
@@ -188,23 +188,42 @@ def to_loom_json(net: Layer, *, example_input: Tensor | Sequence[int] | None = N
     without one, as Loom's ``Standard`` softmax over the whole input, which equals torchloom's for a
     single row). Raises ``ValueError`` naming the layer for anything Loom cannot
     represent or would run differently (a Dense or convolution bias, ``relu2``, exact ``gelu``,
-    non-causal or RoPE-free attention, a norm ``eps`` other than Loom's, ``LastStep``, ...)."""
+    non-causal or RoPE-free attention, a norm ``eps`` other than Loom's, ``LastStep``, ...).
+
+    ``dtype`` (one of Loom's 21 dtype names) writes every layer's weights as native codes of that
+    dtype with its one ``scale``; ``None`` writes each layer in the dtype it was trained in
+    (``TrainingConfig(weight_dtype=...)``: then bit for bit what the trained network computes, and
+    what ``from_loom_json`` and Loom read back) and float32 otherwise. A layer not trained in the
+    requested dtype is quantised round-to-nearest with a per-tensor scale (docs/low-bit.md)."""
+    return loom_dict(net, example_input, dtype=dtype)
+
+
+def loom_dict(net: Layer, example_input: Tensor | Sequence[int] | None, *, description: bool = False, dtype: str | None = None) -> dict:
+    """``to_loom_json``; ``description=True`` makes torchloom's network description for checkpoints
+    (``torchloom.saving``): no weights, and a Dense's or convolution's bias as ``"bias": true``."""
     if not isinstance(net, Layer):
         raise TypeError(f"to_loom_json: net must be a torchloom layer or Network, got {type(net).__name__}")
+    if dtype is not None:
+        from ..lowbit.codec import dtype_info
+
+        dtype_info(dtype, "to_loom_json: dtype")
     shapes = _example_shapes(net, example_input)
     tops = list(net) if isinstance(net, Sequential) else [net]
     layers: list[dict] = []
     for i, mod in enumerate(tops):
-        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})"))
+        layers.extend(export_layers(mod, shapes, f"layer {i} ({type(mod).__name__})", description=description))
     if not layers:
         raise ValueError("to_loom_json: the network has no layer Loom can hold")
+    for i, d in enumerate(layers):
+        requantize_layer(d, dtype, f"layer {i}")  # (a description has no weights: nothing to do)
     for x, d in enumerate(layers):
         d.update(z=0, y=0, x=x, l=0)
     return {"id": "torchloom", "depth": 1, "rows": 1, "cols": len(layers), "layers_per_cell": 1, "layers": layers}
 
 
-def save_loom(net: Layer, path: str | os.PathLike, *, example_input: Tensor | Sequence[int] | None = None) -> None:
-    """Write ``to_loom_json(net, example_input=...)`` to ``path`` atomically: the JSON goes to a
+def save_loom(net: Layer, path: str | os.PathLike, *, example_input: Tensor | Sequence[int] | None = None,
+              dtype: str | None = None) -> None:
+    """Write ``to_loom_json(net, example_input=..., dtype=...)`` to ``path`` atomically: the JSON goes to a
     temporary file in the same directory, which then replaces ``path`` (``os.replace``). A failed
     write leaves an existing file intact and no temporary file behind."""
     if not isinstance(path, (str, os.PathLike)):
@@ -217,5 +236,5 @@ def save_loom(net: Layer, path: str | os.PathLike, *, example_input: Tensor | Se
         raise ValueError(f"save_loom: path {path!r} is a directory")
     from ..observers._files import atomic_write
 
-    data = json.dumps(to_loom_json(net, example_input=example_input), indent=2).encode("utf-8")
+    data = json.dumps(to_loom_json(net, example_input=example_input, dtype=dtype), indent=2).encode("utf-8")
     atomic_write("save_loom", path, lambda f: f.write(data), keep_mode=True)

@@ -8,9 +8,11 @@ sequence lengths that torchloom layers do not hold).
 
 from __future__ import annotations
 
+import base64
+
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -174,9 +176,10 @@ class _Builder:
     sample, ``LoomReshape`` before a convolution / RNN / LSTM, a flattened output per Parallel branch,
     as Loom's Parallel concatenates flat per-sample buffers)."""
 
-    def __init__(self, dtype: torch.dtype, gelu: str) -> None:
+    def __init__(self, dtype: torch.dtype, gelu: str, biased: frozenset[str] = frozenset()) -> None:
         self.dtype = dtype
         self.gelu = gelu
+        self.biased = biased  # the layers (by ``where``) that get a bias: torchloom's descriptions only
 
     def activation(self, s: LayerSpec) -> str:
         raw = s.f["activation"] or ""
@@ -409,7 +412,7 @@ class _Builder:
         dt = self.dtype
         if k == "Dense":
             i, o = f["input_height"], f["output_height"]
-            m = Dense(i, o, self.activation(s), bias=False, dtype=dt)
+            m = Dense(i, o, self.activation(s), bias=s.where in self.biased, dtype=dt)
             if w is not None:
                 self._set(m.weight, w, (o, i))
             return m
@@ -428,7 +431,7 @@ class _Builder:
                 if any(n < 1 for n in n_in) or n_out != want:
                     raise _err(s.where, f"{k}: output size {n_out} does not follow from input size {n_in}, kernel {kk}, "
                                f"stride {st}, padding {pd} (expected {want}); Loom would compute a different result")
-                m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=False, dtype=dt)
+                m = cls(f["input_channels"], f["filters"], kk, st, pd, self.activation(s), bias=s.where in self.biased, dtype=dt)
                 if w is not None:
                     self._set(m.weight, w)
                 return m
@@ -438,7 +441,7 @@ class _Builder:
                 raise _err(s.where, f"{k}: output size {n_out} is not (n − 1)·stride − 2·padding + kernel + "
                            f"output_padding with 0 <= output_padding < stride for input size {n_in} (that is, "
                            f"{natural} + [0, {st})); Loom would crop or pad differently")
-            m = cls(f["input_channels"], f["filters"], kk, st, pd, op, self.activation(s), bias=False, dtype=dt)
+            m = cls(f["input_channels"], f["filters"], kk, st, pd, op, self.activation(s), bias=s.where in self.biased, dtype=dt)
             if w is not None:  # Loom: [F, C, k...]; torchloom (PyTorch): [C, F, k...]
                 loom_w = torch.from_numpy(np.ascontiguousarray(w)).reshape(f["filters"], f["input_channels"], *m.kernel_size)
                 self._set(m.weight, loom_w.transpose(0, 1).contiguous().numpy())
@@ -531,8 +534,10 @@ def _spatial(f: dict, nd: int, conv: bool) -> tuple[tuple[int, ...], tuple[int, 
     return (idp, ih, iw), (odp, oh, ow)
 
 
-def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str) -> Network:
-    mods, _ = _Builder(dtype, gelu).build_list(spec.layers, None, in_sequential=False)
+def build_network(spec: NetSpec, dtype: torch.dtype, gelu: str, biased: frozenset[str] = frozenset()) -> Network:
+    """The ``Network`` of ``spec``; ``biased`` names the layers (their ``where``, e.g.
+    ``"layers[0]"``) built with a bias (torchloom's own descriptions; a Loom file has none)."""
+    mods, _ = _Builder(dtype, gelu, biased).build_list(spec.layers, None, in_sequential=False)
     if not mods:
         raise ValueError("Loom JSON: no layer computes anything (every layer is disabled or an identity)")
     return Network(*mods)
@@ -577,21 +582,65 @@ def _base(loom_type: str, act: str = "Linear") -> dict:
     return {"type": loom_type, "activation": act, "dtype": "float32"}
 
 
-def _weights(d: dict, b64: str) -> dict:
-    d["weights"] = b64
+def _weights(d: dict, mod: nn.Module, encode: Callable[[], str], description: bool = False) -> dict:
+    """``d`` with its weights: ``encode()`` (Loom's base64 blob), or none in a torchloom description
+    (its weights are the checkpoint's ``state_dict``; encoding them would cost seconds)."""
+    if description:
+        return d
+    d["weights"] = encode()
     d["native"] = True
     d["scale"] = 1
+    d["_module"] = mod  # for a low-bit export (``to_loom_json(dtype=...)``), removed before it returns
     return d
 
 
-def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str) -> list[dict]:
+def requantize_layer(d: dict, dtype: str | None, name: str) -> None:
+    """Rewrite a layer dict's float32 blob (and its nested layers') as native codes of ``dtype``
+    (``None``: the dtype the module was trained in, ``TrainingConfig(weight_dtype=...)``, else float32)
+    with their one scale. A module trained in that dtype is written exactly (its weights are codes ·
+    its scale; checked bit for bit); any other is quantised round-to-nearest with the per-tensor
+    scale ``lowbit.scale_for`` (post-training quantisation)."""
+    for key in ("parallel_branches", "sequential_layers"):
+        for i, sub in enumerate(d.get(key, ())):
+            requantize_layer(sub, dtype, f"{name}.{key}[{i}]")
+    mod = d.pop("_module", None)
+    if mod is None:
+        return
+    from ..lowbit.codec import decode, dtype_info, encode, pack, scale_for
+
+    trained = getattr(mod, "loom_lowbit", None)
+    want = dtype if dtype is not None else (trained["dtype"] if trained else "float32")
+    info = dtype_info(want, "to_loom_json: dtype")
+    if info.name == "float32":
+        return
+    values = torch.from_numpy(np.frombuffer(base64.b64decode(d["weights"]), dtype="<f4").astype(np.float32))
+    if trained and trained["dtype"] == info.name:
+        if trained["scale"] is None:
+            raise _refuse(name, f"trained in {info.name} with scale='per_row'; a Loom file holds one scale per layer "
+                          "(train with scale='per_tensor' or 'fixed' to export it)")
+        scale = trained["scale"].detach().to("cpu", torch.float32)
+        codes = encode(values, info.name, scale, "nearest")
+        if not torch.equal(decode(codes, info.name, scale).view(torch.int32), values.view(torch.int32)):
+            raise _refuse(name, f"its weights are not {info.name} codes times the scale it was trained with (changed "
+                          "after training?); pass dtype='float32', or retrain")
+    else:
+        scale = scale_for(values, info.name)
+        codes = encode(values, info.name, scale, "nearest")
+    d["dtype"] = info.name
+    d["scale"] = float(scale) if info.scaled else 1
+    d["weights"] = base64.b64encode(pack(codes, info.name)).decode("ascii")
+
+
+def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str, *, description: bool = False) -> list[dict]:
     """Loom layer dicts for ``mod`` (empty for Flatten, several for a Network / Sequential at the
-    top level is handled by the caller)."""
+    top level is handled by the caller). ``description=True`` makes torchloom's own network
+    description for checkpoints (never a Loom file): a Dense's or convolution's bias is written as
+    ``"bias": true`` where Loom, which has none, refuses it, and no weights are written."""
     shape = shapes.get(id(mod))
     if isinstance(mod, (Flatten, LoomReshape)):
         return []  # Loom's activations are flat buffers already
     if isinstance(mod, Dense):
-        if mod.bias is not None:
+        if mod.bias is not None and not description:
             raise _refuse(name, "Dense has a bias; Loom's Dense has none (use bias=False)")
         if shape is not None and len(shape) > 2:
             raise _refuse(name, f"Dense on an input of shape {list(shape)}: Loom's Dense reads each sample as one row "
@@ -600,12 +649,14 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
                           "(SwiGLU)")
         d = _base("Dense", _act(mod, name))
         d.update(input_height=mod.in_features, output_height=mod.out_features)
-        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+        if mod.bias is not None:
+            d["bias"] = True
+        return [_weights(d, mod, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, (_ConvND, _ConvTransposeND)):
         transposed = isinstance(mod, _ConvTransposeND)
         nd = mod.ndim
         kind = f"ConvTransposed{nd}D" if transposed else f"CNN{nd}"
-        if mod.bias is not None:
+        if mod.bias is not None and not description:
             raise _refuse(name, f"{type(mod).__name__} has a bias; Loom's {kind} has none (use bias=False)")
         k = _same(mod.kernel_size, "kernel size", name)
         st = _same(mod.stride, "stride", name)
@@ -619,6 +670,8 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         n_out = mod.output_shape(n_in)
         d = _base(kind, _act(mod, name))
         d.update(input_channels=mod.in_channels, filters=mod.filters, kernel_size=k, stride=st, padding=pd)
+        if mod.bias is not None:
+            d["bias"] = True
         if transposed:
             op = _same(mod.output_padding, "output padding", name)
             if op:
@@ -631,7 +684,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         for key, a, b in zip(keys, n_in, n_out):
             d[f"input_{key}"] = a
             d[f"output_{key}"] = b
-        return [_weights(d, _flat((w.contiguous(), 0), like=mod.weight))]
+        return [_weights(d, mod, lambda: _flat((w.contiguous(), 0), like=mod.weight), description)]
     if isinstance(mod, (RNN, LSTM)):
         if shape is None:
             raise _refuse(name, f"{type(mod).__name__}: Loom stores the sequence length; " + (
@@ -641,14 +694,15 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         i, h = mod.input_size, mod.hidden_size
         d = _base(type(mod).__name__, "Tanh")
         d.update(input_height=i, output_height=h, seq_length=int(shape[1]))
-        if isinstance(mod, RNN):
-            b64 = _flat((mod.weight_ih, 0), (mod.weight_hh, 0), (mod.bias, h), like=mod.weight_ih)
-        else:
+        def encode() -> str:
+            if isinstance(mod, RNN):
+                return _flat((mod.weight_ih, 0), (mod.weight_hh, 0), (mod.bias, h), like=mod.weight_ih)
             bias = mod.bias if mod.bias is not None else torch.zeros(4 * h, dtype=mod.weight_ih.dtype)
             blocks = torch.cat([mod.weight_ih.detach().reshape(4, h * i), mod.weight_hh.detach().reshape(4, h * h),
                                 bias.detach().reshape(4, h)], dim=1)
-            b64 = _flat((blocks, 0), like=mod.weight_ih)
-        return [_weights(d, b64)]
+            return _flat((blocks, 0), like=mod.weight_ih)
+
+        return [_weights(d, mod, encode, description)]
     if isinstance(mod, MultiHeadAttention):
         if not (mod.causal and mod.rope):
             raise _refuse(name, "MultiHeadAttention: Loom's attention is always causal with RoPE; "
@@ -659,16 +713,16 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
                  rope_freq_base=mod.rope_theta)
         if shape is not None and len(shape) == 3:
             d["seq_length"] = int(shape[1])
-        b64 = _flat((mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
-                    (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight)
-        return [_weights(d, b64)]
+        return [_weights(d, mod, lambda: _flat(
+            (mod.q_weight, 0), (mod.k_weight, 0), (mod.v_weight, 0), (mod.o_weight, 0),
+            (mod.q_bias, dm), (mod.k_bias, kv), (mod.v_bias, kv), (mod.o_bias, dm), like=mod.q_weight), description)]
     if isinstance(mod, SwiGLU):
         h, m = mod.hidden, mod.intermediate
         d = _base("SwiGLU")
         d.update(input_height=h, output_height=m)
-        b64 = _flat((mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
-                    (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight)
-        return [_weights(d, b64)]
+        return [_weights(d, mod, lambda: _flat(
+            (mod.gate_weight, 0), (mod.up_weight, 0), (mod.down_weight, 0),
+            (mod.gate_bias, m), (mod.up_bias, m), (mod.down_bias, h), like=mod.gate_weight), description)]
     if isinstance(mod, (RMSNorm, LayerNorm)):
         want = 1e-6 if isinstance(mod, RMSNorm) else 1e-5
         if mod.eps != want:
@@ -678,11 +732,11 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
         d = _base(type(mod).__name__)
         d.update(input_height=n, output_height=n)
         parts = [(mod.weight, 0)] + ([(mod.bias, 0)] if isinstance(mod, LayerNorm) else [])
-        return [_weights(d, _flat(*parts, like=mod.weight))]
+        return [_weights(d, mod, lambda: _flat(*parts, like=mod.weight), description)]
     if isinstance(mod, Embedding):
         d = _base("Embedding", _act(mod, name))
         d.update(vocab_size=mod.num_embeddings, embedding_dim=mod.embedding_dim)
-        return [_weights(d, _flat((mod.weight, 0), like=mod.weight))]
+        return [_weights(d, mod, lambda: _flat((mod.weight, 0), like=mod.weight), description)]
     if isinstance(mod, LoomGridSoftmax):
         if shape is None:
             raise _refuse(name, "LoomGridSoftmax: Loom fixes the number of rows of a 'Grid' softmax in the file; "
@@ -702,7 +756,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
             d["softmax_type"] = "Standard" if mod.temperature == 1.0 else "Temperature"
         return [d]
     if isinstance(mod, Residual):
-        inner = export_layers(mod.inner, shapes, f"{name}.inner")
+        inner = export_layers(mod.inner, shapes, f"{name}.inner", description=description)
         if len(inner) != 1:
             raise _refuse(name, "Residual: its inner layer must map to exactly one Loom layer")
         # Loom's Residual inside a Sequential adds the previous sub-layer's input to its output.
@@ -712,7 +766,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
     if isinstance(mod, Parallel):
         branches = []
         for i, b in enumerate(mod.branches):
-            out = export_layers(b, shapes, f"{name}.branches[{i}]")
+            out = export_layers(b, shapes, f"{name}.branches[{i}]", description=description)
             if len(out) != 1:
                 raise _refuse(name, f"Parallel: branch {i} must map to exactly one Loom layer")
             branches.append(out[0])
@@ -722,7 +776,7 @@ def export_layers(mod: nn.Module, shapes: dict[int, tuple[int, ...]], name: str)
     if isinstance(mod, Sequential):  # Network too, when nested
         subs = []
         for i, c in enumerate(mod):
-            subs.extend(export_layers(c, shapes, f"{name}[{i}]"))
+            subs.extend(export_layers(c, shapes, f"{name}[{i}]", description=description))
         if not subs:
             raise _refuse(name, "Sequential: nothing to write")
         d = _base("Sequential")

@@ -8,12 +8,16 @@ launches:
 
 * ``target_rows(out, y, mode, ...)``: one program per output row: the loss partial, the gradient
   the method propagates, the target and prediction the last layer's statistics need, and the
-  accuracy partial (class labels). TargetProp: ``g = t − out``, loss ``mean((out − t)²)``; Tween:
+  accuracy partial (class labels). TargetProp (``TP``): ``g = t − out``, loss ``mean((out − t)²)``;
+  TargetProp on cross-entropy (``TP_CE``): ``g = t − softmax(out)``, the output target ``out + g``,
+  loss the batch mean of the cross-entropy; Tween:
   ``loss_and_grad``'s gradient times the batch, masked to rows whose error ``Σ(ŷ − t)²`` reaches
   ``gap_threshold`` (``ŷ``: the softmax for cross-entropy, the output for MSE).
 * ``estimate_gap(t_out, W, act)``: pure TargetProp's input target of a Dense layer (``t_out W``
   divided by the ``|W|`` column sums where they exceed ``MIN_CONNECTION``, else 0) and its gap
-  ``t − act``, one launch (up to 16 rows it computes the product too).
+  ``t − act``, one launch (up to 16 rows it computes the product too); with ``difference=True`` the
+  estimate ``e`` of the gap ``t_out`` above is the gap, and ``act + e`` the target (difference
+  target propagation).
 * ``layer_stats_into(part, f, t, extra, scale)``: ``pair_stats``'s five sums (``Σ f·t, Σ f², Σ t²,
   Σ (f − t)², Σ extra²``) for one layer, left as per-program partials in that layer's rows of one
   shared buffer (no ``sum`` launch). With ``scale`` the target is never materialised: ``t = f +
@@ -41,7 +45,7 @@ from ._triton import elementwise_settings, row_settings
 from .explosion_rule import rule_body
 
 __all__ = [
-    "MAX_LAYERS", "MAX_SEGMENTS", "MIN_CONNECTION", "TP", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
+    "MAX_LAYERS", "MAX_SEGMENTS", "MIN_CONNECTION", "TP", "TP_CE", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
     "estimate_gap", "estimate_gap_ref",
     "layer_stats_into", "stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
@@ -49,7 +53,7 @@ __all__ = [
 MAX_LAYERS = 16
 MAX_SEGMENTS = 64
 _MAX_ROW = 8192
-TP, TWEEN_MSE, TWEEN_CE = 0, 1, 2
+TP, TWEEN_MSE, TWEEN_CE, TP_CE = 0, 1, 2, 3
 
 
 # ------------------------------------------------------------------------------ 1. target rows
@@ -65,6 +69,11 @@ def target_rows_ref(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.
         g = t - o
         loss = (g * g).sum(1) / max(rows * c, 1)
         y_hat = o
+    elif mode == TP_CE:
+        g = t - torch.softmax(o, dim=-1)
+        loss = (t * (torch.logsumexp(o, -1, keepdim=True) - o)).sum(1) / rows
+        y_hat = o
+        t = o + g  # the output's target: its gap is t − softmax(out)
     else:
         if mode == TWEEN_CE:
             y_hat = torch.softmax(o, dim=-1)
@@ -102,6 +111,15 @@ def _target_rows_kernel(
         g = t - o
         tl.store(loss_ptr + row, tl.sum(tl.where(mask, g * g, 0.0), axis=0) * inv_n)
         y_hat = o
+    elif MODE == 3:  # TargetProp on cross-entropy: g = t − softmax(out), target out + g, loss Σ t (lse − o) / B
+        m = tl.max(tl.where(mask, o, -float("inf")), axis=0)
+        e = tl.where(mask, tl.exp(o - m), 0.0)
+        s = tl.sum(e, axis=0)
+        lse = m + tl.log(s)
+        tl.store(loss_ptr + row, tl.sum(tl.where(mask, t * (lse - o), 0.0), axis=0) * inv_n)
+        g = t - e / s
+        t = o + g
+        y_hat = o
     else:
         if MODE == 2:  # cross-entropy: softmax, loss Σ t (lse − o) / B, grad (p − t) / B
             m = tl.max(tl.where(mask, o, -float("inf")), axis=0)
@@ -136,11 +154,11 @@ def target_rows(out: Tensor, y: Tensor, mode: int, gap_threshold: float = 0.0) -
     correct = torch.empty(rows if labels else 1, dtype=torch.float32, device=out.device)
     g, t = torch.empty_like(out), torch.empty_like(out)
     y_hat = torch.empty_like(out) if mode == TWEEN_CE else out
-    inv_n = 1.0 / max(rows * c, 1) if mode != TWEEN_CE else 1.0 / max(rows, 1)
+    inv_n = 1.0 / max(rows * c, 1) if mode not in (TWEEN_CE, TP_CE) else 1.0 / max(rows, 1)
     block, num_warps = row_settings(c, out.is_cuda)
     _target_rows_kernel[(rows,)](
         loss, g, t, y_hat if mode == TWEEN_CE else g, correct, out, y.contiguous(), c, inv_n, float(rows), float(gap_threshold),
-        BLOCK=block, LABELS=labels, MODE=mode, MASK_GAP=mode != TP and gap_threshold > 0, num_warps=num_warps,
+        BLOCK=block, LABELS=labels, MODE=mode, MASK_GAP=mode in (TWEEN_MSE, TWEEN_CE) and gap_threshold > 0, num_warps=num_warps,
     )
     if not labels:
         correct.zero_()
@@ -152,21 +170,22 @@ MIN_CONNECTION = 0.01  # a column of |W| summing to at most this gets no estimat
 _EST_ROWS, _EST_COLS, _EST_OUTS, _EST_PROGRAMS = 16, 32, 64, 128
 
 
-def estimate_gap_ref(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+def estimate_gap_ref(t_out: Tensor, weight: Tensor, act: Tensor, difference: bool = False) -> tuple[Tensor, Tensor]:
     """Reference: pure TargetProp's input target of a Dense layer and its gap. ``t_out [B, out]`` the
     target of the layer's output, ``weight`` ``W [out, in]``, ``act`` the layer's input ``[B, in]`` →
-    ``(t, t − act)`` with ``t = (t_out W) / Σ_o |W[o, :]|`` where that sum exceeds ``MIN_CONNECTION``,
-    else 0."""
+    ``(t, t − act)`` with ``t = est(t_out)``, ``est(v) = (v W) / Σ_o |W[o, :]|`` where that sum exceeds
+    ``MIN_CONNECTION``, else 0. With ``difference``, ``t_out`` is the output's gap and the result is
+    ``(act + est(t_out), est(t_out))``."""
     colsum = weight.abs().sum(0)
     connected = colsum > MIN_CONNECTION
-    t = torch.where(connected, (t_out @ weight) / torch.where(connected, colsum, 1.0), 0.0)
-    return t, t - act
+    e = torch.where(connected, (t_out @ weight) / torch.where(connected, colsum, 1.0), 0.0)
+    return (act + e, e) if difference else (e, e - act)
 
 
 @jit
 def _estimate_kernel(
     t_ptr, gap_ptr, w_ptr, act_ptr, tout_ptr, rows, cols, outs, min_connection, row_programs,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr, WITH_NUM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr, WITH_NUM: tl.constexpr, DIFFERENCE: tl.constexpr,
 ):
     """Program (c, r): the |W| column sums of column block c (W read once per program) — with
     ``WITH_NUM`` (at most ``BLOCK_R`` rows) also ``t_out W`` for the block, from the same W tiles —
@@ -196,12 +215,16 @@ def _estimate_kernel(
         else:
             num = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
         a = tl.load(act_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        t = tl.where(connected[None, :], num / denom[None, :], 0.0)
-        tl.store(t_ptr + offs, t.to(t_ptr.dtype.element_ty), mask=m)
-        tl.store(gap_ptr + offs, (t - a).to(gap_ptr.dtype.element_ty), mask=m)
+        e = tl.where(connected[None, :], num / denom[None, :], 0.0)
+        if DIFFERENCE:  # the estimate of the gap above is the gap; the target is act + gap
+            tl.store(t_ptr + offs, (a + e).to(t_ptr.dtype.element_ty), mask=m)
+            tl.store(gap_ptr + offs, e.to(gap_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(t_ptr + offs, e.to(t_ptr.dtype.element_ty), mask=m)
+            tl.store(gap_ptr + offs, (e - a).to(gap_ptr.dtype.element_ty), mask=m)
 
 
-def estimate_gap(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+def estimate_gap(t_out: Tensor, weight: Tensor, act: Tensor, difference: bool = False) -> tuple[Tensor, Tensor]:
     """``estimate_gap_ref`` (all contiguous, one dtype: ``t_out [B, out]``, ``weight [out, in]``,
     ``act [B, in]``) → ``(t, gap)``. Up to 16 rows: one launch, the product ``t_out W`` computed from
     the same weight tiles as the ``|W|`` column sums (IEEE float32 products); more rows: cuBLAS's
@@ -219,7 +242,7 @@ def estimate_gap(t_out: Tensor, weight: Tensor, act: Tensor) -> tuple[Tensor, Te
     row_programs = 1 if with_num else max(1, min(-(-rows // _EST_ROWS), _EST_PROGRAMS // col_blocks))
     _estimate_kernel[(col_blocks, row_programs)](
         t, gap, weight, act, t_out, rows, cols, outs, MIN_CONNECTION, row_programs,
-        BLOCK_R=_EST_ROWS, BLOCK_C=_EST_COLS, BLOCK_O=_EST_OUTS, WITH_NUM=with_num, num_warps=4,
+        BLOCK_R=_EST_ROWS, BLOCK_C=_EST_COLS, BLOCK_O=_EST_OUTS, WITH_NUM=with_num, DIFFERENCE=bool(difference), num_warps=4,
     )
     return t, gap
 

@@ -66,18 +66,27 @@ class ModuleLayer(Layer):
         """Whether the module says it writes into its input (an ``inplace`` attribute that is true)."""
         return any(getattr(m, "inplace", False) is True for m in self.module.modules())
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | tuple[Tensor, ...]) -> Tensor:
         # ordinary autograd when used as a module; an in-place module works on a copy, so that the
-        # previous layer's output (which its backward may have saved) stays as it was
+        # previous layer's output (which its backward may have saved) stays as it was. A tuple is
+        # the inputs of a module that takes several: module(*x)
+        if isinstance(x, tuple):
+            return self.module(*x)
         return self.module(x.clone() if self._in_place() and isinstance(x, Tensor) else x)
 
-    def forward_saved(self, x: Tensor) -> tuple[Tensor, ModuleSaved]:
+    def forward_saved(self, x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ModuleSaved]:
         with torch.enable_grad():
-            leaf = x.detach().requires_grad_(x.is_floating_point())
+            if isinstance(x, tuple):  # several inputs (the first link of a network): module(*x)
+                leaf = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+            else:
+                leaf = x.detach().requires_grad_(x.is_floating_point())
             try:
                 # the input is the previous layer's output, kept by the network: an in-place module
                 # gets a copy (the copy is part of the graph, so the input gradient still flows)
-                y = self.module(leaf.clone() if self._in_place() else leaf)
+                if isinstance(leaf, tuple):
+                    y = self.module(*leaf)
+                else:
+                    y = self.module(leaf.clone() if self._in_place() else leaf)
             except RuntimeError as e:
                 if "in-place operation" not in str(e):
                     raise
@@ -93,23 +102,39 @@ class ModuleLayer(Layer):
 
     def backward_saved(self, grad_out: Tensor, saved: ModuleSaved, needs_input_grad: bool = True) -> tuple[Tensor | None, tuple[Tensor, ...]]:
         params = list(self.module.parameters())
-        wants_input = needs_input_grad and saved.input.requires_grad
-        inputs = ([saved.input] if wants_input else []) + [p for p in params if p.requires_grad]
+        many = isinstance(saved.input, tuple)  # several inputs: one gradient per input (None for integer ones)
+        leaves = [t for t in saved.input if t.requires_grad] if many else [saved.input]
+        wants_input = needs_input_grad and all(t.requires_grad for t in leaves) and bool(leaves)
+        inputs = (leaves if wants_input else []) + [p for p in params if p.requires_grad]
         if not saved.output.requires_grad or not inputs:  # nothing in the module depends on a grad input
             zeros = tuple(torch.zeros_like(p) for p in params)
-            return (torch.zeros_like(saved.input) if wants_input else None), zeros
+            return (self._input_grads(saved.input, []) if wants_input else None), zeros
         with torch.enable_grad():
             grads = torch.autograd.grad(saved.output, inputs, grad_out, allow_unused=True)
         grads = list(grads)
-        grad_in = grads.pop(0) if wants_input else None
-        if wants_input and grad_in is None:
-            grad_in = torch.zeros_like(saved.input)
+        grad_in = None
+        if wants_input:
+            grad_in = self._input_grads(saved.input, grads[: len(leaves)])
+            del grads[: len(leaves)]
         it = iter(grads)
         param_grads = []
         for p in params:
             g = next(it) if p.requires_grad else None
             param_grads.append(torch.zeros_like(p) if g is None else g)
         return grad_in, tuple(param_grads)
+
+    @staticmethod
+    def _input_grads(inputs: Tensor | tuple[Tensor, ...], grads: list[Tensor | None]) -> Any:
+        """The input gradient (zeros where autograd found none), a tuple for several inputs."""
+        if not isinstance(inputs, tuple):
+            g = grads[0] if grads else None
+            return torch.zeros_like(inputs) if g is None else g
+        it = iter(grads)
+        out = []
+        for t in inputs:
+            g = next(it, None) if t.requires_grad else None
+            out.append(torch.zeros_like(t) if g is None and t.requires_grad else g)
+        return tuple(out)
 
     def pre_activation(self, saved: Any) -> Tensor | None:
         return None

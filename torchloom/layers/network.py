@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .base import Layer, LayerRecord, gather_param_grads
 
-__all__ = ["Sequential", "Network"]
+__all__ = ["Sequential", "Network", "chain_of"]
 
 # Called once per layer by the recording paths: (index, layer, record_or_grad) — used by observers.
 LayerCallback = Callable[[int, Layer, Any], None]
@@ -134,6 +134,21 @@ class Sequential(Layer):
                 layer.reset_parameters()
 
 
+def _device_hint(model: nn.Module, x: Any) -> str | None:
+    """A sentence for an input on another device than the model's (``train(use_gpu=True)`` leaves
+    the model on the GPU), or ``None`` when the devices agree."""
+    first = next(model.parameters(), None)
+    inputs = x if isinstance(x, tuple) else (x,)
+    other = next((t.device for t in inputs if isinstance(t, Tensor) and first is not None and t.device != first.device), None)
+    if other is None:
+        return None
+    return (
+        f"Network: the input is on {other} but the model is on {first.device} (training with use_gpu=True or "
+        f"device= leaves the model there); move the input with x.to('{first.device}'), use torchloom.predict(net, x) "
+        "(which moves each batch to the model), or bring the model back with net.cpu()"
+    )
+
+
 class Network(Sequential):
     """Loom's network: a ``Sequential`` that records history and has Loom's manual-loop API.
 
@@ -152,9 +167,15 @@ class Network(Sequential):
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor) -> Tensor:
-        if self.record_history:
-            return self.forward_record(x)
-        return super().forward(x)
+        try:
+            if self.record_history:
+                return self.forward_record(x)
+            return super().forward(x)
+        except RuntimeError as e:
+            hint = _device_hint(self, x)
+            if hint is None:
+                raise
+            raise RuntimeError(f"{hint} ({e})") from None
 
     @torch.no_grad()
     def forward_record(self, x: Tensor, on_layer: LayerCallback | None = None) -> Tensor:
@@ -288,3 +309,25 @@ class Network(Sequential):
         if isinstance(model, Layer):
             return Network(model)
         return Network(*model)
+
+
+def chain_of(model: Any) -> Network:
+    """``model`` as a ``Network``: a Network as is; a torchloom layer, a list of layers and modules,
+    or an ``nn.Sequential`` as the chain of its items; any other ``nn.Module`` as a one-link chain.
+    Plain modules train through autograd on that module alone (``ModuleLayer``), torchloom layers
+    through their hand-written backward. The parameters are the model's own (nothing is copied), so
+    the chain's ``state_dict`` keys (``layers.0.module.weight``, ...) are what ``train()`` and its
+    checkpoints see."""
+    if isinstance(model, Network):
+        return model
+    if isinstance(model, Layer):
+        return Network(model)
+    if isinstance(model, nn.Sequential) and len(model):
+        return Network(*model)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return Network(*model)
+    if isinstance(model, nn.Module):
+        return Network(model)
+    raise TypeError(
+        f"model must be a torchloom Network, a torchloom layer, an nn.Module or a list of them, got {type(model).__name__}"
+    )

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..engine.config import check_optimizer_params
+from ..engine.config import check_factory_lr, check_optimizer_params
 from ..engine.guards import state_tensors
 from ..engine.losses import check_target, kernel_module, loss_and_grad
 from ..engine.method import Method, all_finite, register_method
@@ -103,6 +103,10 @@ class Backprop(Method):
 
     name = "backprop"
     uses_optimizer = True
+    multi_input = True  # batches ((x1, x2, ...), y) for a module taking several inputs
+    custom_loss = True  # TrainingConfig.loss_fn
+    accumulates = True  # TrainingConfig.accumulate_grad_batches
+    update_pending = False  # an accumulating step that has not updated yet (the engine's schedule waits)
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -114,9 +118,18 @@ class Backprop(Method):
         if not self.params:
             raise ValueError("model: every parameter has requires_grad=False; nothing to train")
         self.loss_type = config.loss_type
+        self.loss_fn = getattr(config, "loss_fn", None)
+        self.accumulate = getattr(config, "accumulate_grad_batches", 1)
+        self._acc: list[Tensor] | None = None  # gradients summed over the batches of an accumulation
+        self._acc_count = 0
+        self._acc_epoch = -1
+        self.update_pending = False
         if isinstance(config.optimizer, Optimizer):
             check_optimizer_params(config.optimizer, model)
-        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate)
+        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate, config.optimizer_options)
+        if not isinstance(config.optimizer, (str, Optimizer)):  # a factory's: over the model's parameters, at the rate asked
+            check_optimizer_params(self.optimizer, model)
+            check_factory_lr(config, self.optimizer)
         self._owns_optimizer = not isinstance(config.optimizer, Optimizer)
         self._value_clip_in_optimizer = False
         if self.clip > 0 and config.clip_mode == "value" and self._owns_optimizer and "clip_value" in self.optimizer.defaults:
@@ -128,6 +141,11 @@ class Backprop(Method):
                 group["capturable"] = True
         self.loss_scaler = LossScaler(self.device) if config.precision == "16-mixed" else None
         self._exact_backward = type(self).backward is Backprop.backward
+        if self.device.type == "cuda" and config.cuda_graph and (self.loss_fn is not None or self.accumulate > 1):
+            raise ValueError(
+                "TrainingConfig(cuda_graph=True) cannot be honoured with loss_fn or accumulate_grad_batches > 1 "
+                "(their steps run on the host loop); leave cuda_graph at None"
+            )
         if self.device.type == "cuda" and config.cuda_graph and not self.device_ready():
             raise ValueError(
                 "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
@@ -148,7 +166,7 @@ class Backprop(Method):
         trainable parameter; nothing changes (no metrics, no update). Data-parallel: this rank's shard's
         (the engine averages them)."""
         out, saved = self.model.forward_saved(x)
-        _, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        _, grad = self._loss_and_grad(out, y)
         grads = tuple(self.backward(grad, saved))
         if len(grads) != len(self.params):
             grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
@@ -175,7 +193,10 @@ class Backprop(Method):
     # ------------------------------------------------------------ device path
     def device_ready(self) -> bool:
         """True with one of torchloom's optimizers, whose update takes ``found_inf`` / ``grad_scale``
-        tensors and never reads them on the host (AdamW only with ``capturable=True``)."""
+        tensors and never reads them on the host (AdamW only with ``capturable=True``); never with a
+        ``loss_fn``, gradient accumulation or a model of several inputs (host steps)."""
+        if self.loss_fn is not None or self.accumulate > 1 or self.engine.__dict__.get("multi_input", False):
+            return False
         if isinstance(self.optimizer, AdamW):
             return all(g["capturable"] for g in self.optimizer.param_groups)
         return isinstance(self.optimizer, FusedOptimizer)
@@ -293,11 +314,54 @@ class Backprop(Method):
         output shape (a forward without update, once per distinct input shape) and ``loss_type``."""
         where = f"batch {index}: "
         x, y, out_shape = self.engine.prepare_batch(x, y, where)
+        if self.loss_fn is not None:  # the user's loss decides what a target is
+            return x, y
         try:
             check_target(out_shape, y, self.loss_type)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
         return x, y
+
+    def eval_loss_type(self) -> Any:
+        """``val_loss`` reports the training loss: ``loss_fn`` when given, else ``loss_type``."""
+        return self.loss_fn if self.loss_fn is not None else self.loss_type
+
+    def _loss_and_grad(self, out: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The batch's loss (0-d) and its gradient with respect to ``out``: the named loss's fused
+        pass, or ``loss_fn`` differentiated by autograd."""
+        if self.loss_fn is None:
+            return loss_and_grad(out, y, self.loss_type, validate=False)
+        with torch.enable_grad():
+            o = out.detach().requires_grad_(True)
+            loss = self.loss_fn(o, y)
+            name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+                raise ValueError(
+                    f"loss_fn {name!r} returned {got}; it must return a one-element tensor (the batch's mean "
+                    "loss, e.g. reduction='mean') computed from the output"
+                )
+            if not loss.requires_grad:
+                raise ValueError(f"loss_fn {name!r} returned a tensor that does not depend on the model's output (no gradient)")
+            (grad,) = torch.autograd.grad(loss.reshape(()), o, allow_unused=True)
+        return loss.detach().reshape(()), torch.zeros_like(out) if grad is None else grad
+
+    def _accumulated(self, grads: Sequence[Tensor]) -> Sequence[Tensor] | None:
+        """With ``accumulate_grad_batches`` = k > 1: add this batch's gradients to the group's sum;
+        the group's mean once it holds k batches or the epoch's last batch came, else ``None`` (no
+        update yet)."""
+        epoch = self.engine.epoch
+        if self._acc is None or self._acc_epoch != epoch:  # an abandoned epoch's group is dropped
+            self._acc, self._acc_count, self._acc_epoch = [g.clone() for g in grads], 0, epoch
+        else:
+            torch._foreach_add_(self._acc, list(grads))
+        self._acc_count += 1
+        if self._acc_count < self.accumulate and not self.engine.__dict__.get("last_batch", False):
+            self.update_pending = True
+            return None
+        mean = torch._foreach_div(self._acc, float(self._acc_count))
+        self._acc, self._acc_count, self.update_pending = None, 0, False
+        return mean
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -309,7 +373,19 @@ class Backprop(Method):
         else:
             out = events.run_forward(self.model, x)
             saved = tuple(record.saved for record in self.model.history)
-        loss_t, grad = loss_and_grad(out, y, self.loss_type, validate=False)
+        return self._step_after_forward(out, saved, y, events)
+
+    @torch.no_grad()
+    def step_from_forward(self, x: Tensor, y: Tensor, out: Tensor, saved: Any) -> StepOutput:
+        """Steps 2-7 on the forward the caller ran at the current weights (``Network.forward_saved``'s
+        ``out, saved`` for ``x``); with per-layer observer events, the whole ``step`` instead."""
+        events = self.layer_events()
+        if events is not None:  # the events come from a recorded forward
+            return self.step(x, y)
+        return self._step_after_forward(out, saved, y, None)
+
+    def _step_after_forward(self, out: Tensor, saved: Any, y: Tensor, events: Any) -> StepOutput:
+        loss_t, grad = self._loss_and_grad(out, y)
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled after
             grad = scaler.scale_grad(grad)
@@ -336,6 +412,10 @@ class Backprop(Method):
             scaler.update_(torch.tensor(not finite))
         if not finite:
             return StepOutput(loss, StepStatus.NAN_GRAD)
+        if self.accumulate > 1:
+            grads = self._accumulated(grads)
+            if grads is None:  # the group is not complete: no update yet
+                return StepOutput(loss)
         for p, g in zip(self.params, grads):
             p.grad = g
         self._clip(grads)

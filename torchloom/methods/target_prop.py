@@ -308,21 +308,27 @@ class TargetProp(Method):
 class _FusedTargetProp(FusedStep):
     """TargetProp's device step in about eighteen launches (``FusedStep``): chain rule or pure mode;
     the gate, rates and momentum decided by one single-program kernel (``method_steps.tp_rule_``).
-    Taken for the ``"mse"`` target (the kernels' ``t − y``); ``"cross_entropy"`` runs the torch-op step."""
+    Its output target is the kernels' ``t − y`` (``"mse"``) or ``t − softmax(y)`` (``"cross_entropy"``)."""
 
     @classmethod
     def accepts(cls, trainer: Any) -> bool:
-        return trainer.loss == "mse"
+        return trainer.loss in ("mse", "cross_entropy")
 
     def pure_into_flat(self, gap: Tensor, target: Tensor, acts: list[Tensor]) -> list[Tensor | None]:
         """Pure TargetProp's backward pass from the output's ``gap = target − out``: each layer's
         delta-rule direction (``gapᵀ x``, bias ``Σ gap``) written into the flat direction buffer, and each
-        layer's input target (``_weighted_estimate``: ``t W / Σ|W|`` per input unit). Returns the targets
+        layer's input target (``estimate_gap``: ``est(v) = v W / Σ|W|`` per input unit, of the gap above
+        with ``pure_targets="difference"``, of the target above with ``"loom"``). Returns the targets
         at each layer's output ([0] None: the input's target is never used)."""
         from ..kernels import dense_small
         from ..kernels.method_steps import estimate_gap
 
         layers = self.t.model.layers
+        difference = self.t.config.pure_targets == "difference"
+        # under bf16 autocast the activations are bfloat16: the delta rule and the estimates read them in
+        # float32, like the float32 weights and the flat direction buffer they meet
+        gap = gap.float()
+        acts = [a if a.dtype == torch.float32 else a.float() for a in acts]
         backend = getattr(self.t, "kernel_backend", None)
         targets: list[Tensor | None] = [None] * (self.n + 1)
         targets[self.n] = target
@@ -336,18 +342,18 @@ class _FusedTargetProp(FusedStep):
                 if len(views) > 1:
                     column_sum(gap, out=views[1])
             if i > 0:
-                targets[i], gap = estimate_gap(targets[i + 1], w, acts[i])
+                targets[i], gap = estimate_gap(gap if difference else targets[i + 1], w, acts[i], difference)
         return targets
 
     def step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         from ..kernels.grad_norm import grad_sq_partials
-        from ..kernels.method_steps import TP, target_rows, tp_rule_
+        from ..kernels.method_steps import TP, TP_CE, target_rows, tp_rule_
 
         t, st, cfg = self.t, self.t.state, self.t.config
         backend = getattr(t, "kernel_backend", None)
         out = target_prop_forward(t.model, st, x)
         t.observe_outputs(out, y)
-        loss_rows, g, target, _, correct = target_rows(out, y, TP)
+        loss_rows, g, target, _, correct = target_rows(out, y, TP_CE if t.loss == "cross_entropy" else TP)
         acts = st.forward_acts
         st.weight_gradients = list(self.views)
         if cfg.use_chain_rule:

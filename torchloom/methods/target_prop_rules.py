@@ -32,7 +32,10 @@ The rules, for a ``Network`` of ``L`` layers, activations ``a_0 = x, a_1 … a_L
    RNN and LSTM apply it with ``weight_ih`` per time step (LSTM: the four gate blocks summed, in the
    numerator and in the denominator); MultiHeadAttention goes back through ``o_weight`` and then
    through ``v_weight`` as the query heads see it (each kv head's rows repeated for the query heads of
-   its group). Any other layer passes its **input** through as the target (Loom's fallback: the
+   its group). With ``pure_targets="difference"`` (the default; difference target propagation) the
+   estimate is applied to the gap, ``t_i = a_i + est(t_{i+1} − a_{i+1})``; with ``"loom"`` (Loom's
+   rule) to the target itself, ``t_i = est(t_{i+1})`` (measured: Loom's rule stays at chance on
+   Fashion-MNIST at every rate, the difference rule learns; docs/target-prop.md). Any other layer passes its **input** through as the target (Loom's fallback: the
    layers below then see no gap). Update directions: Dense, ``δW = gapᵀ x`` summed over the batch,
    ``δb = Σ_b gap`` with ``gap = t_{i+1} − a_{i+1}`` (Loom's delta rule, no ``f'``); every other layer
    with parameters gets the gradient of its **own** local loss ½‖t_{i+1} − a_{i+1}‖² through its
@@ -64,6 +67,7 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import as_float_target, label_bounds, mse_to_target
+from .._settings import python_numbers, settings
 from ..layers.attention import MultiHeadAttention
 from ..layers.base import Layer
 from ..layers.dense import Dense
@@ -74,6 +78,7 @@ from ..layers.rnn import RNN
 __all__ = [
     "MODES",
     "REDUCTIONS",
+    "PURE_TARGETS",
     "LOSSES",
     "output_target",
     "target_loss",
@@ -89,6 +94,7 @@ __all__ = [
 
 MODES = ("chain_rule", "pure")
 REDUCTIONS = ("mean", "sum")
+PURE_TARGETS = ("difference", "loom")  # pure mode's input targets: a_i + est(gap) (default) | est(t) (Loom's)
 LOSSES = ("mse", "cross_entropy")  # the losses TargetProp can train on (the output target of each: output_target)
 
 # Below this total |weight| into an input unit, the pure-mode estimate leaves that unit's target at 0
@@ -106,6 +112,7 @@ def _is_number(v: Any) -> bool:
 # Config
 
 
+@settings({"lr": "learning_rate", "rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
 @dataclass
 class TargetPropConfig:
     """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).
@@ -113,19 +120,36 @@ class TargetPropConfig:
     ``use_chain_rule`` (Loom's name) and ``mode`` are one switch under two names: give either (neither:
     chain rule, Loom's default); giving both with different meanings is a ``ValueError``. Afterwards
     both are set and must stay in agreement (``dataclasses.replace`` passes both: change ``mode`` and
-    ``use_chain_rule`` together, or build a new config)."""
+    ``use_chain_rule`` together, or build a new config). Every field is checked when the config is
+    built; numbers may be NumPy scalars (stored as Python numbers)."""
 
-    use_chain_rule: bool | None = None  # Loom's switch: True = chain rule; None = from mode, else True
-    mode: str | None = None  # "chain_rule" | "pure"; None = from use_chain_rule
-    gradient_scale: float = 0.1  # chain rule: backward_targets[i] = a_i + scale·g_i; >= 0
-    depth_scale_factor: float = 1.1  # rate_i ∝ factor^i: "each deeper layer gets 1.1× the base rate"; > 0
-    momentum: float = 0.9  # v = μv + (1−μ)·rate·grad; in [0, 1)
-    learning_rate: float = 0.05  # base rate; > 0 (measured: bench/RESULTS.md §7, docs/target-prop.md's rate table)
-    gate_threshold: float = 0.2  # layers with link budget below this are not updated; in [0, 1]
-    reduction: str = "mean"  # "mean": the step averaged over the batch (one rate serves every batch size); "sum": Loom's summed step
-    loss_type: str | None = None  # the output target: "mse" (t − y) | "cross_entropy" (onehot − softmax(y)); None = TrainingConfig.loss_type ("mse" outside train())
+    use_chain_rule: bool | None = None
+    """Loom's switch: ``True`` = chain rule (targets from the exact gradient), ``False`` = pure
+    (derivative-free targets); ``None`` = from ``mode``, else ``True``."""
+    mode: str | None = None
+    """``"chain_rule"`` or ``"pure"``, the same switch by name; ``None`` = from ``use_chain_rule``."""
+    gradient_scale: float = 0.1
+    """Chain rule: each layer's target is ``a_i + gradient_scale·g_i`` (>= 0)."""
+    depth_scale_factor: float = 1.1
+    """Layer ``i``'s rate is ``learning_rate·factor^i``: each deeper layer gets 1.1× the rate before it (> 0)."""
+    momentum: float = 0.9
+    """Momentum of the update ``v = μv + (1−μ)·rate·grad``, in [0, 1)."""
+    learning_rate: float = 0.05
+    """The base rate (> 0); measured in bench/RESULTS.md §7 and the rate table of docs/target-prop.md."""
+    gate_threshold: float = 0.2
+    """Layers whose link budget is below this are not updated, in [0, 1]."""
+    reduction: str = "mean"
+    """``"mean"``: the step averaged over the batch (one rate serves every batch size); ``"sum"``:
+    Loom's summed step."""
+    loss_type: str | None = None
+    """The output target: ``"mse"`` (``t − y``) or ``"cross_entropy"`` (``onehot − softmax(y)``);
+    ``None`` = ``TrainingConfig.loss_type`` (``"mse"`` outside ``train()``)."""
+    pure_targets: str = "difference"
+    """Pure mode: ``"difference"`` (``t_i = a_i + est(t_{i+1} − a_{i+1})``, the default) or ``"loom"``
+    (``t_i = est(t_{i+1})``, Loom's rule)."""
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         if self.use_chain_rule is not None and not isinstance(self.use_chain_rule, bool):
             raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
         if self.mode is not None:
@@ -146,6 +170,7 @@ class TargetPropConfig:
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. The TargetProp functions call
         this before touching any state, so a config changed after construction is checked too."""
+        python_numbers(self)
         if not isinstance(self.use_chain_rule, bool):
             raise TypeError(f"TargetPropConfig: use_chain_rule must be a bool, got {self.use_chain_rule!r}")
         if self.mode not in MODES:
@@ -169,6 +194,12 @@ class TargetPropConfig:
             raise ValueError(
                 f"TargetPropConfig: reduction must be one of {', '.join(map(repr, REDUCTIONS))} ('mean': the step averaged "
                 f"over the batch; 'sum': Loom's summed step), got {self.reduction!r}"
+            )
+        if self.pure_targets not in PURE_TARGETS:
+            raise ValueError(
+                f"TargetPropConfig: pure_targets must be one of {', '.join(map(repr, PURE_TARGETS))} ('difference': each "
+                "input target is the activation plus the estimate of the gap above; 'loom': the estimate of the target "
+                f"above, Loom's rule), got {self.pure_targets!r}"
             )
         if self.loss_type is not None and self.loss_type not in LOSSES:
             raise ValueError(
@@ -402,11 +433,12 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input
             grads[i] = g
             targets[i] = acts[i] + scale * g
     else:
+        difference = state.config.pure_targets == "difference"
         for i in range(n - 1, -1, -1):
             layer, t_out = model.layers[i], targets[i + 1]
             weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
             if input_target or i > 0:
-                targets[i] = estimate_input_target(layer, t_out, acts[i])
+                targets[i] = estimate_input_target(layer, t_out, acts[i], acts[i + 1] if difference else None)
     state.backward_targets, state.gradients, state.weight_gradients = targets, grads, weight_grads
 
 
@@ -462,14 +494,24 @@ _ESTIMATORS: dict[type, Callable[[Any, Tensor], Tensor]] = {
 
 
 @torch.no_grad()
-def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor) -> Tensor:
-    """Pure-mode target for ``layer``'s input from the ``target`` of its output, batch-aware.
+def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor, layer_output: Tensor | None = None) -> Tensor:
+    """Pure-mode target for ``layer``'s input (``layer_input``, ``[B, ..., in]``) from the ``target`` of
+    its output (``[B, ..., out]``), batch-aware, with ``est`` the weight-based estimate (module
+    docstring) of Dense / RNN / LSTM / MultiHeadAttention:
 
-    Dense / RNN / LSTM / MultiHeadAttention: the weight-based estimate (module docstring); any other
-    layer: ``layer_input`` itself (Loom's fallback)."""
+    * ``layer_output`` None (Loom's rule, ``pure_targets="loom"``): ``est(target)``;
+    * ``layer_output`` given (``pure_targets="difference"``, difference target propagation, Lee et al.
+      2015, with ``est`` as the approximate inverse): ``layer_input + est(target − layer_output)``.
+      ``est`` is linear, so this is ``layer_input + est(target) − est(layer_output)``: the estimate's
+      error on the layer's own output cancels, and a layer whose output meets its target passes no gap
+      down.
+
+    Any other layer: ``layer_input`` itself (Loom's fallback: no gap below it)."""
     for cls in type(layer).__mro__:  # subclasses of Dense & co. inherit their estimate
         if cls in _ESTIMATORS:
-            return _ESTIMATORS[cls](layer, target).to(layer_input.dtype)
+            if layer_output is None:
+                return _ESTIMATORS[cls](layer, target).to(layer_input.dtype)
+            return layer_input + _ESTIMATORS[cls](layer, target - layer_output).to(layer_input.dtype)
     return layer_input
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from ..engine.config import as_network
 from ..engine.guards import finite_flag
 from ..engine.losses import LOSS_TYPES, compute_loss, is_label_target, label_bounds, loss_and_grad
+from .._settings import python_numbers, settings
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import Layer
 from ..layers.network import Network
@@ -50,6 +51,7 @@ def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, 
         raise ValueError(f"{owner}: {name} must be a finite number in {interval}, got {value!r}")
 
 
+@settings({"lr": "base_rate", "learning_rate": "base_rate", "rate": "base_rate", "momentum": "momentum_decay", "loss": "loss_type"})
 @dataclass
 class TweenConfig:
     """Settings of Neural Tweening (the Tweening document's names, snake_case, plus ``recovery_growth``,
@@ -57,19 +59,36 @@ class TweenConfig:
 
     ``base_rate`` is the learning rate; momentum is applied as ``v = μv − rate·g``, so the long-run
     step of a steady gradient is ``rate/(1−μ)``, ten times ``base_rate`` at the default ``μ = 0.9``.
+    Every field is checked when the config is built; numbers may be NumPy scalars (stored as Python
+    numbers).
     """
 
-    base_rate: float = 0.01  # > 0; the rate adaptive_rate starts at and recovers towards (document's value)
-    momentum_decay: float = 0.9  # μ in [0, 1); 0 = no momentum (document's value)
-    link_budget_scale: float = 1.0  # s in [0, 2]; rate·(1 − s/2 + s/2·alignment); 1 = Loom's 0.5 + 0.5·budget, 0 = off
-    gap_threshold: float = 0.1  # >= 0; samples with output error Σ(ŷ − t)² below it are learned: no gradient; 0 = off
-    explosion_limit: float = 10.0  # > 1; a step whose mean gap exceeds explosion_limit × gap_baseline is an explosion
-    recovery_rate: float = 0.5  # in (0, 1]; adaptive_rate is multiplied by it on an explosion (document's value)
-    recovery_growth: float = 1.05  # >= 1; adaptive_rate grows by it per stable step, up to base_rate (Loom's 5 %)
-    depth_scaling: bool = True  # scale weighted layer k of L by 1/sqrt(L − k) (document's formula)
-    explosion_detection: bool = True  # watch the gap growth; False = constant rate, momentum never reset
-    gradient_scale: float = 1.0  # > 0; backward target t_i = a_i − gradient_scale·chain_gradients[i]
-    loss_type: str | None = None  # None: "cross_entropy" for class labels, "mse" for float targets; or a loss name
+    base_rate: float = 0.01
+    """The learning rate (> 0): where ``adaptive_rate`` starts and what it recovers towards (the
+    document's value)."""
+    momentum_decay: float = 0.9
+    """Momentum μ in [0, 1); 0 = no momentum (the document's value)."""
+    link_budget_scale: float = 1.0
+    """``s`` in [0, 2]: a layer's rate is scaled by ``1 − s/2 + s/2·alignment``; 1 = Loom's
+    ``0.5 + 0.5·budget``, 0 = off."""
+    gap_threshold: float = 0.1
+    """Samples whose output error ``Σ(ŷ − t)²`` is below this count as learned and give no gradient
+    (>= 0; 0 = off)."""
+    explosion_limit: float = 10.0
+    """A step whose mean gap exceeds ``explosion_limit × gap_baseline`` is an explosion (> 1)."""
+    recovery_rate: float = 0.5
+    """``adaptive_rate`` is multiplied by this on an explosion, in (0, 1] (the document's value)."""
+    recovery_growth: float = 1.05
+    """``adaptive_rate`` grows by this factor per stable step, up to ``base_rate`` (>= 1; Loom's 5 %)."""
+    depth_scaling: bool = True
+    """Scale weighted layer ``k`` of ``L`` by ``1/sqrt(L − k)`` (the document's formula)."""
+    explosion_detection: bool = True
+    """Watch the gap's growth; ``False`` = a constant rate and momentum never reset."""
+    gradient_scale: float = 1.0
+    """Backward targets ``t_i = a_i − gradient_scale·chain_gradients[i]`` (> 0)."""
+    loss_type: str | None = None
+    """``None``: ``"cross_entropy"`` for class labels, ``"mse"`` for float targets; or a loss name of
+    ``torchloom.LOSS_TYPES``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +97,7 @@ class TweenConfig:
         """Raise ``ValueError``/``TypeError`` unless every field is valid (cheap host checks). Called at
         construction, when a ``TweenState`` is made, at the start of ``TweenTrainer.fit`` and by the
         public ``tween_step``/``step``, so a field changed after construction is checked too."""
+        python_numbers(self)
         o = "TweenConfig"
         _number(o, "base_rate", self.base_rate, 0.0, lo_open=True)
         _number(o, "momentum_decay", self.momentum_decay, 0.0, 1.0, hi_open=True)

@@ -4,7 +4,10 @@ Any object with a matching method is an observer; it need not inherit from ``Obs
 
 * ``on_train_begin(trainer)``, ``on_train_end(trainer, result)``
 * ``on_epoch_begin(trainer, epoch)``, ``on_epoch_end(trainer, epoch, logs)``
-* ``on_batch_end(trainer, step, logs)``
+* ``on_batch_end(trainer, step, logs)`` (every batch: a listener keeps a run off the CUDA device path)
+* ``on_step_log(trainer, step, logs)`` (every ``TrainingConfig.log_every_n_steps`` steps: ``loss``,
+  ``lr``, the method's step logs, ``skipped``; on the CUDA device path delivered at the epoch's end,
+  from its one host read, so it never costs a sync per step)
 * ``on_layer_forward(event)``, ``on_layer_backward(event)`` (per layer: ``layer_stats.LayerEvent``)
 
 ``epoch`` and ``step`` are 0-based; ``logs`` are plain Python floats. A hook that sets
@@ -21,6 +24,7 @@ HOOKS = (
     "on_train_begin",
     "on_epoch_begin",
     "on_batch_end",
+    "on_step_log",
     "on_epoch_end",
     "on_train_end",
     "on_layer_forward",
@@ -34,6 +38,7 @@ class Observer:
     def on_train_begin(self, trainer: Any) -> None: ...
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None: ...
     def on_batch_end(self, trainer: Any, step: int, logs: dict[str, float]) -> None: ...
+    def on_step_log(self, trainer: Any, step: int, logs: dict[str, float]) -> None: ...
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None: ...
     def on_train_end(self, trainer: Any, result: Any) -> None: ...
     def on_layer_forward(self, event: Any) -> None: ...

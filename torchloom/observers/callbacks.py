@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._weights_file import load_weights, read_checkpoint, weights_of
 from ._files import atomic_write, check_output_path
 from .base import Observer
 
@@ -124,6 +125,33 @@ class _Tracker:
         self.best = value
         self.best_epoch = epoch
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.mode, "best": self.best, "best_epoch": self.best_epoch, "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_epoch, self.seen = float(state["best"]), state["best_epoch"], bool(state["seen"])
+
+    def fits(self, state: Any) -> bool:
+        """Whether a saved tracker ``state`` watched the same key the same way."""
+        return isinstance(state, dict) and state.get("monitor") == self.monitor and state.get("mode") == self.mode
+
+
+def _epoch_logs(trainer: Any, epoch: int) -> dict[str, Any] | None:
+    """Epoch ``epoch``'s logs as the restored history of ``trainer`` holds them (None when absent)."""
+    history = getattr(trainer, "history", None)
+    epochs = list(getattr(history, "epochs", ()))
+    if epoch not in epochs:
+        return None
+    at = epochs.index(epoch)
+    return {k: v[at] for k, v in history.history.items() if at < len(v)}
+
+
+def _pending_epochs(trainer: Any, seen: int | None) -> list[int]:
+    """The epochs a resumed run completed after ``seen`` (the last one an observer's saved state
+    took in): the observer catches up on them from the restored history."""
+    done = int(getattr(trainer, "epoch", 0) or 0)
+    return list(range(-1 if seen is None else int(seen), done))[1:] if done else []
+
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of ``model.state_dict()`` on the model's own device (no host transfer, no sync)."""
@@ -170,6 +198,7 @@ class EarlyStopping(Observer):
         self.restore_best = restore_best
         self.check_ready()
         self._tracker = _Tracker("EarlyStopping")
+        self._restored: dict[str, Any] | None = None
         self._reset()
 
     def check_ready(self) -> None:
@@ -185,6 +214,7 @@ class EarlyStopping(Observer):
         self.wait = 0
         self.stopped_epoch: int | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
+        self._last_epoch: int | None = None
 
     @property
     def best(self) -> float:
@@ -194,20 +224,51 @@ class EarlyStopping(Observer):
     def best_epoch(self) -> int | None:
         return self._tracker.best_epoch
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs (saved in a full-state ``Checkpoint``): the best value and epoch,
+        ``wait``, the last epoch seen and, with ``restore_best``, the best epoch's weights."""
+        return {
+            "tracker": self._tracker.state_dict(), "wait": self.wait, "epoch": self._last_epoch,
+            "best_state": self.best_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a saved ``state_dict()`` in at the start of a resumed run (``on_train_begin``)."""
+        self._restored = state
+
     def on_train_begin(self, trainer: Any) -> None:
         self.check_ready()
         self._reset()
+        state, self._restored = self._restored, None
+        seen = None
+        if state is not None and self._tracker.fits(state.get("tracker")):
+            self._tracker.load_state_dict(state["tracker"])
+            self.wait, seen = int(state["wait"]), state["epoch"]
+            if self.restore_best and state.get("best_state") is not None:
+                self.best_state = {k: v.clone() for k, v in state["best_state"].items()}
+        for epoch in _pending_epochs(trainer, seen):  # epochs of the resumed run this state has not seen
+            logs = _epoch_logs(trainer, epoch)
+            if logs is not None:
+                self._judge(trainer, epoch, logs, replay=True)
+        self.stopped_epoch = None
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        self._judge(trainer, epoch, logs)
+
+    def _judge(self, trainer: Any, epoch: int, logs: dict[str, float], replay: bool = False) -> None:
+        self._last_epoch = epoch
         value = self._tracker.value(logs)
         if self._tracker.better(value):
             self._tracker.record(value, epoch)
             self.wait = 0
             if self.restore_best:
-                self.best_state = _snapshot(trainer.model)
+                # a replayed epoch (a resumed run catching up): its weights are the model's only when it
+                # is the last epoch done; an earlier one's are gone, and no weights beat wrong ones
+                latest = not replay or epoch == int(getattr(trainer, "epoch", 0) or 0) - 1
+                self.best_state = _snapshot(trainer.model) if latest else None
             return
         self.wait += 1
-        if self.wait >= self.patience:
+        if self.wait >= self.patience and not replay:
             self.stopped_epoch = epoch
             trainer.stop_training = True
 
@@ -224,9 +285,12 @@ class Checkpoint(Observer):
     optimizer or method state (TargetProp / Tween velocities, Tween's adaptive rate and explosion
     watch), schedule, random-number states, epoch count and history, so that
     ``TrainingConfig(resume_from=path)`` continues exactly where it stopped (2 epochs + resume for 2
-    equals 4 epochs in one run). The model's weights are under ``"training"`` → ``"model"``:
-    ``model.load_state_dict(torch.load(path, weights_only=True)["training"]["model"])``. With
-    ``full_state=False`` the file is ``model.state_dict()`` alone.
+    equals 4 epochs in one run), and a description of a torchloom ``Network`` (``"network"``) that
+    ``torchloom.load_checkpoint(path)`` rebuilds it from without its code. With ``full_state=False``
+    the file is ``state_dict()`` alone. For inference, ``load_best(model)`` or
+    ``torchloom.load_checkpoint(path, model)`` loads either kind into a model in one call (the weights
+    are under ``"training"`` → ``"model"``, named as in the chain ``train()`` trains:
+    ``layers.0.module.weight`` for a plain module).
 
     The file is written to a temporary file beside ``path`` and then renamed over it, so an
     interrupted or failed save leaves the previous checkpoint intact and no temporary file; a failed
@@ -249,7 +313,18 @@ class Checkpoint(Observer):
 
     After training: ``best``, ``best_epoch`` (0-based; ``None`` when no epoch was finite) and
     ``saved_epochs`` (every epoch saved).
+
+    Resume: a full-state file also holds the state of every observer with ``state_dict()`` /
+    ``load_state_dict()`` (this one's best value and saved epochs, ``EarlyStopping``'s best and
+    ``wait``, one of your own), given back before ``on_train_begin`` of the resumed run, so that the
+    first resumed epoch never "improves" on a forgotten best. Checkpoints are called after the other
+    observers of an epoch, so the state they save is the state after that epoch; a ``Checkpoint``
+    whose saved state missed an epoch (another ``Checkpoint`` wrote the file first, or an earlier
+    release wrote it without observer states) judges the missed epochs again from the restored
+    history, without writing.
     """
+
+    writes_checkpoint = True  # the engine calls it after the other observers of an epoch
 
     def __init__(
         self,
@@ -272,6 +347,8 @@ class Checkpoint(Observer):
         self._tracker = _Tracker("Checkpoint")
         self._tracker.start(self.monitor, self.mode, self.min_delta)
         self.saved_epochs: list[int] = []
+        self._last_epoch: int | None = None
+        self._restored: dict[str, Any] | None = None
 
     def check_ready(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the argument when the path cannot be written or a
@@ -292,24 +369,78 @@ class Checkpoint(Observer):
     def best_epoch(self) -> int | None:
         return self._tracker.best_epoch
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs (saved in a full-state checkpoint): the best value and epoch, the
+        epochs saved and the last epoch seen."""
+        return {"tracker": self._tracker.state_dict(), "saved_epochs": list(self.saved_epochs), "epoch": self._last_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a saved ``state_dict()`` in at the start of a resumed run (``on_train_begin``)."""
+        self._restored = state
+
     def on_train_begin(self, trainer: Any) -> None:
         self.check_ready()
         self._tracker.start(self.monitor, self.mode, self.min_delta)
         self.saved_epochs = []
+        self._last_epoch = None
+        state, self._restored = self._restored, None
+        seen = None
+        if state is not None and self._tracker.fits(state.get("tracker")):
+            self._tracker.load_state_dict(state["tracker"])
+            self.saved_epochs, seen = [int(e) for e in state["saved_epochs"]], state["epoch"]
+        # a resumed run: the epochs this state has not seen (all of them, from a checkpoint without
+        # one; the epoch a Checkpoint listed before this one wrote) are judged again from the history,
+        # without writing, so the best is the best of the whole run
+        for epoch in _pending_epochs(trainer, seen):
+            logs = _epoch_logs(trainer, epoch)
+            if logs is not None:
+                self._judge(trainer, epoch, logs, replay=True)
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        self._judge(trainer, epoch, logs)
+
+    def _judge(self, trainer: Any, epoch: int, logs: dict[str, float], replay: bool = False) -> None:
+        self._last_epoch = epoch
         value = self._tracker.value(logs)  # read every epoch: a missing key is reported at once
         if (epoch + 1) % self.every_n_epochs:
             return
         improved = self._tracker.better(value)
+        if replay:  # the file was written then (or by the run that wrote the checkpoint): only the record
+            if improved:
+                self._tracker.record(value, epoch)
+            if improved or not self.save_best_only:
+                self.saved_epochs.append(epoch)
+            return
         if improved or not self.save_best_only:
-            full = self.full_state and hasattr(trainer, "checkpoint_state")
-            if getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
-                state = trainer.checkpoint_state() if full else trainer.model.state_dict()
-                atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
+            before = (self._tracker.state_dict(), list(self.saved_epochs))
+            if improved:  # recorded before the file is written, so that its saved state knows this epoch ...
+                self._tracker.record(value, epoch)
             self.saved_epochs.append(epoch)
-        if improved:  # recorded once saved: after a failed save, best still names the file's epoch
-            self._tracker.record(value, epoch)
+            try:
+                full = self.full_state and hasattr(trainer, "checkpoint_state")
+                if getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
+                    state = trainer.checkpoint_state() if full else trainer.model.state_dict()
+                    atomic_write("Checkpoint", self.path, lambda f: torch.save(state, f))
+            except BaseException:  # ... and forgotten when it fails: best still names the file's epoch
+                self._tracker.load_state_dict(before[0])
+                self.saved_epochs = before[1]
+                raise
+
+
+    def load_best(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the weights of the file written last (the best epoch's with
+        ``save_best_only=True``), in eval mode, ready for inference; returned. ``model`` is the model
+        that was trained or one built the same way (a plain ``nn.Module`` too).
+        ``torchloom.load_checkpoint(path)`` also rebuilds a torchloom ``Network`` without one.
+        Raises ``FileNotFoundError`` before any epoch was saved, ``ValueError`` naming the keys
+        when the weights do not fit ``model``."""
+        if model is None:
+            raise TypeError(
+                "Checkpoint.load_best: pass the model to load the best weights into; "
+                f"torchloom.load_checkpoint({self.path!r}) rebuilds a torchloom Network without one"
+            )
+        state = read_checkpoint(self.path, "Checkpoint.load_best")
+        return load_weights(model, weights_of(state, self.path, "Checkpoint.load_best"), self.path, "Checkpoint.load_best")
 
 
 class TerminateOnDivergence(Observer):

@@ -1,4 +1,5 @@
-"""``CSVLogger``: one CSV row per epoch with every key of the epoch logs (Keras' ``CSVLogger``)."""
+"""``CSVLogger``: one CSV row per epoch with every key of the epoch logs (Keras' ``CSVLogger``), and
+optionally a second file of per-step logs (``step_path``)."""
 
 from __future__ import annotations
 
@@ -41,18 +42,29 @@ class CSVLogger(Observer):
             kind (first column ``epoch``, every row as long as the header, text in UTF-8), else
             ``ValueError`` at construction and in ``check_ready()``.
         separator: the field separator (one character, not a quote, a line break or a space).
+        step_path: a second CSV file for the per-step logs of ``TrainingConfig(log_every_n_steps=N)``:
+            first column ``step`` (0-based over the run), then ``loss``, ``lr``, the method's step
+            logs and ``skipped``, one row per logged step, written the same crash-safe way (and
+            appended to with ``append``). ``None`` (default): no step file.
 
     ``check_ready()`` re-checks the path, settings and the file to append to (they may change after
     construction); trainers call it before a run changes anything.
+
+    A resumed run (``TrainingConfig(resume_from=...)``) writing a new file (``append=False``) starts it
+    with the rows of the epochs done, from the restored history: the file holds the whole run.
     """
 
-    def __init__(self, path: str | os.PathLike, append: bool = False, separator: str = ",") -> None:
+    _index = "epoch"  # the first column
+
+    def __init__(self, path: str | os.PathLike, append: bool = False, separator: str = ",", *, step_path: str | os.PathLike | None = None) -> None:
         self.path = path
         self.append = append
         self.separator = separator
         self._header: list[str] | None = None
         self._needs_newline = False
         self._active = False
+        self.step_path = step_path
+        self._steps: CSVLogger | None = None
         self.check_ready()
 
     # ----------------------------------------------------------------- checks
@@ -69,6 +81,13 @@ class CSVLogger(Observer):
                 f"a line break, got {sep!r}"
             )
         self._existing_header()
+        if self.step_path is not None:
+            steps = _StepCSV(self.step_path, self.append, self.separator)
+            if os.path.abspath(steps.path) == os.path.abspath(self.path):
+                raise ValueError(f"CSVLogger: step_path must be another file than path, got {steps.path!r} for both")
+            self._steps = steps
+        else:
+            self._steps = None
 
     def _existing_header(self) -> list[str] | None:
         """The header of the file to append to (``None`` when a new file will be written); sets
@@ -86,10 +105,10 @@ class CSVLogger(Observer):
                 "use another path or append=False"
             ) from None
         header = rows[0] if rows else []
-        if not header or header[0] != "epoch" or any(not h for h in header) or len(set(header)) != len(header):
+        if not header or header[0] != self._index or any(not h for h in header) or len(set(header)) != len(header):
             raise ValueError(
                 f"CSVLogger: append=True but {self.path!r} is not a CSVLogger log: its header {header!r} must "
-                f"start with 'epoch' and name each column once (separator {self.separator!r}); use another path "
+                f"start with {self._index!r} and name each column once (separator {self.separator!r}); use another path "
                 "or append=False"
             )
         bad = [i + 1 for i, r in enumerate(rows[1:], start=1) if r and len(r) != len(header)]
@@ -147,14 +166,33 @@ class CSVLogger(Observer):
         self.check_ready()
         self._header = self._existing_header()
         self._active = True
+        history = getattr(trainer, "history", None)
+        # a resumed run (TrainingConfig.resume_from) into a new file: the epochs done come first, from
+        # the restored history, so the file holds the whole run
+        resumed = getattr(trainer, "epoch", 0) and history is not None and getattr(trainer, "is_main", True)
+        if resumed and not self.append and self._index == "epoch":
+            for at, epoch in enumerate(getattr(history, "epochs", ())):
+                self._write_row(epoch, {k: v[at] for k, v in history.history.items() if at < len(v)})
+        if self._steps is not None:
+            self._steps.on_train_begin(trainer)
+
+    def on_step_log(self, trainer: Any, step: int, logs: dict[str, float]) -> None:
+        if self.step_path is None or not getattr(trainer, "is_main", True):
+            return
+        if not self._active:
+            self.on_train_begin(trainer)
+        self._steps._write_row(step, logs)
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
         if not getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
             return
         if not self._active:  # hooks called outside a trainer's fit(): start as fit() would
             self.on_train_begin(trainer)
-        row = {"epoch": str(epoch)}
-        row.update({str(k): _fmt(v) for k, v in logs.items() if str(k) != "epoch"})
+        self._write_row(epoch, logs)
+
+    def _write_row(self, index: int, logs: dict[str, float]) -> None:
+        row = {self._index: str(index)}
+        row.update({str(k): _fmt(v) for k, v in logs.items() if str(k) != self._index})
         if self._header is None:
             self._rewrite(list(row), row)
         elif any(k not in self._header for k in row):
@@ -165,3 +203,11 @@ class CSVLogger(Observer):
     def on_train_end(self, trainer: Any, result: Any) -> None:
         self._header = None
         self._active = False
+        if self._steps is not None:
+            self._steps.on_train_end(trainer, result)
+
+
+class _StepCSV(CSVLogger):
+    """The step file of ``CSVLogger(step_path=...)``: the same writer, first column ``step``."""
+
+    _index = "step"

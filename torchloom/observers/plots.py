@@ -114,8 +114,16 @@ class LossPlot(Observer):
         self.check_ready()
         self.epochs = []
         self.history = {}
+        history = getattr(trainer, "history", None)  # a resumed run: the curves start with the epochs done
+        for at, epoch in enumerate(getattr(history, "epochs", ()) if getattr(trainer, "epoch", 0) else ()):
+            self._add(epoch, {k: v[at] for k, v in history.history.items() if at < len(v)})
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        self._add(epoch, logs)
+        if self.every_epoch and getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
+            self.save()
+
+    def _add(self, epoch: int, logs: dict[str, float]) -> None:
         self.epochs.append(epoch + 1)  # plotted 1-based, as the epoch lines print them
         for key, value in logs.items():
             if _is_loss(key) or _is_accuracy(key):
@@ -123,8 +131,6 @@ class LossPlot(Observer):
         for key, values in self.history.items():  # a key absent this epoch (no batch counted): a gap
             if key not in logs:
                 values.append(math.nan)
-        if self.every_epoch and getattr(trainer, "is_main", True):  # data-parallel training: rank 0 alone writes
-            self.save()
 
     def on_train_end(self, trainer: Any, result: Any) -> None:
         if getattr(trainer, "is_main", True):

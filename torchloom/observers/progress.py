@@ -36,8 +36,9 @@ order (``format_epoch_extras``):
 Values print with 4 decimals (``0.9500``) when ``1e-3 <= |v| < 1e5`` or ``v == 0``, else with 4
 significant digits in scientific notation (``2.500e-05``); NaN and ±Inf as ``nan``, ``inf``,
 ``-inf``. The keys that make the fixed fields (``loss``, ``epoch_time``, ``samples_per_second``,
-``eta``), the batch counts (``counted``, ``skipped``) and ``diverged`` never appear as values. An
-epoch in which no batch counted prints ``Loss: nan``.
+``eta``), the batch counts (``counted``, ``skipped``), ``diverged`` and the learning rates (``lr``,
+``lr_group1``, ...) never appear as values. An epoch in which no batch counted prints ``Loss: nan``.
+``Samples/s`` is the epoch's own (its samples over its time), not a running average.
 
 Durations
 ---------
@@ -46,9 +47,10 @@ Durations
 ``850 ns``, ``12.3 µs``, ``850 ms``, ``1.23 ms``, ``1.2 s``, ``3 min 04 s``, ``2 h 05 min``,
 ``1 d 03 h`` (3 significant digits below a second, one decimal below a minute, then two units).
 
-Progress bar (verbose 1 on a terminal)
---------------------------------------
-Drawn by ``tqdm`` (imported only when a bar is shown), in one of two modes:
+Progress bar (verbose 1 on a terminal or in a Jupyter notebook)
+---------------------------------------------------------------
+Drawn by ``tqdm`` (imported only when a bar is shown; in a notebook ``tqdm.auto``'s widget, when
+ipywidgets is installed), in one of two modes:
 
 * **within the epoch** (``per_batch=True``)::
 
@@ -101,6 +103,12 @@ __all__ = [
 # keys of the epoch logs that make the fixed fields of the line, or batch counts: never extras
 _FIXED_KEYS = frozenset({"loss", "epoch_time", "samples_per_second", "eta", "skipped", "counted", "diverged"})
 _DURATION_STYLES = ("go", "human")
+
+
+def _is_rate_key(key: str) -> bool:
+    """``lr`` / ``lr_group<i>``: the learning rates the logs carry (History, CSV, TensorBoard), not
+    shown on the epoch line (Loom's line has no rate)."""
+    return key == "lr" or (key.startswith("lr_group") and key[8:].isdigit())
 
 
 def _trim(v: float, decimals: int) -> str:
@@ -233,7 +241,10 @@ def format_epoch_extras(
     ``skipped: N`` when ``logs["skipped"] > 0``. Values by ``format_log_value``."""
     metric_names = tuple(metric_names)
     metrics = [k for k in metric_names if k in logs and _is_number(logs[k])]
-    others = [k for k in logs if isinstance(k, str) and k not in _FIXED_KEYS and k not in metric_names and _is_number(logs[k])]
+    others = [
+        k for k in logs
+        if isinstance(k, str) and k not in _FIXED_KEYS and not _is_rate_key(k) and k not in metric_names and _is_number(logs[k])
+    ]
     validation = [k for k in others if k.startswith("val_")]
     method = [k for k in others if not k.startswith("val_")] if method_logs else []
     parts = [f"{k}: {format_log_value(logs[k])}" for k in (*metrics, *validation, *method)]
@@ -316,6 +327,22 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def _in_notebook(stream: TextIO | None) -> bool:
+    """Whether ``stream`` (``None``: ``sys.stdout``) is the output of a Jupyter kernel that can show
+    a widget bar (IPython's kernel running, ipywidgets installed): then ``tqdm.auto`` draws one.
+    Imports nothing: a kernel has imported IPython already."""
+    if stream is not None and stream is not sys.stdout:
+        return False
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    try:
+        shell = get() if callable(get) else None
+        in_kernel = shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+    except Exception:  # noqa: BLE001 - an unusual shell: no widget
+        return False
+    return in_kernel and importlib.util.find_spec("ipywidgets") is not None
+
+
 def _have_tqdm() -> bool:
     return importlib.util.find_spec("tqdm") is not None
 
@@ -337,8 +364,9 @@ class ProgressObserver(EpochLinePrinter):
 
     Args:
         stream: where to print (default: ``sys.stdout`` at the time of printing).
-        bar: draw the bar; ``None`` (default) = only when ``stream`` is a terminal and tqdm is
-            installed. ``True`` without tqdm is an ``ImportError``.
+        bar: draw the bar; ``None`` (default) = when ``stream`` is a terminal, or the output of a
+            Jupyter notebook (a widget bar through ``tqdm.auto``, with ipywidgets installed), and tqdm
+            is installed. ``True`` without tqdm is an ``ImportError``.
         width: the width of the bar's line in characters; ``None`` (default) = the terminal's.
         interval: the least seconds between redraws of the bar within an epoch (tqdm's
             ``mininterval``); 0.1 s keeps a fast loop from spending its time printing.
@@ -379,7 +407,8 @@ class ProgressObserver(EpochLinePrinter):
             raise ImportError(
                 "ProgressObserver(bar=True) needs tqdm, a dependency of torchloom: install it with `pip install 'tqdm>=4.60'`"
             )
-        self.bar = (_is_terminal(stream or sys.stdout) and _have_tqdm()) if bar is None else bar
+        self.notebook = _in_notebook(stream)  # a Jupyter kernel: tqdm.auto's widget bar
+        self.bar = ((self.notebook or _is_terminal(stream or sys.stdout)) and _have_tqdm()) if bar is None else bar
         self.width = width
         self.interval = float(interval)
         self.per_batch = (not _cuda_available()) if per_batch is None else per_batch
@@ -391,6 +420,10 @@ class ProgressObserver(EpochLinePrinter):
 
     # ------------------------------------------------------------------ the bar
     def _new_bar(self, **kwargs: Any) -> Any:
+        if self.notebook:  # a widget in the notebook's output cell (tqdm.auto picks tqdm.notebook there)
+            from tqdm.auto import tqdm as auto_tqdm
+
+            return auto_tqdm(leave=False, **kwargs)
         from tqdm import tqdm
 
         return tqdm(

@@ -1,4 +1,5 @@
-"""``TensorBoardLogger``: every numeric epoch log as a TensorBoard scalar, one point per epoch.
+"""``TensorBoardLogger``: every numeric epoch log as a TensorBoard scalar, one point per epoch (and
+the per-step logs of ``TrainingConfig(log_every_n_steps=N)`` as ``<key>_step`` scalars per step).
 
 TensorBoard is an optional extra of torchloom (``pip install torchloom[tensorboard]``);
 ``torch.utils.tensorboard`` is imported when a ``TensorBoardLogger`` is created, never when
@@ -127,6 +128,19 @@ class TensorBoardLogger(Observer):
             if math.isfinite(value):
                 self.writer.add_scalar(f"{self.prefix}{key}", value, global_step=epoch)
         self.writer.flush()
+
+    def on_step_log(self, trainer: Any, step: int, logs: dict[str, float]) -> None:
+        """The per-step logs (``TrainingConfig(log_every_n_steps=N)``) as scalars tagged
+        ``prefix + key + "_step"`` at ``step`` (0-based over the run; Lightning's ``loss_step``)."""
+        if self.writer is None:
+            if not is_main_process():
+                return
+            self._open()
+        keys = logs.keys() if self.keys is None else [k for k in self.keys if k in logs]
+        for key in keys:
+            value = logs[key]
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+                self.writer.add_scalar(f"{self.prefix}{key}_step", float(value), global_step=step)
 
     def on_train_end(self, trainer: Any, result: Any) -> None:
         self._close()

@@ -20,7 +20,7 @@ The kernel modules are imported inside ``step``, so importing this file never im
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +30,10 @@ from torch.optim import Optimizer
 from ..kernels._triton import check_backend
 from ..kernels._update import check_number
 
-__all__ = ["FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "flatten_optimizer_", "rehome"]
+__all__ = [
+    "FusedOptimizer", "SGD", "AdamW", "RMSprop", "make_optimizer", "OPTIMIZERS", "option_names", "check_optimizer_options",
+    "flatten_optimizer_", "rehome",
+]
 
 
 def _check_lr(owner: str, lr: Any) -> Any:
@@ -348,26 +351,110 @@ class RMSprop(FusedOptimizer):
 
 
 # --------------------------------------------------------------------------------- train()'s names
-# train()'s optimizer names → factory(params, lr); the other settings are each optimizer's defaults.
-OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {
-    "sgd": lambda params, lr: SGD(params, lr=lr),
-    "momentum": lambda params, lr: SGD(params, lr=lr, momentum=0.9),
-    "adamw": lambda params, lr: AdamW(params, lr=lr),
-    "rmsprop": lambda params, lr: RMSprop(params, lr=lr),
+# train()'s optimizer names → (class, the name's own defaults); TrainingConfig.optimizer_options sets
+# any setting but those a name locks. "adam" is AdamW without decay, which is torch.optim.Adam's update
+# exactly (Adam's weight_decay is an L2 term added to the gradient, a different rule: 'adamw' decays
+# decoupled), so its weight_decay is locked at 0.
+_NAMED: dict[str, tuple[type[Optimizer], dict[str, Any]]] = {
+    "sgd": (SGD, {}),
+    "momentum": (SGD, {"momentum": 0.9}),
+    "adam": (AdamW, {"weight_decay": 0.0}),
+    "adamw": (AdamW, {}),
+    "rmsprop": (RMSprop, {}),
 }
+_LOCKED = {"adam": ("weight_decay",)}
+# constructor arguments that are not options of a name: the parameters, the rate (learning_rate) and
+# capturable (the engine sets it on CUDA)
+_NOT_OPTIONS = ("self", "params", "lr", "capturable")
 
 
-def make_optimizer(spec: str | Optimizer, params: Iterable[Tensor], lr: float) -> Optimizer:
-    """An optimizer from ``train()``'s ``optimizer`` setting: a name of ``OPTIMIZERS`` (built over
-    ``params`` with ``lr``) or an ``Optimizer`` instance, returned as is (its own ``lr`` applies)."""
+def _named_factory(cls: type[Optimizer], fixed: dict[str, Any]) -> Callable[..., Optimizer]:
+    def build(params: Iterable[Tensor], lr: float, **options: Any) -> Optimizer:
+        return cls(params, lr=lr, **{**fixed, **options})
+
+    return build
+
+
+# name → factory(params, lr, **options)
+OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {name: _named_factory(cls, fixed) for name, (cls, fixed) in _NAMED.items()}
+
+
+def option_names(name: str) -> tuple[str, ...]:
+    """The ``optimizer_options`` an optimizer name takes: its class's constructor arguments other
+    than the parameters, ``lr`` and ``capturable``, less those the name locks (``"adam"``'s
+    ``weight_decay``)."""
+    import inspect
+
+    cls, _ = _NAMED[name.lower()]
+    locked = _LOCKED.get(name.lower(), ())
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p not in _NOT_OPTIONS and p not in locked)
+
+
+def check_optimizer_options(name: str, options: Any, lr: float = 0.01, owner: str = "optimizer_options") -> dict[str, Any]:
+    """``options`` for the optimizer named ``name``, checked: a mapping of option names (``option_names``;
+    an unknown one is a ``ValueError`` naming the closest valid one) to values the optimizer accepts
+    (checked by building it over one dummy parameter: its own message). Returns a plain dict."""
+    import difflib
+
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{owner} must be a dict of the optimizer's settings, e.g. {{'weight_decay': 0.1}}, got {type(options).__name__}")
+    key = name.lower()
+    valid = option_names(key)
+    for opt in options:
+        if opt in valid:
+            continue
+        if opt == "lr":
+            raise ValueError(f"{owner}: 'lr' is TrainingConfig.learning_rate; set it there")
+        if opt == "weight_decay" and key == "adam":
+            raise ValueError(
+                f"{owner}: 'adam' takes no weight_decay; use optimizer='adamw' for decoupled weight decay, or "
+                "optimizer=functools.partial(torch.optim.Adam, weight_decay=...) for torch.optim.Adam's L2 term"
+            )
+        close = difflib.get_close_matches(str(opt), valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{owner}: unknown option {opt!r} for optimizer {name!r}; {hint}valid options: {', '.join(map(repr, valid))}")
+    options = dict(options)
+    try:
+        OPTIMIZERS[key]([torch.zeros(1, requires_grad=True)], lr, **options)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{owner}: {e}") from None
+    return options
+
+
+def make_optimizer(spec: Any, params: Iterable[Tensor], lr: float, options: Mapping[str, Any] | None = None) -> Optimizer:
+    """An optimizer from ``train()``'s ``optimizer`` setting:
+
+    * a name of ``OPTIMIZERS`` (``"sgd"``, ``"momentum"``, ``"adam"``, ``"adamw"``, ``"rmsprop"``),
+      built over ``params`` with ``lr`` and ``options`` (``TrainingConfig.optimizer_options``);
+    * an ``Optimizer`` instance, returned as is (its own ``lr`` applies);
+    * a callable ``factory(params) -> Optimizer`` (an optimizer class, or ``functools.partial(
+      torch.optim.AdamW, weight_decay=0.1)``), called with the list of parameters."""
     if isinstance(spec, Optimizer):
         return spec
     if isinstance(spec, str):
         key = spec.lower()
         if key not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {spec!r}; valid names: {', '.join(map(repr, OPTIMIZERS))} or a torch.optim.Optimizer instance")
-        return OPTIMIZERS[key](list(params), lr)
-    raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a torch.optim.Optimizer, got {type(spec).__name__}")
+            raise ValueError(f"unknown optimizer {spec!r}; valid names: {', '.join(map(repr, OPTIMIZERS))}, a torch.optim.Optimizer instance or a factory")
+        return OPTIMIZERS[key](list(params), lr, **check_optimizer_options(key, options, lr))
+    if callable(spec):
+        built = spec(list(params))
+        if not isinstance(built, Optimizer):
+            raise TypeError(f"optimizer: the factory {_name(spec)} returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+    raise TypeError(
+        f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a torch.optim.Optimizer or a factory params -> Optimizer, "
+        f"got {type(spec).__name__}"
+    )
+
+
+def _name(factory: Any) -> str:
+    """``functools.partial(AdamW, ...)`` or the callable's name, for messages."""
+    func = getattr(factory, "func", None)
+    if func is not None:
+        return f"functools.partial({getattr(func, '__qualname__', type(func).__name__)}, ...)"
+    return getattr(factory, "__qualname__", type(factory).__name__)
 
 
 # ------------------------------------------------------------------------------- flat layout

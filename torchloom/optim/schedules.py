@@ -95,6 +95,7 @@ class constant(Schedule):  # noqa: N801 - Loom's schedule names
     """``lr`` at every step."""
 
     lr: float
+    """The rate of every step (> 0)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr")
@@ -108,8 +109,11 @@ class linear_decay(Schedule):  # noqa: N801
     """From ``lr0`` at step 0 linearly to ``lr_final`` at step ``total``, then ``lr_final``."""
 
     lr0: float
+    """The rate at step 0 (> 0)."""
     lr_final: float
+    """The rate at step ``total`` and after (> 0)."""
     total: int
+    """Steps of the decay (>= 1)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -127,8 +131,11 @@ class cosine_annealing(Schedule):  # noqa: N801
     """Half a cosine from ``lr0`` at step 0 to ``lr_min`` at step ``total``, then ``lr_min``."""
 
     lr0: float
+    """The rate at step 0 (> 0)."""
     lr_min: float
+    """The rate at step ``total`` and after (> 0)."""
     total: int
+    """Steps of the half cosine (>= 1)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -147,8 +154,11 @@ class cosine_warm_restarts(Schedule):  # noqa: N801
     ``period`` steps."""
 
     lr0: float
+    """The rate at the start of every period (> 0)."""
     lr_min: float
+    """The rate the cosine falls towards within a period (> 0)."""
     period: int
+    """Steps between restarts (>= 1)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -165,8 +175,11 @@ class exponential_decay(Schedule):  # noqa: N801
     """``lr0 · rate^(step/decay_steps)``: multiplied by ``rate`` every ``decay_steps``, smoothly."""
 
     lr0: float
+    """The rate at step 0 (> 0)."""
     rate: float
+    """The factor the rate is multiplied by every ``decay_steps`` steps (> 0)."""
     decay_steps: int
+    """Steps over which the rate is multiplied by ``rate`` once (>= 1)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -182,8 +195,11 @@ class step_decay(Schedule):  # noqa: N801
     """``lr0 · gamma^⌊step/step_size⌋``: multiplied by ``gamma`` every ``step_size`` steps."""
 
     lr0: float
+    """The rate of the first ``step_size`` steps (> 0)."""
     gamma: float
+    """The factor the rate is multiplied by every ``step_size`` steps (> 0)."""
     step_size: int
+    """Steps between two drops of the rate (>= 1)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -199,9 +215,13 @@ class polynomial_decay(Schedule):  # noqa: N801
     """``(lr0 − lr_final)(1 − step/total)^power + lr_final`` up to ``total``, then ``lr_final``."""
 
     lr0: float
+    """The rate at step 0 (> 0)."""
     lr_final: float
+    """The rate at step ``total`` and after (> 0)."""
     total: int
+    """Steps of the decay (>= 1)."""
     power: float = 1.0
+    """The exponent of ``(1 − step/total)`` (> 0; 1 = linear)."""
 
     def __post_init__(self) -> None:
         _check_lr(self, "lr0")
@@ -221,9 +241,13 @@ class warmup(Schedule):  # noqa: N801
     ``after(step − warmup_steps)`` (any schedule or callable ``step -> lr``) or ``base_lr``."""
 
     warmup_steps: int
+    """Steps of the linear warm-up (>= 0; 0 = none)."""
     warmup_lr: float
+    """The rate at step 0 (> 0)."""
     base_lr: float
+    """The rate the warm-up reaches, kept after it when there is no ``after`` (> 0)."""
     after: Schedule | Callable[[int], float] | None = None
+    """The schedule after the warm-up, called with ``step − warmup_steps``; ``None`` = ``base_lr``."""
 
     def __post_init__(self) -> None:
         _check_steps(self, "warmup_steps", minimum=0)

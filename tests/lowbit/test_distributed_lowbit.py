@@ -1,0 +1,76 @@
+"""Data-parallel low-bit training (CPU, gloo, 2 processes): the ranks draw the same stochastic-rounding
+bits (keyed by seed, step and parameter, not by rank), so every rank holds the same weights, bit for
+bit, and they lie on the dtype's grid."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchloom import Dense, LowBitConfig, Network, TrainingConfig, train
+from torchloom.lowbit import decode, encode
+
+WORLD = 2
+SCENARIOS = {"int8-none": ("int8", dict(master="none")), "int4-fp32-stochastic": ("int4", dict(rounding="stochastic"))}
+
+
+def _scenarios(rank):
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 4, (64,), generator=g)
+    for name, (dtype, kw) in SCENARIOS.items():
+        torch.manual_seed(0)
+        net = Network(Dense(6, 12, "tanh"), Dense(12, 4))
+        train(net, (x, y), TrainingConfig(epochs=2, batch_size=16, shuffle=True, seed=2, verbose=0, loss_type="cross_entropy",
+                                          optimizer="momentum", learning_rate=0.1, weight_dtype=dtype, low_bit=LowBitConfig(**kw)))
+        out[name] = ([p.detach().clone() for p in net.parameters()], [m.loom_lowbit["scale"].clone() for m in net.layers])
+    return out
+
+
+def _worker(rank, port, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        result = _scenarios(rank)
+        dist.barrier()
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    finally:
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_rank_holds_the_same_bits(tmp_path):
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the ranks did not finish in 120 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r in res:
+        assert "error" not in r, r.get("error")
+    for name, (dtype, _) in SCENARIOS.items():
+        (w0, s0), (w1, s1) = res[0][name], res[1][name]
+        for a, b in zip(w0, w1):
+            assert torch.equal(a, b), name
+        for (w, s) in zip((w0[0], w0[2]), s0):
+            assert torch.equal(decode(encode(w, dtype, s), dtype, s), w), name
