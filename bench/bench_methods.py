@@ -17,7 +17,10 @@ at every batch size, several seeds; one table per data set:
   cross-entropy, their configs' defaults (feedback seed 0, scale 0.1): ``fa`` (``method="feedback_alignment"``,
   lr 0.01), ``dfa`` (``method="dfa"``, lr 0.01), ``sign-sym`` (``method="sign_symmetry"``, ``s = mean|W|``,
   lr 0.01) and ``fast-proxy`` (``method="fast_proxy"``, Welvet's FastProxy, lr 0.003: at 0.01 with
-  momentum its first layer diverged on Fashion-MNIST).
+  momentum its first layer diverged on Fashion-MNIST); ``fa-adamw`` and ``dfa-adamw``: the same rules
+  with AdamW at 3e-4 (Adam's per-weight scaling makes the feedback's scale irrelevant; on Fashion-MNIST,
+  10 epochs, seed 0, CPU: DFA 85.1 % at batch 32 and 256, FA 84.8 % at batch 32, against 85.0 / 84.1 %
+  and 83.0 % with SGD + momentum).
 
 Each method trains on the loss of the ``LOSSES`` table; ``--loss-<method>`` tries another loss, and a
 combination ``TrainingConfig`` or ``train()`` refuses is reported as a ``refused: <message>`` row.
@@ -161,9 +164,10 @@ DATASETS = {
 # the documented defaults (TargetPropConfig's 0.05 and TweenConfig's 0.01: chosen from the rate sweep of
 # bench/RESULTS.md §7); pure TargetProp learns at no rate measured (0.0003-0.3), 0.003 is its least bad
 RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.05, "tp-pure": 0.1, "tween": 0.01,
-         "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.003}
+         "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.003, "fa-adamw": 3e-4, "dfa-adamw": 3e-4}
 LOSSES = {m: "cross_entropy" for m in RATES}
-FEEDBACK_RULES = {"fa": "feedback_alignment", "dfa": "dfa", "sign-sym": "sign_symmetry", "fast-proxy": "fast_proxy"}
+FEEDBACK_RULES = {"fa": "feedback_alignment", "dfa": "dfa", "sign-sym": "sign_symmetry", "fast-proxy": "fast_proxy",
+                  "fa-adamw": "feedback_alignment", "dfa-adamw": "dfa"}
 
 
 def method_fields(name: str, lr: float, loss: str) -> dict:
@@ -176,8 +180,9 @@ def method_fields(name: str, lr: float, loss: str) -> dict:
         return dict(method="target_prop", learning_rate=lr, loss_type=loss)
     if name == "tp-pure":
         return dict(method=TargetPropConfig(use_chain_rule=False, learning_rate=lr), loss_type=loss)
-    if name in FEEDBACK_RULES:  # backprop's machinery (SGD with momentum, as bp-sgdm) with the rule's own backward
-        return dict(method=FEEDBACK_RULES[name], optimizer="momentum", learning_rate=lr, loss_type=loss)
+    if name in FEEDBACK_RULES:  # backprop's machinery (SGD with momentum, as bp-sgdm; or AdamW) with the rule's own backward
+        opt = "adamw" if name.endswith("-adamw") else "momentum"
+        return dict(method=FEEDBACK_RULES[name], optimizer=opt, learning_rate=lr, loss_type=loss)
     if name == "tween":  # by instance: method="tween" by name maps loss_type "mse" to automatic (cross-entropy for labels)
         return dict(method=TweenConfig(base_rate=lr, loss_type=loss), loss_type=loss)
     raise ValueError(f"unknown method {name!r}")
