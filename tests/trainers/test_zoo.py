@@ -23,9 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchloom
 from torchloom import (
-    DFA,
     CSVLogger,
     Checkpoint,
     Conv2D,
