@@ -257,6 +257,10 @@ def test_layers_a_rule_is_not_defined_on_are_refused():
         with pytest.raises(ValueError, match=rf"^{rule}: layer 0 \(Conv2D\) is not a Dense layer; the rule is defined for {chain} only"):
             train(conv, data, _cfg(rule))
         assert all(torch.equal(p, q) for p, q in zip(conv.parameters(), before.parameters()))
+    shared = Dense(5, 5, "tanh", dtype=F64)
+    twice = Network(shared, shared, Dense(5, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"^sign_symmetry: the model uses a layer or parameter at more than one place"):
+        train(twice, _batches(n=1), _cfg("sign_symmetry"))
     flat = Network(Flatten(), Dense(16, 6, "relu", dtype=F64), Dense(6, 3, dtype=F64))
     train(flat, data, _cfg("feedback_alignment"))  # a layer without parameters passes the error on
     with pytest.raises(ValueError, match=r"^dfa: layer 0 \(Flatten\) is not a Dense layer; the rule is defined for a chain"):

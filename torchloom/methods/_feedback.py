@@ -76,6 +76,11 @@ class FeedbackRule(Backprop):
                 )
         if self.dense_chain and len(dense) < 1:
             raise ValueError(f"{self.rule}: the model has no Dense layer")
+        if sum(1 for layer in self.layers for _ in layer.parameters()) != sum(1 for _ in self.model.parameters()):
+            raise ValueError(
+                f"{self.rule}: the model uses a layer or parameter at more than one place; the rule gives each "
+                "layer its own update: use a separate layer at each place"
+            )
         return dense
 
     def make_feedback(self) -> list[Tensor]:
