@@ -223,6 +223,54 @@ class DistContext:
             finish()
         return g, tuple(pg for layer_grads in per_layer for pg in layer_grads)
 
+    # ------------------------------------------------------------------- waiting, bounded
+    def timeout_s(self) -> float:
+        """The process group's timeout in seconds (``init_process_group(timeout=...)``; the backend's
+        default when it cannot be read)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            pg = self.group or c10d._get_default_group()
+            device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+            return float(pg._get_backend(device).options._timeout.total_seconds())
+        except Exception:  # noqa: BLE001 - an older or other backend: its documented default
+            return float(c10d._get_default_timeout(self.backend).total_seconds())
+
+    def wait_device(self, events: Sequence[Any], what: str = "the epoch's steps") -> None:
+        """Wait for CUDA ``events`` in order, each within the process group's timeout of the one
+        before (a captured step's collectives are not watched by the backend's own timeout). When one
+        does not complete in time, another rank has stopped taking part (it raised or died): the
+        process group is aborted, so that the collectives waiting for it end and this process can
+        exit, and ``RuntimeError`` is raised."""
+        import time
+
+        timeout = self.timeout_s()
+        for event in events:
+            if event.query():
+                continue
+            deadline = time.monotonic() + timeout
+            pause = 20e-6
+            while not event.query():
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise RuntimeError(
+                        f"rank {self.rank}: {what} did not complete within the process group's timeout ({timeout:g} s): "
+                        "another rank stopped taking part in the collectives (it raised an error or its process ended); "
+                        "the process group was aborted (call torch.distributed.init_process_group again to go on)"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+    def abort(self) -> None:
+        """Abort the process group (NCCL), ending collectives that wait for a rank that is gone; a
+        no-op for a backend that cannot abort or a group already destroyed. Only after a timeout."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            c10d._abort_process_group(self.group)
+        except Exception:  # noqa: BLE001 - gloo cannot abort (its collectives time out on their own)
+            pass
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a MAX all-reduce; every rank must call it)."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._scalar_device())
