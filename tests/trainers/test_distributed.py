@@ -393,6 +393,6 @@ def test_bench_dry_run_prints_the_table():
         capture_output=True, text=True, timeout=90, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for method in ("torchloom backprop", "torchloom tween", "plain PyTorch DDP"):
+    for method in ("torchloom backprop", "torchloom tween", "torchloom tp-chain", "torchloom tp-pure", "plain PyTorch DDP"):
         assert proc.stdout.count(f"| {method} |") == 4, proc.stdout
     assert "| 2 GPUs |" in proc.stdout
