@@ -165,9 +165,16 @@ def _scenarios(rank, tmp):
         r = train(net, (X, Y), _cfg("tween", batch_size=16, epochs=4, verbose=2, observers=obs))
     out["stop"] = (_weights(net), r.loss_history)
     out["printed"] = buf.getvalue()
-    # a checkpoint written by the 2 ranks, to resume in 1 process
-    net = _net()
-    train(net, (X, Y), _cfg("backprop", batch_size=16, epochs=2, observers=[Checkpoint(os.path.join(tmp, "resume.pt"))]))
+    # a checkpoint written by the 2 ranks (rank 0 writes), to resume in 1 process (the test) and in 2 (here)
+    for name in ("backprop", "tween"):
+        net = _net()
+        train(net, (X, Y), _cfg(name, batch_size=16, epochs=2, observers=[Checkpoint(os.path.join(tmp, f"resume-{name}.pt"))]))
+        dist.barrier()  # written (by rank 0) before any rank reads it
+        net = _net(seed=5)
+        r = train(net, (X, Y), _cfg(name, batch_size=16, epochs=4, resume_from=os.path.join(tmp, f"resume-{name}.pt")))
+        out[f"resumed-{name}"] = (_weights(net), r.loss_history)
+    # collectives per step: one all-reduce per step for every method (host, device and fused device steps)
+    out["collectives"] = _collectives(X, Y, shards)
     # a DistributedDataParallel-wrapped model
     net = _net()
     ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -181,6 +188,83 @@ def _scenarios(rank, tmp):
     except ImportError:
         return out
     out["example"] = _example().main(epochs=2, verbose=False)
+    return out
+
+
+def _collectives(X, Y, shards):
+    """Per method and step kind: ``(collectives inside each step, host reads inside the device steps)``,
+    counted by wrapping ``torch.distributed.all_reduce`` and the method's step for the length of one
+    ``train`` call; and the fused device steps' results (Triton's interpreter on CPU, float32)."""
+    from torchloom.engine.cuda_path import _NoHostReads
+    from torchloom.engine.train import make_trainer
+
+    real = dist.all_reduce
+    counts = {"inside": False, "n": 0}
+
+    def counting(*args, **kwargs):
+        counts["n"] += counts["inside"]
+        return real(*args, **kwargs)
+
+    out = {}
+    for name in ("tween", "tp-chain", "tp-pure", "backprop"):
+        for kind in ("host", "device", "fused", "fused-overlap"):
+            if kind.startswith("fused") and name in ("backprop",):
+                continue
+            fused = kind.startswith("fused")
+            dtype = torch.float32 if fused else torch.float64
+            cfg = _cfg(name, batch_size=16, epochs=2, **({"loss_type": "mse"} if fused else {}))
+            trainer = make_trainer(_net(dtype), cfg)
+            per_step, reads = [], []
+            method = trainer.method
+            if kind == "host":
+                inner = method.step
+
+                def wrapped(x, y, inner=inner):
+                    counts["inside"], counts["n"] = True, 0
+                    try:
+                        return inner(x, y)
+                    finally:
+                        counts["inside"] = False
+                        per_step.append(counts["n"])
+
+                method.step = wrapped
+            else:
+                if fused:
+                    trainer.kernel_backend = "triton"
+                from torchloom.engine.cuda_path import CudaRunner
+
+                inner = method.device_step
+
+                def wrapped(x, y, slot, runner, inner=inner):
+                    counts["inside"], counts["n"] = True, 0
+                    try:
+                        # a host read in the step raises here (backprop's CPU optimizer references read
+                        # their guard flag on the host: not checked there)
+                        with _NoHostReads() if name != "backprop" else contextlib.nullcontext():
+                            inner(x, y, slot, runner)
+                        reads.append(0)
+                    finally:
+                        counts["inside"] = False
+                        per_step.append(counts["n"])
+
+                method.device_step = wrapped
+                from torchloom.engine import distributed as tl_dist
+
+                saved_bytes = tl_dist.OVERLAP_BYTES
+                tl_dist.OVERLAP_BYTES = 0 if kind == "fused-overlap" else saved_bytes  # each layer's directions summed as written
+                try:
+                    trainer._runner = CudaRunner(trainer)
+                finally:
+                    tl_dist.OVERLAP_BYTES = saved_bytes
+                if fused:
+                    assert getattr(method, "_fused", None) is not None, f"{name}: the fused step was not taken"
+            dist.all_reduce = counting
+            try:
+                data = (X.to(dtype), Y) if fused else (X, Y)
+                r = trainer.fit(data, cfg.epochs)
+            finally:
+                dist.all_reduce = real
+            out[f"{name}-{kind}"] = (per_step, len(reads), _weights(trainer.model), r.loss_history)
     return out
 
 
@@ -345,14 +429,52 @@ def test_stop_agreed_and_only_rank0_prints_and_writes(ranks):
     assert not os.path.exists(os.path.join(tmp, "ck1.pt")) and not os.path.exists(os.path.join(tmp, "log1.csv"))
 
 
-def test_checkpoint_of_two_ranks_resumes_in_one_process(ranks):
-    _, tmp = ranks
+@pytest.mark.parametrize("name", ["backprop", "tween"])
+def test_checkpoint_of_two_ranks_resumes_in_one_process_and_in_two(ranks, name):
+    results, tmp = ranks
     X, Y = _xy()
     resumed = _net(seed=5)  # other initial weights: the checkpoint replaces them
-    r = train(resumed, (X, Y), _cfg("backprop", batch_size=16, epochs=4, resume_from=os.path.join(tmp, "resume.pt"), distributed=False))
+    r = train(resumed, (X, Y), _cfg(name, batch_size=16, epochs=4, resume_from=os.path.join(tmp, f"resume-{name}.pt"), distributed=False))
     ref = _net()
-    rr = train(ref, (X, Y), _cfg("backprop", batch_size=16, epochs=4, distributed=False))
-    _check(_weights(resumed), r.loss_history, ref, rr, 1e-10)
+    rr = train(ref, (X, Y), _cfg(name, batch_size=16, epochs=4, distributed=False))
+    _check(_weights(resumed), r.loss_history, ref, rr, 1e-10)  # in one process
+    for res in results:  # in the 2 processes that wrote it
+        _check(*res[f"resumed-{name}"], ref, rr, 1e-10)
+
+
+# collectives inside one step (wrapping torch.distributed.all_reduce): one for every method and step
+# kind of a float64 model (gradients, statistics and loss in one buffer); backprop (host and device)
+# averages its gradients and its loss partials apart (two); a fused step that sums each layer's
+# directions as its backward writes them (large models) has one per layer (2 here) and one for the rest
+_PER_STEP = {"backprop-host": 2, "backprop-device": 2, **{f"{m}-fused-overlap": 3 for m in ("tween", "tp-chain", "tp-pure")}}
+
+
+@pytest.mark.parametrize("key", [f"{m}-{k}" for m in ("tween", "tp-chain", "tp-pure") for k in ("host", "device", "fused", "fused-overlap")] + ["backprop-host", "backprop-device"])
+def test_collectives_per_step(ranks, key):
+    results, _ = ranks
+    for res in results:
+        per_step, device_steps, _, _ = res["collectives"][key]
+        assert len(per_step) == 8  # 4 global batches × 2 epochs
+        assert per_step == [_PER_STEP.get(key, 1)] * 8, per_step
+        if not key.endswith("host"):
+            assert device_steps == 8  # every device step ran without a host read (_NoHostReads)
+
+
+@pytest.mark.parametrize("name", ["tween", "tp-chain", "tp-pure"])
+def test_fused_device_step_data_parallel_equals_one_process(ranks, name):
+    """The fused device step (Triton's interpreter on CPU) under data-parallel training, against one
+    process's host step on the global batches: float32 partial sums in another order, so to float
+    tolerance."""
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net(torch.float32)
+    r = train(ref, (X.float(), Y), _cfg(name, batch_size=16, epochs=2, loss_type="mse", distributed=False))
+    for res in results:
+        for kind in ("fused", "fused-overlap"):
+            _, _, weights, losses = res["collectives"][f"{name}-{kind}"]
+            np.testing.assert_allclose(losses, r.loss_history, rtol=2e-5)
+            for p, q in zip(weights, ref.parameters()):
+                torch.testing.assert_close(p, q.detach(), rtol=2e-4, atol=2e-5)
 
 
 def test_ddp_wrapped_model_trains_its_module(ranks):
