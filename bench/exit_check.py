@@ -58,6 +58,8 @@ def worker(args: Any) -> int:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     bench_args = argparse.Namespace(dry_run=not use_cuda, quick=True, steps=args.steps, epochs=args.epochs, no_graphs=False)
+    if args.short:  # the first network and batch size only
+        bd.NETS, bd.TOY_NETS, bd.BATCHES, bd.TOY_BATCHES = bd.NETS[:1], bd.TOY_NETS[:1], bd.BATCHES[:1], bd.TOY_BATCHES[:1]
     if args.fail_rank is not None and rank == args.fail_rank:  # its observer joins every distributed train() call
         from torchloom.observers.base import Observer
 
@@ -107,6 +109,8 @@ def _worker_argv(args: Any) -> list[str]:
             "--pg-timeout", str(args.pg_timeout)]
     if args.cpu:
         argv.append("--cpu")
+    if args.short:
+        argv.append("--short")
     if args.no_destroy:
         argv.append("--no-destroy")
     if args.fail_rank is not None:
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes, toy sizes")
     parser.add_argument("--launcher", choices=("torchrun", "direct"), default="torchrun")
+    parser.add_argument("--short", action="store_true", help="the first network and batch size of the benchmark only")
     parser.add_argument("--no-destroy", action="store_true", help="the ranks never call destroy_process_group")
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises in its first data-parallel train() call")
     parser.add_argument("--steps", type=int, default=4, help="steps per epoch of every train() call")
