@@ -13,6 +13,11 @@ training on the concatenated global batch (equal shards):
   batch size, the per-layer gap / link budget / alignment formed from summed sums, the loss weighted
   by the ranks' row counts.
 
+TargetProp and Tweening reduce all of a step's numbers with one ``all_reduce_`` call: one collective
+when they share a dtype (a float64 model; the fused device steps, whose direction buffer carries the
+loss and the statistics' float32 partials in a tail: ``methods/_fused.py``), and no host read in the
+device step. Backprop reduces its gradients and its loss (two).
+
 A NaN or Inf on one rank survives the sum, so every guard (NaN/Inf loss or gradient, gates,
 explosion detection) sees the same numbers on every rank and decides the same; the weights stay
 identical. ``trainer.stop_training`` is agreed with "any rank". Only rank 0 prints and writes files.
@@ -39,6 +44,13 @@ step. From ``OVERLAP_BYTES`` of gradients on, backprop and Tweening reduce each 
 soon as its backward has run (asynchronously, overlapping the backward of the layers below). The
 device path's Tweening step takes the global batch as ``world_size ×`` the local one (equal shards,
 which the engine's sharding and ``DistributedSampler`` give); the host step counts the rows.
+
+Ending: a captured CUDA graph that holds NCCL collectives keeps the communicator referenced, and
+``destroy_process_group`` (or the group's destructor at exit) waits until the graph is destroyed, so
+``fit`` releases a data-parallel run's graphs as it returns or raises (``CudaRunner.release``). The
+collectives inside a graph are not watched by NCCL's own timeout: the device path's read-back waits
+for each part of an epoch within the process group's timeout (``wait_device``) and, when another
+rank has gone, aborts the group and raises instead of waiting forever.
 """
 
 from __future__ import annotations
