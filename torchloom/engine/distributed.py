@@ -261,8 +261,7 @@ class DistContext:
             if event.query():
                 continue
             deadline = time.monotonic() + timeout
-            pause = 20e-6
-            while not event.query():
+            while not event.query():  # spin and yield, as CUDA's own synchronisation does by default
                 if time.monotonic() > deadline:
                     self.abort()
                     raise RuntimeError(
@@ -270,8 +269,7 @@ class DistContext:
                         "another rank stopped taking part in the collectives (it raised an error or its process ended); "
                         "the process group was aborted (call torch.distributed.init_process_group again to go on)"
                     )
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                time.sleep(0)
 
     def abort(self) -> None:
         """Abort the process group (NCCL), ending collectives that wait for a rank that is gone; a
