@@ -41,7 +41,7 @@ NETS = ((784, 4096, 4096, 10), (784, 256, 256, 10))
 BATCHES = (1024, 16384)
 METHODS = ("backprop", "tween", "tp-chain", "tp-pure")
 TOY_NETS = ((16, 32, 32, 4), (16, 8, 8, 4))
-TOY_BATCHES = (8, 16)
+TOY_BATCHES = (8,)
 
 
 def _layers(sizes):
