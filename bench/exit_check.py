@@ -5,7 +5,7 @@ On 2 GPUs (NCCL; the machine needs no network, run from the repository root):
 
     PYTHONPATH=. python bench/exit_check.py --nproc 2                     # under torchrun, destroy_process_group called
     PYTHONPATH=. python bench/exit_check.py --nproc 2 --no-destroy        # the script never calls it
-    PYTHONPATH=. python bench/exit_check.py --nproc 2 --fail-rank 1       # rank 1 raises in its 2nd distributed epoch
+    PYTHONPATH=. python bench/exit_check.py --nproc 2 --short --fail-rank 1 --pg-timeout 120   # rank 1 raises in its 2nd epoch
 
 On CPU (gloo, toy sizes; what the tests run): add ``--cpu``. ``--launcher direct`` starts the ranks as
 plain processes (no torchrun agent, which would otherwise kill the other ranks when one fails: the
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises in its first data-parallel train() call")
     parser.add_argument("--steps", type=int, default=4, help="steps per epoch of every train() call")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--pg-timeout", type=float, default=30.0, help="the process group's timeout, seconds")
+    parser.add_argument("--pg-timeout", type=float, default=600.0,
+                        help="the process group's timeout, seconds (the other ranks wait at a barrier while rank 0 runs the 1-GPU part)")
     parser.add_argument("--limit", type=float, default=10.0, help="seconds allowed from the last epoch to the exit")
     parser.add_argument("--timeout", type=float, default=300.0, help="kill the ranks after this many seconds")
     parser.add_argument("--verbose", action="store_true", help="print the ranks' output")
