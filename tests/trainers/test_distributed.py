@@ -522,3 +522,50 @@ def test_bench_dry_run_prints_the_table():
     for method in ("torchloom backprop", "torchloom tween", "torchloom tp-chain", "torchloom tp-pure", "plain PyTorch DDP"):
         assert proc.stdout.count(f"| {method} |") == 2, proc.stdout  # 2 toy networks × 1 batch size
     assert "| 2 GPUs |" in proc.stdout
+
+
+def test_wait_device_gives_up_after_the_timeout_aborts_and_raises():
+    """The read-back's bounded wait (CUDA events stand-ins here: ``query()`` answers): events that
+    complete pass at once; one that never completes raises within the process group's timeout, after
+    aborting the group (so collectives waiting for a rank that is gone end and the process can exit)."""
+    from torchloom.engine.distributed import DistContext
+
+    class Event:
+        def __init__(self, done_after):
+            self.calls, self.done_after = 0, done_after
+
+        def query(self):
+            self.calls += 1
+            return self.calls > self.done_after
+
+    ctx = DistContext.__new__(DistContext)
+    ctx.rank, ctx.world_size, ctx.backend, ctx.group = 1, 2, "nccl", None
+    aborted = []
+    ctx.abort = lambda: aborted.append(True)
+    ctx.timeout_s = lambda: 0.2
+    ctx.wait_device([Event(0), Event(3)])  # done at once, done after a few polls: no error
+    assert not aborted
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ctx.wait_device([Event(0), Event(10**9)])
+    assert 0.2 <= time.monotonic() - start < 5
+    assert aborted == [True]
+    assert str(info.value) == (
+        "rank 1: the epoch's steps did not complete within the process group's timeout (0.2 s): another rank stopped "
+        "taking part in the collectives (it raised an error or its process ended); the process group was aborted "
+        "(call torch.distributed.init_process_group again to go on)"
+    )
+
+
+def test_timeout_of_the_process_group_is_read():
+    """``timeout_s`` reads ``init_process_group(timeout=...)`` (one gloo process)."""
+    import datetime
+
+    from torchloom.engine.distributed import DistContext
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=17))
+    try:
+        assert DistContext().timeout_s() == 17.0
+    finally:
+        dist.destroy_process_group()
