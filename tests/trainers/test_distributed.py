@@ -444,10 +444,10 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process_and_in_two(ranks, name):
 
 
 # collectives inside one step (wrapping torch.distributed.all_reduce): one for every method and step
-# kind of a float64 model (gradients, statistics and loss in one buffer); backprop (host and device)
-# averages its gradients and its loss partials apart (two); a fused step that sums each layer's
+# kind of a float64 model (gradients, statistics and loss in one buffer); backprop's host step averages
+# its loss (read before the backward) and its gradients apart (two); a fused step that sums each layer's
 # directions as its backward writes them (large models) has one per layer (2 here) and one for the rest
-_PER_STEP = {"backprop-host": 2, "backprop-device": 2, "tween-fused-overlap": 3, "tp-pure-fused-overlap": 3}
+_PER_STEP = {"backprop-host": 2, "tween-fused-overlap": 3, "tp-pure-fused-overlap": 3}
 
 
 @pytest.mark.parametrize(

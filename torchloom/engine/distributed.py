@@ -16,7 +16,8 @@ training on the concatenated global batch (equal shards):
 TargetProp and Tweening reduce all of a step's numbers with one ``all_reduce_`` call: one collective
 when they share a dtype (a float64 model; the fused device steps, whose direction buffer carries the
 loss and the statistics' float32 partials in a tail: ``methods/_fused.py``), and no host read in the
-device step. Backprop reduces its gradients and its loss (two).
+device step. Backprop's device step reduces its gradients and its loss in one buffer too (its host
+step, which reads the loss before the backward, in two).
 
 A NaN or Inf on one rank survives the sum, so every guard (NaN/Inf loss or gradient, gates,
 explosion detection) sees the same numbers on every rank and decides the same; the weights stay
