@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -160,10 +161,9 @@ def launch(args: Any) -> int:
     text = "".join(line for i in range(len(procs)) for line in outputs[i])
     logs.append(text)
     last, errors = {}, {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[0] in ("LAST_EPOCH", "RANK_ERROR") and parts[1].isdigit():
-            (last if parts[0] == "LAST_EPOCH" else errors)[int(parts[1])] = float(parts[2])
+    # under torchrun the ranks share one pipe: their lines can run into each other ("…382798LAST_EPOCH 1 …")
+    for kind, rank, stamp in re.findall(r"(LAST_EPOCH|RANK_ERROR) (\d+) (\d+(?:\.\d+)?)", text):
+        (last if kind == "LAST_EPOCH" else errors)[int(rank)] = float(stamp)
     codes = [p.returncode for p in procs]
     exit_time = max(ended.values()) if ended and not hung else None
     print(f"launcher: {args.launcher}, {args.nproc} ranks, {'CPU gloo' if args.cpu else 'NCCL if CUDA'}, "
