@@ -1,4 +1,4 @@
-"""Data-parallel throughput: 1 GPU vs N GPUs for torchloom backprop and Tween, next to plain PyTorch DDP.
+"""Data-parallel throughput: 1 GPU vs N GPUs for every torchloom method, next to plain PyTorch DDP.
 
 Run on a machine with 2 GPUs (one process per GPU, NCCL):
 
@@ -9,7 +9,8 @@ Run on a machine with 2 GPUs (one process per GPU, NCCL):
 For each network (784-4096-4096-10 and 784-256-256-10, ReLU, fp32, cross-entropy, SGD) and per-GPU
 batch (1,024 and 16,384), samples/s over all GPUs:
 
-* ``torchloom`` (``train()``, backprop or Tween, the engine's device path: steps captured in CUDA
+* ``torchloom`` (``train()``, each method: backprop, Tween, TargetProp with the chain rule and pure
+  TargetProp, the engine's device path: steps captured in CUDA
   graphs, the all-reduce inside the captured step): on rank 0 alone with ``distributed=False`` (1 GPU),
   then on every rank with the data-parallel engine (N GPUs, each rank its own batch of the per-GPU
   size: the global batch is N times larger);
@@ -34,13 +35,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchloom
-from torchloom import Dense, Network, TrainingConfig, TweenConfig
+from torchloom import Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig
 
 NETS = ((784, 4096, 4096, 10), (784, 256, 256, 10))
 BATCHES = (1024, 16384)
-METHODS = ("backprop", "tween")
+METHODS = ("backprop", "tween", "tp-chain", "tp-pure")
 TOY_NETS = ((16, 32, 32, 4), (16, 8, 8, 4))
-TOY_BATCHES = (8, 16)
+TOY_BATCHES = (8,)
 
 
 def _layers(sizes):
@@ -74,13 +75,27 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def _method(name: str) -> tuple[Any, str]:
+    """``(TrainingConfig.method, loss_type)`` of a method of the table. TargetProp trains on its
+    ``"mse"`` target (one-hot labels), the loss its fused device step takes."""
+    if name == "backprop":
+        return "backprop", "cross_entropy"
+    if name == "tween":
+        return TweenConfig(base_rate=0.01), "cross_entropy"
+    if name == "tp-chain":
+        return TargetPropConfig(learning_rate=0.01), "mse"
+    if name == "tp-pure":
+        return TargetPropConfig(mode="pure", learning_rate=0.01), "mse"
+    raise ValueError(f"unknown method {name!r}; one of {METHODS}")
+
+
 def torchloom_rate(method, sizes, batch, steps, epochs, dev, rank, distributed, graphs=True) -> float:
     """Samples/s of all ranks taking part (``distributed``: every rank; else this one)."""
     net = _torchloom_net(sizes, dev)
     data = _data(sizes, batch, steps, dev, rank)
-    m = "backprop" if method == "backprop" else TweenConfig(base_rate=0.01)
+    m, loss = _method(method)
     cfg = TrainingConfig(
-        method=m, loss_type="cross_entropy", learning_rate=0.01, epochs=epochs, verbose=0, device=dev,
+        method=m, loss_type=loss, epochs=epochs, verbose=0, device=dev,
         track_perf=True, distributed=None if distributed else False, cuda_graph=None if graphs else False,
     )
     result = torchloom.train(net, data, cfg)
@@ -139,7 +154,7 @@ def bench(args: Any, rank: int, world: int, dev: torch.device) -> list[dict[str,
 
 def table(rows: list[dict[str, Any]], world: int, device: str) -> str:
     lines = [
-        f"Samples/s, {device}, per-GPU batch; N = {world} GPUs (one process each). fp32, SGD, cross-entropy.",
+        f"Samples/s, {device}, per-GPU batch; N = {world} GPUs (one process each). fp32, SGD, cross-entropy (TargetProp: its mse target of the one-hot labels).",
         "",
         f"| net | batch/GPU | method | 1 GPU | {world} GPUs | scaling | vs DDP on {world} GPUs |",
         "|---|---:|---|---:|---:|---:|---:|",

@@ -399,3 +399,25 @@ def test_fused_pure_target_prop_step_runs_under_bf16_autocast(pure_targets):
     moved = max(float((p - q).abs().max()) for p, q in zip(ta.model.parameters(), _net().parameters()))
     for p, q in zip(tb.model.parameters(), ta.model.parameters()):  # bf16 rounding, far below the steps taken
         assert float((p - q).abs().max()) <= 0.05 * moved
+
+
+def test_stats_into_writes_into_out_and_checks_it():
+    """``stats_into(pairs, out=...)`` (the data-parallel steps' tail of the direction buffer) writes the
+    same partials into a given view; a view of the wrong shape or dtype is refused by name."""
+    ms = _ms()
+    g = torch.Generator().manual_seed(3)
+    pairs = [(torch.randn(300, generator=g).to(DEVICE), torch.randn(300, generator=g).to(DEVICE), None, None),
+             (torch.randn(37, generator=g).to(DEVICE), None, None, None)]
+    want = ms.stats_into(pairs)
+    p = ms.stats_partials(pairs)
+    assert want.shape == (2, p, 5)
+    buffer = torch.full((7 + 2 * p * 5,), float("nan"), device=DEVICE)
+    got = ms.stats_into(pairs, out=buffer[7:].view(2, p, 5))
+    assert got.data_ptr() == buffer[7:].data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.isnan(buffer[:7]).all()  # nothing written outside the view
+    with pytest.raises(ValueError) as info:
+        ms.stats_into(pairs, out=torch.zeros(2, p + 1, 5, device=DEVICE))
+    assert str(info.value) == f"stats_into: out must be a contiguous float32 tensor of shape [2, {p}, 5], got torch.float32 [2, {p + 1}, 5]"
+    with pytest.raises(ValueError, match=r"got torch.float64 \[2, "):
+        ms.stats_into(pairs, out=torch.zeros(2, p, 5, dtype=torch.float64, device=DEVICE))

@@ -146,7 +146,7 @@ def test_a_metrics_mapping_with_an_unknown_name_fails_at_the_config():
         TrainingConfig(metrics={"acc": "acuracy"})
     assert str(e.value) == (
         "TrainingConfig: metrics: unknown metric name 'acuracy'; valid names: 'accuracy', 'binary_accuracy', "
-        "'mse', 'mae', 'rmse'"
+        "'mse', 'mae', 'rmse' (did you mean 'accuracy'?)"
     )
     with pytest.raises(TypeError) as e:
         TrainingConfig(metrics=3)

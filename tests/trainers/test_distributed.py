@@ -179,9 +179,16 @@ def _scenarios(rank, tmp):
         r = train(net, (X, Y), _cfg("tween", batch_size=16, epochs=4, verbose=2, observers=obs))
     out["stop"] = (_weights(net), r.loss_history)
     out["printed"] = buf.getvalue()
-    # a checkpoint written by the 2 ranks, to resume in 1 process
-    net = _net()
-    train(net, (X, Y), _cfg("backprop", batch_size=16, epochs=2, observers=[Checkpoint(os.path.join(tmp, "resume.pt"))]))
+    # a checkpoint written by the 2 ranks (rank 0 writes), to resume in 1 process (the test) and in 2 (here)
+    for name in ("backprop", "tween"):
+        net = _net()
+        train(net, (X, Y), _cfg(name, batch_size=16, epochs=2, observers=[Checkpoint(os.path.join(tmp, f"resume-{name}.pt"))]))
+        dist.barrier()  # written (by rank 0) before any rank reads it
+        net = _net(seed=5)
+        r = train(net, (X, Y), _cfg(name, batch_size=16, epochs=4, resume_from=os.path.join(tmp, f"resume-{name}.pt")))
+        out[f"resumed-{name}"] = (_weights(net), r.loss_history)
+    # collectives per step: one all-reduce per step for every method (host, device and fused device steps)
+    out["collectives"] = _collectives(X, Y, shards)
     # a DistributedDataParallel-wrapped model
     net = _net()
     ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -195,6 +202,84 @@ def _scenarios(rank, tmp):
     except ImportError:
         return out
     out["example"] = _example().main(epochs=2, verbose=False)
+    return out
+
+
+def _collectives(X, Y, shards):
+    """Per method and step kind: ``(collectives inside each step, host reads inside the device steps)``,
+    counted by wrapping ``torch.distributed.all_reduce`` and the method's step for the length of one
+    ``train`` call; and the fused device steps' results (Triton's interpreter on CPU, float32)."""
+    from torchloom.engine.cuda_path import _NoHostReads
+    from torchloom.engine.train import make_trainer
+
+    real = dist.all_reduce
+    counts = {"inside": False, "n": 0}
+
+    def counting(*args, **kwargs):
+        counts["n"] += counts["inside"]
+        return real(*args, **kwargs)
+
+    out = {}
+    for name in ("tween", "tp-chain", "tp-pure", "backprop"):
+        for kind in ("host", "device", "fused", "fused-overlap"):
+            if (kind.startswith("fused") and name == "backprop") or (kind == "fused-overlap" and name == "tp-chain"):
+                continue  # (tp-chain's fused backward is Tween's: one overlapped run of each kind of backward)
+            fused = kind.startswith("fused")
+            dtype = torch.float32 if fused else torch.float64
+            # the fused steps run in Triton's interpreter: 2 steps of 32 rows (16 a rank), 1 epoch
+            cfg = _cfg(name, **(dict(batch_size=32, epochs=1, loss_type="mse") if fused else dict(batch_size=16, epochs=2)))
+            trainer = make_trainer(_net(dtype), cfg)
+            per_step, reads = [], []
+            method = trainer.method
+            if kind == "host":
+                inner = method.step
+
+                def wrapped(x, y, inner=inner):
+                    counts["inside"], counts["n"] = True, 0
+                    try:
+                        return inner(x, y)
+                    finally:
+                        counts["inside"] = False
+                        per_step.append(counts["n"])
+
+                method.step = wrapped
+            else:
+                if fused:
+                    trainer.kernel_backend = "triton"
+                from torchloom.engine.cuda_path import CudaRunner
+
+                inner = method.device_step
+
+                def wrapped(x, y, slot, runner, inner=inner):
+                    counts["inside"], counts["n"] = True, 0
+                    try:
+                        # a host read in the step raises here (backprop's CPU optimizer references read
+                        # their guard flag on the host: not checked there)
+                        with _NoHostReads() if name != "backprop" else contextlib.nullcontext():
+                            inner(x, y, slot, runner)
+                        reads.append(0)
+                    finally:
+                        counts["inside"] = False
+                        per_step.append(counts["n"])
+
+                method.device_step = wrapped
+                from torchloom.engine import distributed as tl_dist
+
+                saved_bytes = tl_dist.OVERLAP_BYTES
+                tl_dist.OVERLAP_BYTES = 0 if kind == "fused-overlap" else saved_bytes  # each layer's directions summed as written
+                try:
+                    trainer._runner = CudaRunner(trainer)
+                finally:
+                    tl_dist.OVERLAP_BYTES = saved_bytes
+                if fused:
+                    assert getattr(method, "_fused", None) is not None, f"{name}: the fused step was not taken"
+            dist.all_reduce = counting
+            try:
+                data = (X.to(dtype), Y) if fused else (X, Y)
+                r = trainer.fit(data, cfg.epochs)
+            finally:
+                dist.all_reduce = real
+            out[f"{name}-{kind}"] = (per_step, len(reads), _weights(trainer.model), r.loss_history)
     return out
 
 
@@ -375,14 +460,55 @@ def test_stop_agreed_and_only_rank0_prints_and_writes(ranks):
     assert not os.path.exists(os.path.join(tmp, "ck1.pt")) and not os.path.exists(os.path.join(tmp, "log1.csv"))
 
 
-def test_checkpoint_of_two_ranks_resumes_in_one_process(ranks):
-    _, tmp = ranks
+@pytest.mark.parametrize("name", ["backprop", "tween"])
+def test_checkpoint_of_two_ranks_resumes_in_one_process_and_in_two(ranks, name):
+    results, tmp = ranks
     X, Y = _xy()
     resumed = _net(seed=5)  # other initial weights: the checkpoint replaces them
-    r = train(resumed, (X, Y), _cfg("backprop", batch_size=16, epochs=4, resume_from=os.path.join(tmp, "resume.pt"), distributed=False))
+    r = train(resumed, (X, Y), _cfg(name, batch_size=16, epochs=4, resume_from=os.path.join(tmp, f"resume-{name}.pt"), distributed=False))
     ref = _net()
-    rr = train(ref, (X, Y), _cfg("backprop", batch_size=16, epochs=4, distributed=False))
-    _check(_weights(resumed), r.loss_history, ref, rr, 1e-10)
+    rr = train(ref, (X, Y), _cfg(name, batch_size=16, epochs=4, distributed=False))
+    _check(_weights(resumed), r.loss_history, ref, rr, 1e-10)  # in one process
+    for res in results:  # in the 2 processes that wrote it
+        _check(*res[f"resumed-{name}"], ref, rr, 1e-10)
+
+
+# collectives inside one step (wrapping torch.distributed.all_reduce): one for every method and step
+# kind of a float64 model (gradients, statistics and loss in one buffer); backprop's host step averages
+# its loss (read before the backward) and its gradients apart (two); a fused step that sums each layer's
+# directions as its backward writes them (large models) has one per layer (2 here) and one for the rest
+_PER_STEP = {"backprop-host": 2, "tween-fused-overlap": 3, "tp-pure-fused-overlap": 3}
+
+
+@pytest.mark.parametrize(
+    "key", [f"{m}-{k}" for m in ("tween", "tp-chain", "tp-pure") for k in ("host", "device", "fused")]
+    + ["tween-fused-overlap", "tp-pure-fused-overlap", "backprop-host", "backprop-device"],
+)
+def test_collectives_per_step(ranks, key):
+    results, _ = ranks
+    steps = 2 if "fused" in key else 8  # fused: 2 global batches, 1 epoch; else 4 global batches × 2 epochs
+    for res in results:
+        per_step, device_steps, _, _ = res["collectives"][key]
+        assert per_step == [_PER_STEP.get(key, 1)] * steps, per_step
+        if not key.endswith("host"):
+            assert device_steps == steps  # every device step ran without a host read (_NoHostReads)
+
+
+@pytest.mark.parametrize("name", ["tween", "tp-chain", "tp-pure"])
+def test_fused_device_step_data_parallel_equals_one_process(ranks, name):
+    """The fused device step (Triton's interpreter on CPU) under data-parallel training, against one
+    process's host step on the global batches: float32 partial sums in another order, so to float
+    tolerance."""
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net(torch.float32)
+    r = train(ref, (X.float(), Y), _cfg(name, batch_size=32, epochs=1, loss_type="mse", distributed=False))
+    for res in results:
+        for kind in ("fused", "fused-overlap") if name != "tp-chain" else ("fused",):
+            _, _, weights, losses = res["collectives"][f"{name}-{kind}"]
+            np.testing.assert_allclose(losses, r.loss_history, rtol=2e-5)
+            for p, q in zip(weights, ref.parameters()):
+                torch.testing.assert_close(p, q.detach(), rtol=2e-4, atol=2e-5)
 
 
 def test_ddp_wrapped_model_trains_its_module(ranks):
@@ -423,6 +549,53 @@ def test_bench_dry_run_prints_the_table():
         capture_output=True, text=True, timeout=90, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for method in ("torchloom backprop", "torchloom tween", "plain PyTorch DDP"):
-        assert proc.stdout.count(f"| {method} |") == 4, proc.stdout
+    for method in ("torchloom backprop", "torchloom tween", "torchloom tp-chain", "torchloom tp-pure", "plain PyTorch DDP"):
+        assert proc.stdout.count(f"| {method} |") == 2, proc.stdout  # 2 toy networks × 1 batch size
     assert "| 2 GPUs |" in proc.stdout
+
+
+def test_wait_device_gives_up_after_the_timeout_aborts_and_raises():
+    """The read-back's bounded wait (CUDA events stand-ins here: ``query()`` answers): events that
+    complete pass at once; one that never completes raises within the process group's timeout, after
+    aborting the group (so collectives waiting for a rank that is gone end and the process can exit)."""
+    from torchloom.engine.distributed import DistContext
+
+    class Event:
+        def __init__(self, done_after):
+            self.calls, self.done_after = 0, done_after
+
+        def query(self):
+            self.calls += 1
+            return self.calls > self.done_after
+
+    ctx = DistContext.__new__(DistContext)
+    ctx.rank, ctx.world_size, ctx.backend, ctx.group = 1, 2, "nccl", None
+    aborted = []
+    ctx.abort = lambda: aborted.append(True)
+    ctx.timeout_s = lambda: 0.2
+    ctx.wait_device([Event(0), Event(3)])  # done at once, done after a few polls: no error
+    assert not aborted
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ctx.wait_device([Event(0), Event(10**9)])
+    assert 0.2 <= time.monotonic() - start < 5
+    assert aborted == [True]
+    assert str(info.value) == (
+        "rank 1: the epoch's steps did not complete within the process group's timeout (0.2 s): another rank stopped "
+        "taking part in the collectives (it raised an error or its process ended); the process group was aborted "
+        "(call torch.distributed.init_process_group again to go on)"
+    )
+
+
+def test_timeout_of_the_process_group_is_read():
+    """``timeout_s`` reads ``init_process_group(timeout=...)`` (one gloo process)."""
+    import datetime
+
+    from torchloom.engine.distributed import DistContext
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=17))
+    try:
+        assert DistContext().timeout_s() == 17.0
+    finally:
+        dist.destroy_process_group()

@@ -163,6 +163,9 @@ class CudaRunner:
         self.capture_count = 0  # graphs captured (for tests and curiosity)
         self.capture_failed = False
         self._step_lrs: dict[int, dict[str, float]] = {}
+        # data-parallel on CUDA: events recorded as the epoch's steps are queued, waited for in order
+        # with the process group's timeout at read-back (``DistContext.wait_device``)
+        self._progress: list[Any] = []
         self.eager_first_epoch = _needs_eager_checks(trainer.model)
         trainer.device_setup(self)
         tensors = trainer.guarded_device_tensors
@@ -276,6 +279,8 @@ class CudaRunner:
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
+                if count % STEPS_PER_GRAPH == 0:
+                    self._mark_progress()
                 self._streamed_samples += batch_rows(x)
         t.global_step += count
         return self._read_back(count, epoch, source)
@@ -418,12 +423,31 @@ class CudaRunner:
                 if self.lr_table is not None:
                     c["lr"].copy_(self.lr_table[lo:hi])
                 c["graph"].replay()
+                self._mark_progress()
                 self.step_loss[lo:hi].copy_(c["loss"])
                 self.step_status[lo:hi].copy_(c["status"])
                 if self.n_logs:
                     self.step_logs[lo:hi].copy_(c["logs"])
         for graph in self.graphs:
             graph.replay()
+
+    def _mark_progress(self) -> None:
+        """Data-parallel on CUDA: note (a CUDA event) that the steps queued so far are done once it
+        completes: read-back waits for each within the process group's timeout."""
+        if self.t.dist is not None and self.t.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._progress.append(event)
+
+    def release(self) -> None:
+        """Drop the captured graphs (their memory pool goes with the last tensor allocated in it). A
+        graph that captured NCCL collectives holds a reference on the communicator, and
+        ``destroy_process_group`` (or the process group's destructor at exit) waits until it is
+        destroyed: the engine releases a data-parallel run's graphs as ``fit`` returns or raises, so
+        that the process can exit."""
+        self.graphs = None
+        self._chunk = None
+        self._progress = []
 
     def _use_lr_row(self, k: int, table: Tensor | None = None) -> None:
         """Point every rate group's lr at row ``k`` of the lr table, or of ``table`` (when there is a
@@ -446,7 +470,11 @@ class CudaRunner:
         parts += [e.detach().reshape(-1) for e in extras]
         on_device = self.t.device.type == "cuda"
         host = [p.to("cpu", non_blocking=on_device) for p in parts]
-        if on_device:
+        if on_device and self.t.dist is not None:  # bounded: a rank that is gone becomes an error here
+            self._mark_progress()
+            progress, self._progress = self._progress, []
+            self.t.dist.wait_device(progress)
+        elif on_device:
             torch.cuda.current_stream(self.t.device).synchronize()
         host[0], host[1] = host[0][:, 0], host[1][:, 0]
         if self.n_logs:

@@ -13,6 +13,12 @@ training on the concatenated global batch (equal shards):
   batch size, the per-layer gap / link budget / alignment formed from summed sums, the loss weighted
   by the ranks' row counts.
 
+TargetProp and Tweening reduce all of a step's numbers with one ``all_reduce_`` call: one collective
+when they share a dtype (a float64 model; the fused device steps, whose direction buffer carries the
+loss and the statistics' float32 partials in a tail: ``methods/_fused.py``), and no host read in the
+device step. Backprop's device step reduces its gradients and its loss in one buffer too (its host
+step, which reads the loss before the backward, in two).
+
 A NaN or Inf on one rank survives the sum, so every guard (NaN/Inf loss or gradient, gates,
 explosion detection) sees the same numbers on every rank and decides the same; the weights stay
 identical. ``trainer.stop_training`` is agreed with "any rank". Only rank 0 prints and writes files.
@@ -39,6 +45,13 @@ step. From ``OVERLAP_BYTES`` of gradients on, backprop and Tweening reduce each 
 soon as its backward has run (asynchronously, overlapping the backward of the layers below). The
 device path's Tweening step takes the global batch as ``world_size ×`` the local one (equal shards,
 which the engine's sharding and ``DistributedSampler`` give); the host step counts the rows.
+
+Ending: a captured CUDA graph that holds NCCL collectives keeps the communicator referenced, and
+``destroy_process_group`` (or the group's destructor at exit) waits until the graph is destroyed, so
+``fit`` releases a data-parallel run's graphs as it returns or raises (``CudaRunner.release``). The
+collectives inside a graph are not watched by NCCL's own timeout: the device path's read-back waits
+for each part of an epoch within the process group's timeout (``wait_device``) and, when another
+rank has gone, aborts the group and raises instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -222,6 +235,52 @@ class DistContext:
         for finish in pending:
             finish()
         return g, tuple(pg for layer_grads in per_layer for pg in layer_grads)
+
+    # ------------------------------------------------------------------- waiting, bounded
+    def timeout_s(self) -> float:
+        """The process group's timeout in seconds (``init_process_group(timeout=...)``; the backend's
+        default when it cannot be read)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            pg = self.group or c10d._get_default_group()
+            device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+            return float(pg._get_backend(device).options._timeout.total_seconds())
+        except Exception:  # noqa: BLE001 - an older or other backend: its documented default
+            return float(c10d._get_default_timeout(self.backend).total_seconds())
+
+    def wait_device(self, events: Sequence[Any], what: str = "the epoch's steps") -> None:
+        """Wait for CUDA ``events`` in order, each within the process group's timeout of the one
+        before (a captured step's collectives are not watched by the backend's own timeout). When one
+        does not complete in time, another rank has stopped taking part (it raised or died): the
+        process group is aborted, so that the collectives waiting for it end and this process can
+        exit, and ``RuntimeError`` is raised."""
+        import time
+
+        timeout = self.timeout_s()
+        for event in events:
+            if event.query():
+                continue
+            deadline = time.monotonic() + timeout
+            while not event.query():  # spin and yield, as CUDA's own synchronisation does by default
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise RuntimeError(
+                        f"rank {self.rank}: {what} did not complete within the process group's timeout ({timeout:g} s): "
+                        "another rank stopped taking part in the collectives (it raised an error or its process ended); "
+                        "the process group was aborted (call torch.distributed.init_process_group again to go on)"
+                    )
+                time.sleep(0)
+
+    def abort(self) -> None:
+        """Abort the process group (NCCL), ending collectives that wait for a rank that is gone; a
+        no-op for a backend that cannot abort or a group already destroyed. Only after a timeout."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            c10d._abort_process_group(self.group)
+        except Exception:  # noqa: BLE001 - gloo cannot abort (its collectives time out on their own)
+            pass
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a MAX all-reduce; every rank must call it)."""

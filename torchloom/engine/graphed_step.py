@@ -74,6 +74,13 @@ class GraphedStep:
         self.calls += 1
         return self.runner.step_loss[0, 0]
 
+    def close(self) -> None:
+        """Drop the captured graph (a later call captures it again). Under a process group the step
+        all-reduces inside the graph, and a graph holding NCCL collectives keeps
+        ``destroy_process_group`` (and the process's exit) waiting: call ``close()`` (or drop the step)
+        before it."""
+        self.graph = None
+
     def _step(self) -> None:
         self.runner.dead.zero_()  # every call stands alone: no "rest of the epoch" to abandon
         self.trainer.device_step(self.x, self.y, 0, self.runner)

@@ -533,6 +533,8 @@ class Trainer(WarmStart):
         finally:
             if preload is not None:  # a run that failed before its runner leaves no thread behind
                 preload.join()
+            if self.dist is not None and self._runner is not None:  # graphs holding NCCL collectives
+                self._runner.release()  # would keep destroy_process_group (and the exit) waiting
             self.join_op_warm(cancel=True)
             self._op_record_key = None  # a run that never replayed a graph keeps nothing
             self.__dict__.pop("_op_specs", None)

@@ -47,7 +47,7 @@ from .explosion_rule import rule_body
 __all__ = [
     "MAX_LAYERS", "MAX_SEGMENTS", "MIN_CONNECTION", "TP", "TP_CE", "TWEEN_MSE", "TWEEN_CE", "target_rows", "target_rows_ref",
     "estimate_gap", "estimate_gap_ref",
-    "layer_stats_into", "stats_into", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
+    "layer_stats_into", "stats_into", "stats_partials", "stats_ref", "stats_programs", "tp_rule_", "tp_rule_ref", "tween_metrics_ref", "tween_rule_",
 ]
 
 MAX_LAYERS = 16
@@ -365,19 +365,31 @@ def layer_stats_into(part: Tensor, f: Tensor, t: Tensor | None, extra: Tensor | 
     )
 
 
-def stats_into(pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
+def stats_partials(pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> int:
+    """``P``, the partial rows per pair ``stats_into(pairs)`` writes."""
+    cuda = pairs[0][0].is_cuda
+    return max(stats_programs(max(f.numel(), e.numel() if e is not None else 0), cuda) for f, _, e, _ in pairs)
+
+
+def stats_into(pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]], out: Tensor | None = None) -> Tensor:
     """Every pair's ``layer_stats_into`` at once: ``[len(pairs), P, 5]`` float32 partials (every row
     written: no zeroing), one launch for up to eight pairs (else one per pair, on a zeroed buffer).
-    A pair is ``(f, t or None, extra or None, scale or None)`` as ``layer_stats_into`` takes them."""
+    A pair is ``(f, t or None, extra or None, scale or None)`` as ``layer_stats_into`` takes them.
+    ``out``: a contiguous float32 ``[len(pairs), P, 5]`` tensor to write into (``P`` from
+    ``stats_partials(pairs)``; a view of a larger buffer, say one all-reduced with the update
+    directions), else a new one."""
     f0 = pairs[0][0]
     cuda = f0.is_cuda
-    p = max(stats_programs(max(f.numel(), e.numel() if e is not None else 0), cuda) for f, _, e, _ in pairs)
+    p = stats_partials(pairs)
+    if out is not None and (tuple(out.shape) != (len(pairs), p, 5) or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"stats_into: out must be a contiguous float32 tensor of shape {[len(pairs), p, 5]}, got "
+                         f"{out.dtype} {list(out.shape)}")
     if len(pairs) > _MAX_PAIRS:
-        part = torch.zeros(len(pairs), p, 5, dtype=torch.float32, device=f0.device)
+        part = torch.zeros(len(pairs), p, 5, dtype=torch.float32, device=f0.device) if out is None else out.zero_()
         for i, (f, t, e, scale) in enumerate(pairs):
             layer_stats_into(part[i], f, t, e, scale)
         return part
-    part = torch.empty(len(pairs), p, 5, dtype=torch.float32, device=f0.device)
+    part = torch.empty(len(pairs), p, 5, dtype=torch.float32, device=f0.device) if out is None else out
     block = max(elementwise_settings(max(f.numel(), e.numel() if e is not None else 0), cuda)[0] for f, _, e, _ in pairs)
     num_warps = elementwise_settings(1 << 20, cuda)[1]
     args, extra_mask, grad_mask, same_mask = [], 0, 0, 0
@@ -480,7 +492,7 @@ def _sum_partials(ptr, n, BLOCK: tl.constexpr):
 def _tp_rule_kernel(
     a_ptr, c_ptr, apply_ptr, log_ptr, budgets_ptr,  # written (budgets: read and written)
     part_ptr, P, widths_ptr, consts_ptr, depth_ptr, weighted_ptr, status_ptr, found_inf_ptr, lr_ptr, scale_ptr,
-    correct_ptr, rows, seg_layer_ptr, trainable_ptr, L, S,
+    correct_ptr, n_correct, rows, seg_layer_ptr, trainable_ptr, L, S,
     LP: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, CLIP: tl.constexpr, LABELS: tl.constexpr,
 ):
     dot, f_mag, b_mag, sq, _unused = _layer_vectors(part_ptr, P, LP, L, BLOCK_P)
@@ -520,7 +532,7 @@ def _tp_rule_kernel(
     tl.store(log_ptr + 1, tl.sum(tl.where(lm, gaps, 0.0), axis=0) / L)
     tl.store(log_ptr + 2, tl.sum(tl.where(lm & weighted & (~open_gate), 1.0, 0.0).to(tl.float64), axis=0))
     if LABELS:
-        tl.store(log_ptr + 3, _sum_partials(correct_ptr, rows, 1024) / rows)
+        tl.store(log_ptr + 3, _sum_partials(correct_ptr, n_correct, 1024) / rows)
     else:
         tl.store(log_ptr + 3, float("nan"))
 
@@ -536,7 +548,9 @@ def tp_rule_(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One launch: ``tp_rule_ref``'s outputs, ``(a, c, apply)`` returned and the log row written into
     ``log_row`` (4 float64). ``part``: ``[L, P, 5]`` float32; ``widths``, ``consts``, ``depth``,
-    ``budgets``: float64; ``lr``: a one-element tensor; ``weighted``, ``trainable``: bool/int8."""
+    ``budgets``: float64; ``lr``: a one-element tensor; ``weighted``, ``trainable``: bool/int8;
+    ``correct``: per-row (or already summed) correct counts, float32, whose sum over ``rows`` rows is
+    the accuracy."""
     n, p = budgets.numel(), part.shape[1]
     s = seg_layer.numel()
     a = torch.empty(s, dtype=torch.float64, device=part.device)
@@ -544,8 +558,8 @@ def tp_rule_(
     apply = torch.empty(s, dtype=torch.int8, device=part.device)
     _tp_rule_kernel[(1,)](
         a, c, apply, log_row, budgets, part, p, widths, consts, depth, weighted, status, found_inf, lr,
-        grad_scale if grad_scale is not None else lr, correct if correct is not None else lr, rows,
-        seg_layer, trainable, n, s,
+        grad_scale if grad_scale is not None else lr, correct if correct is not None else lr,
+        correct.numel() if correct is not None else 0, rows, seg_layer, trainable, n, s,
         LP=_pow2(n), SP=_pow2(s), BLOCK_P=min(_pow2(p), 64), CLIP=grad_scale is not None, LABELS=correct is not None,
         num_warps=4,
     )

@@ -6,6 +6,7 @@ guarded one-launch update). Each method's own step rule lives in its module."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from ..layers.dense import Dense
 from ..layers.network import Network
 
 __all__ = ["FlatLayout", "FusedStep", "into_views"]
+
+_TAIL_HEAD = 4  # the tail's first elements: loss sum, correct count, 2 unused (16-byte alignment)
 
 
 class FlatLayout:
@@ -28,18 +31,32 @@ class FlatLayout:
     def __init__(self, params: list[Tensor], velocities: list[Tensor], layer_of: list[int], trainable: list[bool]) -> None:
         self.p = coalesce(params)[0][0]
         self.v = coalesce(velocities)[0][0]
-        self.g = torch.zeros_like(self.p)
-        self.g_views, offset = [], 0
+        self._shapes = [t.shape for t in params]
+        self.add_tail(0)
         self.bounds = [0]
         for t in params:
-            self.g_views.append(self.g[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-            self.bounds.append(offset)
+            self.bounds.append(self.bounds[-1] + t.numel())
         dev = self.p.device
         self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64, device=dev)
         self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=dev)
         self.trainable = torch.tensor(trainable, device=dev)
         self.counts = [sum(1 for i in layer_of if i == layer) for layer in range(max(layer_of) + 1)]
+
+    def add_tail(self, tail: int) -> None:
+        """A new (zeroed) direction buffer ``g`` followed, in one allocation ``g_all``, by ``tail``
+        more elements (``self.tail``, starting 16-byte aligned): data-parallel steps write their loss
+        and statistics there and all-reduce directions and statistics as one buffer. Before any step
+        (the direction views are made again)."""
+        n = self.p.numel()
+        pad = -n % 4
+        self.g_all = torch.zeros(n + pad + tail, dtype=self.p.dtype, device=self.p.device)
+        self.g = self.g_all[:n]
+        self.tail = self.g_all[n + pad :]
+        self.g_views, offset = [], 0
+        for shape in self._shapes:
+            numel = math.prod(shape)
+            self.g_views.append(self.g[offset : offset + numel].view(shape))
+            offset += numel
 
     @classmethod
     def build(cls, model: Network, velocities: list[Tensor]) -> "FlatLayout | None":
@@ -97,15 +114,31 @@ class FusedStep:
     each input target is one ``estimate_gap`` launch (the ``|W|`` column sums, the estimate and the gap
     the next layer down reads; above 16 rows a cuBLAS product ``t·W`` before it).
 
+    Data-parallel (``trainer.dist``): one all-reduce per step. The direction buffer is followed by a
+    tail (``FlatLayout.add_tail``) that holds the step's loss sum, correct count and statistic
+    partials (``reduce_``), and the whole prefix in use is summed over the ranks at once; from
+    ``OVERLAP_BYTES`` of parameters on, each layer's directions are summed as soon as its backward has
+    written them (overlapping the layers below) and the tail after. The rules then see the global
+    batch (``world_size ×`` the local rows: equal shards) and the loss is the ranks' mean.
+
     Not taken (the torch-op step runs): float64 or mixed dtypes, layers other than ``Dense``, more than
-    ``MAX_LAYERS`` layers, data-parallel runs, outputs wider than 8,192, inputs that are not
-    ``[batch, features]``, or a batch whose shape the flat layout does not fit."""
+    ``MAX_LAYERS`` layers, outputs wider than 8,192, inputs that are not ``[batch, features]``, or a
+    batch whose shape the flat layout does not fit."""
 
     def __init__(self, trainer: Any, flat: FlatLayout) -> None:
+        from ..kernels.method_steps import _MAX_STATS_PROGRAMS
+
         dev = trainer.device
         layers = list(trainer.model.layers)
         self.t, self.flat = trainer, flat
         self.n = len(layers)
+        self.dist = trainer.dist
+        self.world = 1 if self.dist is None else self.dist.world_size
+        self._overlap = False
+        self._pending: list[Any] = []
+        if self.dist is not None:  # room for the loss, the correct count and every pair's partials
+            flat.add_tail(_TAIL_HEAD + (self.n + 1) * _MAX_STATS_PROGRAMS * 5)
+            self._overlap = self.dist.overlap_pays(list(trainer.model.parameters()))
         f64 = dict(dtype=torch.float64, device=dev)
         self.widths = torch.tensor([float(layer.out_features) for layer in layers], **f64)
         self.seg_layer = flat.layer_of.to(torch.int32)
@@ -122,6 +155,9 @@ class FusedStep:
             k += count
         self.out_width = layers[-1].out_features
         self.in_width = layers[0].in_features
+        # each layer's span of the flat direction buffer (its parameters are consecutive there)
+        first = [flat.bounds[sum(flat.counts[:i])] for i in range(self.n)]
+        self.spans = [(lo, flat.bounds[sum(flat.counts[: i + 1])]) for i, lo in enumerate(first)]
 
     @classmethod
     def accepts(cls, trainer: Any) -> bool:
@@ -137,7 +173,7 @@ class FusedStep:
 
         flat = getattr(trainer, "_flat", None)
         layers = list(trainer.model.layers)
-        if flat is None or trainer.dist is not None or not layers or len(layers) > MAX_LAYERS:
+        if flat is None or not layers or len(layers) > MAX_LAYERS:
             return None
         if len(flat.bounds) - 1 > MAX_SEGMENTS or not all(type(layer) is Dense for layer in layers):
             return None
@@ -169,14 +205,52 @@ class FusedStep:
             views = self.views[i]
             g, ds = layers[i].backward_saved(g, saved[i], needs_input_grad=first_input or i > 0, out=views)
             into_views(ds, views)
+            self.layer_written(i)
             grads[i] = g
         return grads
 
-    def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
-        """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch)."""
-        from ..kernels.method_steps import stats_into
+    def layer_written(self, i: int) -> None:
+        """Layer ``i``'s directions are in the flat buffer: data-parallel with overlap, start summing
+        them over the ranks (asynchronously; ``reduce_`` completes it)."""
+        if self._overlap and self.spans[i][1] > self.spans[i][0]:
+            lo, hi = self.spans[i]
+            self._pending.append(self.dist.all_reduce_([self.flat.g[lo:hi]], "sum", async_op=True))
 
-        return stats_into(pairs)
+    def reduce_(self, loss_rows: Tensor, part: Tensor, correct: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Data-parallel: the step's numbers summed over the ranks in one all-reduce (see the class
+        docstring): returns ``(loss partials, correct count or None)`` of the global batch, with
+        ``part`` (``_stats``' output, in the tail) and the directions summed in place. One process:
+        ``(loss_rows, correct)`` as they are."""
+        if self.dist is None:
+            return loss_rows, correct
+        flat = self.flat
+        tail = flat.tail
+        torch.sum(loss_rows, 0, keepdim=True, out=tail[0:1])
+        if correct is not None:
+            torch.sum(correct, 0, keepdim=True, out=tail[1:2])
+        used = _TAIL_HEAD + part.numel()
+        start = tail.data_ptr() - flat.g_all.data_ptr()
+        start //= flat.g_all.element_size()
+        if self._overlap:  # the directions are on their way: the tail alone, then wait for them
+            self.dist.all_reduce_([tail[:used]], "sum")
+            pending, self._pending = self._pending, []
+            for finish in pending:
+                finish()
+        else:
+            self.dist.all_reduce_([flat.g_all[: start + used]], "sum")
+        loss = tail[0:1].div_(self.world)  # the ranks' mean of their (local mean) losses: equal shards
+        return loss, (tail[1:2] if correct is not None else None)
+
+    def _stats(self, pairs: list[tuple[Tensor, Tensor | None, Tensor | None, float | None]]) -> Tensor:
+        """``[len(pairs), P, 5]`` partial sums (``kernels.method_steps.stats_into``: one launch); in the
+        flat buffer's tail when data-parallel (summed with the directions by ``reduce_``)."""
+        from ..kernels.method_steps import stats_into, stats_partials
+
+        if self.dist is None:
+            return stats_into(pairs)
+        p = stats_partials(pairs)
+        size = len(pairs) * p * 5
+        return stats_into(pairs, out=self.flat.tail[_TAIL_HEAD : _TAIL_HEAD + size].view(len(pairs), p, 5))
 
     def _lr(self, rows: int = 1) -> Tensor:
         """The rate as a 1-element device tensor, divided by ``rows`` (a step averaged over the batch)."""

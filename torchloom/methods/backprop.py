@@ -214,6 +214,18 @@ class Backprop(Method):
         for p in self.params:  # parameters the optimizer does not update still need a gradient home
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self._loss_slot = self._reduce_prefix = None
+        grads = [p.grad for p in self.params]
+        if self.dist is not None and all(g.dtype == grads[0].dtype and g.device == grads[0].device for g in grads):
+            # data-parallel: the gradients and a slot for the loss in one buffer, averaged by one all-reduce
+            n = sum(g.numel() for g in grads)
+            pad = -n % 4  # the slot 16-byte aligned
+            buffer = torch.zeros(n + pad + 4, dtype=grads[0].dtype, device=grads[0].device)
+            offset = 0
+            for p, g in zip(self.params, grads):
+                p.grad = buffer[offset : offset + g.numel()].view_as(g).copy_(g)
+                offset += g.numel()
+            self._loss_slot, self._reduce_prefix = buffer[n + pad : n + pad + 1], buffer[: n + pad + 1]
         self.grad_views = [p.grad for p in self.params]
         norm_inputs = []
         for group in self.optimizer.param_groups:
@@ -285,7 +297,12 @@ class Backprop(Method):
         moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
         if moved:
             torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
-        if self.dist is not None:  # data-parallel: loss partials and gradients averaged over the ranks, in the step
+        if self.dist is not None and self._loss_slot is not None:  # data-parallel: gradients and loss averaged, one all-reduce
+            held = self._loss_slot
+            torch.sum(loss_parts, 0, keepdim=True, dtype=held.dtype, out=held)
+            self.dist.all_reduce_([held] if overlapped else [self._reduce_prefix], "mean")  # (overlapped: gradients done)
+            loss_parts = held
+        elif self.dist is not None:  # gradients of several dtypes or devices: reduced apart from the loss
             if not overlapped:
                 self.dist.all_reduce_(self.grad_views, "mean")
             self.dist.all_reduce_([loss_parts], "mean")

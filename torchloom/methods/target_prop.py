@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..engine.guards import finite_flag
 from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import column_sum
@@ -144,8 +145,8 @@ class TargetProp(Method):
         if labels is not None:
             stats.append((out.argmax(-1) == labels).double().mean())
         stats_t = torch.stack(stats)
-        if self.dist is not None:  # data-parallel: loss and accuracy of the global batch (equal shards), agreed
-            self.dist.all_reduce_([stats_t], "mean")
+        if self.dist is not None:  # data-parallel: one all-reduce and one host read (_step_data_parallel)
+            return self._step_data_parallel(x, y, out, target, stats_t, events)
         values = stats_t.tolist()
         loss = values[0]
         if not math.isfinite(loss):
@@ -157,13 +158,46 @@ class TargetProp(Method):
             for i in range(len(self.model.layers) - 1, -1, -1):
                 g = state.gradients[i]  # t − y carried back: the loss gradient is its negative
                 events.backward(i, self.model.layers[i], None if g is None else -g)
-        state.calculate_link_budgets(None if self.dist is None else self.dist.all_reduce_)
+        state.calculate_link_budgets()
         directions = [d for ds in state.weight_gradients if ds for d in ds]
-        if self.dist is not None:  # data-parallel: directions are sums over samples; a NaN on one rank reaches all
-            self.dist.all_reduce_(directions, "sum")
         if not all_finite(directions):
             return StepOutput(loss, StepStatus.NAN_GRAD)
-        rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the samples the directions sum over
+        return self._apply(directions, x.shape[0], loss, values[1] if labels is not None else None)
+
+    def _step_data_parallel(self, x: Tensor, y: Tensor, out: Tensor, target: Tensor, stats: Tensor, events: Any) -> StepOutput:
+        """The host step under data-parallel training, with one all-reduce and one host read: the
+        update directions (sums over samples), the per-layer sums of the link budgets and gaps, and
+        the loss and accuracy (averaged: equal shards) are summed over the ranks in one ``all_reduce_``
+        (one collective for a float64 model), then read back with the directions' finiteness. The
+        backward runs before the loss is known to be finite (a NaN/Inf loss on any rank still changes
+        nothing: the same decision on every rank)."""
+        state = self.state
+        _fill_backward(self.model, state, target, input_target=events is not None and events.wants_backward)
+        index = state.measured_layers()
+        rows_of = [layer_sums(state.forward_acts[i + 1], state.backward_targets[i + 1]) for i in index]
+        sums = torch.stack(rows_of) if rows_of else stats.new_zeros(0, 5)
+        directions = [d for ds in state.weight_gradients if ds for d in ds]
+        world = self.dist.world_size
+        packed = torch.cat([stats.double() / world, sums.reshape(-1).to(stats.device)])
+        self.dist.all_reduce_([*directions, packed], "sum")  # a NaN on one rank reaches all
+        finite = finite_flag(directions) if directions else torch.tensor(True)
+        values = torch.cat([packed, finite.reshape(1).double().to(packed.device)]).tolist()
+        loss, k = values[0], stats.numel()
+        if not math.isfinite(loss):
+            return StepOutput(loss, StepStatus.NAN_LOSS)
+        self.observe_outputs(out, y)
+        if events is not None and state.config.use_chain_rule:
+            for i in range(len(self.model.layers) - 1, -1, -1):
+                g = state.gradients[i]
+                events.backward(i, self.model.layers[i], None if g is None else -g)
+        state.set_link_budgets(index, [values[k + 5 * j : k + 5 * j + 5] for j in range(len(index))])
+        if values[-1] < 0.5:
+            return StepOutput(loss, StepStatus.NAN_GRAD)
+        return self._apply(directions, x.shape[0] * world, loss, values[1] if k > 1 else None)
+
+    def _apply(self, directions: list[Tensor], rows: int, loss: float, accuracy: float | None) -> StepOutput:
+        """Clip and apply the (finite) directions, sums over ``rows`` samples; the step's output."""
+        state = self.state
         self._clip(directions, rows)
         skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr), rows=rows)
         logs = {
@@ -171,8 +205,8 @@ class TargetProp(Method):
             "mean_gap": sum(state.gaps) / len(state.gaps),
             "skipped_layers": float(len(skipped)),
         }
-        if labels is not None:
-            logs["accuracy"] = values[1]
+        if accuracy is not None:
+            logs["accuracy"] = accuracy
         return StepOutput(loss, StepStatus.OK, logs)
 
     def _clip_bound(self, rows: int) -> float:
@@ -249,9 +283,13 @@ class TargetProp(Method):
         rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the samples the directions sum over
         bound = self._clip_bound(rows)
         clip_norm = bound if self.clip_mode == "norm" else 0.0
-        if self.dist is not None:  # data-parallel: directions summed, loss averaged over the ranks, in the step
-            self.dist.all_reduce_(directions, "sum")
-            self.dist.all_reduce_([loss], "mean")
+        accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else self._nan
+        if self.dist is not None:  # data-parallel: directions and per-layer sums summed, loss and accuracy averaged
+            world = self.dist.world_size
+            sums = torch.stack([layer_sums(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)])
+            packed = torch.cat([loss.double().reshape(1) / world, accuracy.reshape(1) / world, sums.reshape(-1)])
+            self.dist.all_reduce_([*directions, packed], "sum")  # one all_reduce_ (one collective for a float64 model)
+            loss, accuracy, sums = packed[0], packed[1], packed[2:].view(n, 5)
         runner.decide(slot, loss.reshape(1), grad_sq_partials(directions), clip_norm)
         ok = runner.found_inf == 0
         if self.dist is None:  # link budgets and gaps: one fused pass per layer (kernels/layer_update.py)
@@ -261,8 +299,6 @@ class TargetProp(Method):
             dot, f_mag, b_mag, sq = stats[:, 0], stats[:, 1], stats[:, 2], stats[:, 3]
             mean_sq = torch.stack([sq[i] / max(st.forward_acts[i + 1].numel(), 1) for i in range(n)])
         else:  # data-parallel: budgets and gaps from the per-layer sums over every rank's rows
-            sums = torch.stack([layer_sums(st.forward_acts[i + 1], st.backward_targets[i + 1]) for i in range(n)])
-            self.dist.all_reduce_([sums], "sum")
             dot, f_mag, b_mag, sq, count = sums.unbind(1)
             mean_sq = sq / count.clamp_min(1.0)
         both = (f_mag > 0) & (b_mag > 0)
@@ -299,9 +335,6 @@ class TargetProp(Method):
                             continue
                         v.copy_(torch.where(apply, v * mu + c * d, v))
                         p.add_(torch.where(apply, v, 0.0))
-        accuracy = (out.argmax(-1) == labels).double().mean() if labels is not None else self._nan
-        if self.dist is not None and labels is not None:  # data-parallel: the global batch's accuracy
-            self.dist.all_reduce_([accuracy], "mean")
         runner.log(slot, [budgets.mean(), gaps.mean(), (self._weighted & ~open_gate).double().sum(), accuracy])
 
 
@@ -341,6 +374,7 @@ class _FusedTargetProp(FusedStep):
                 torch.mm(gap.t(), acts[i], out=views[0])
                 if len(views) > 1:
                     column_sum(gap, out=views[1])
+            self.layer_written(i)
             if i > 0:
                 targets[i], gap = estimate_gap(gap if difference else targets[i + 1], w, acts[i], difference)
         return targets
@@ -366,16 +400,19 @@ class _FusedTargetProp(FusedStep):
             targets = self.pure_into_flat(g, target, acts)
             st.gradients, st.backward_targets = [None] * (self.n + 1), targets
             part = self._stats([(acts[i + 1], targets[i + 1], None, None) for i in range(self.n)])
-        rows = x.shape[0]  # (never data-parallel: the fused step is not taken there)
+        rows = x.shape[0] * self.world  # the samples the directions sum over (data-parallel: every rank's)
+        labels = y.dtype == torch.long
+        # data-parallel: directions, statistics, loss and correct count in one all-reduce
+        loss, correct = self.reduce_(loss_rows, part, correct if labels else None)
         bound = t._clip_bound(rows)
         clip_norm = bound if t.clip_mode == "norm" else 0.0
-        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        runner.decide(slot, loss, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
         if t.clip > 0 and clip_norm == 0:
             self.flat.g.clamp_(-bound, bound)
         a, c, apply = tp_rule_(
             part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
-            self._lr(rows if cfg.reduction == "mean" else 1), runner.grad_scale if clip_norm > 0 else None, correct if y.dtype == torch.long else None,
-            x.shape[0], self.seg_layer, self.trainable, runner.step_logs[slot, :4],
+            self._lr(rows if cfg.reduction == "mean" else 1), runner.grad_scale if clip_norm > 0 else None, correct,
+            rows, self.seg_layer, self.trainable, runner.step_logs[slot, :4],
         )
         self._update(runner, slot, a, c, apply)
 

@@ -272,11 +272,7 @@ class TargetPropState:
                 return
             sums = torch.stack([layer_sums(self.forward_acts[i + 1], self.backward_targets[i + 1]) for i in index])
             reduce(sums)
-            for i, (dot, f_mag, b_mag, sq, count) in zip(index, sums.tolist()):
-                if f_mag > 0 and b_mag > 0:
-                    cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
-                    self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
-                self.gaps[i] = math.sqrt(sq / max(count, 1.0))
+            self.set_link_budgets(index, sums.tolist())
             return
         rows, index = [], []
         for i in range(self.num_layers):
@@ -294,6 +290,20 @@ class TargetPropState:
                 cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
                 self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
             self.gaps[i] = math.sqrt(mean_sq)
+
+
+    def measured_layers(self) -> list[int]:
+        """The layers with both an output and a target (those ``calculate_link_budgets`` measures)."""
+        return [i for i in range(self.num_layers) if self.forward_acts[i + 1] is not None and self.backward_targets[i + 1] is not None]
+
+    def set_link_budgets(self, index: list[int], sums: list[list[float]]) -> None:
+        """Link budgets and gaps of layers ``index`` from their ``layer_sums`` rows (summed over every
+        rank's rows, in data-parallel training), as ``calculate_link_budgets`` forms them."""
+        for i, (dot, f_mag, b_mag, sq, count) in zip(index, sums):
+            if f_mag > 0 and b_mag > 0:
+                cosine = dot / (math.sqrt(f_mag) * math.sqrt(b_mag))
+                self.link_budgets[i] = min(1.0, max(0.0, (cosine + 1.0) / 2.0))
+            self.gaps[i] = math.sqrt(sq / max(count, 1.0))
 
 
 def layer_sums(f: Tensor, b: Tensor) -> Tensor:

@@ -245,11 +245,11 @@ class Tween(Method):
         if self.dist is None:
             metrics = self._fused_metrics(acts, y_hat, targets)
         else:  # data-parallel (equal shards): sums over every rank's rows, in the step
-            if not overlap:
-                reducing.append(self.dist.all_reduce_([pg for pgs in param_grads for pg in pgs], "sum", async_op=True))
             sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
             packed = torch.cat([sums.reshape(-1), loss_parts.sum().double().reshape(1) / self.dist.world_size])
-            self.dist.all_reduce_([packed], "sum")  # metric sums and the mean loss: one all-reduce
+            # metric sums, the mean loss and (unless already on their way) the gradients: one all_reduce_
+            # (one collective for a float64 model; a float32 model's gradients are a second)
+            self.dist.all_reduce_([packed] if overlap else [*(pg for pgs in param_grads for pg in pgs), packed], "sum")
             for finish in reducing:
                 finish()
             metrics, loss_parts = tween_metrics(packed[:-1].view(n, 9)), packed[-1:]
@@ -417,9 +417,10 @@ class _FusedTween(FusedStep):
         part = self._stats(
             [(x, None, None, None)] + [(acts[i + 1], grads[i + 1], acts[i + 1], -s) for i in range(self.n - 1)] + [(y_hat, t_out, out, None)]
         )
-        batch = out.shape[0]
+        batch = out.shape[0] * self.world  # data-parallel: the global batch (equal shards)
+        loss, _ = self.reduce_(loss_rows, part)  # data-parallel: directions, statistics and loss in one all-reduce
         clip_norm = t.clip * batch if t.clip > 0 and t.clip_mode == "norm" else 0.0
-        runner.decide(slot, loss_rows, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
+        runner.decide(slot, loss, grad_sq_partials([self.flat.g], backend=backend), clip_norm)
         if t.clip > 0 and clip_norm == 0:
             self.flat.g.clamp_(-t.clip * batch, t.clip * batch)
         a, c, apply, metrics = tween_rule_(

@@ -529,11 +529,10 @@ def _global_step_numbers(dist: Any, loss_t: Tensor, batch: int, grads: list[Tens
     ranks in place; the loss (weighted by each rank's rows), the per-layer metrics (from summed
     ``tween_sums``) and the global batch size, as one process would find them on the global batch."""
     n = len(acts) - 1
-    dist.all_reduce_(grads, "sum")
     sums = torch.stack([tween_sums(acts[i], acts[i + 1] if i + 1 < n else y_hat, acts[i + 1], targets[i + 1]) for i in range(n)])
     head = torch.stack([loss_t.detach().double().reshape(()) * batch, torch.full((), float(batch), dtype=torch.float64, device=sums.device)])
     packed = torch.cat([head, sums.reshape(-1)])
-    dist.all_reduce_([packed], "sum")
+    dist.all_reduce_([*grads, packed], "sum")  # one all_reduce_ (one collective for a float64 model)
     rows = packed[0:1] / packed[1]
     return rows.reshape(()), list(tween_metrics(packed[2:].view(n, 9)).unbind(0)), int(round(float(packed[1])))
 
