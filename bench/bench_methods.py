@@ -162,7 +162,7 @@ DATASETS = {
 
 # ---------------------------------------------------------------------------------- methods
 # the documented defaults (TargetPropConfig's 0.05 and TweenConfig's 0.01: chosen from the rate sweep of
-# bench/RESULTS.md §7); pure TargetProp learns at no rate measured (0.0003-0.3), 0.003 is its least bad
+# bench/RESULTS.md §7); pure TargetProp (difference targets) at the same 0.05: 0.1 is unstable over 10 epochs (§7 run D)
 RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.05, "tp-pure": 0.05, "tween": 0.01,
          "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.003, "fa-adamw": 3e-4, "dfa-adamw": 3e-4}
 LOSSES = {m: "cross_entropy" for m in RATES}
