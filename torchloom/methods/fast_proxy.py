@@ -46,10 +46,12 @@ from torch import Tensor
 from ..engine.method import register_method
 from ..layers.base import autocast_off
 from ._feedback import FeedbackRule
+from .._settings import settings
 
 __all__ = ["FastProxy", "FastProxyConfig", "block_average_matrix"]
 
 
+@settings()
 @dataclass
 class FastProxyConfig:
     """Settings of FastProxy: ``scale`` of every hidden layer's share of the proxy, ``None`` (the
@@ -57,6 +59,7 @@ class FastProxyConfig:
     and optimizer are ``TrainingConfig``'s."""
 
     scale: float | None = None
+    """Each hidden layer's share of the proxy: ``None`` for Welvet's ``1/H`` over ``H`` hidden layers, or a number > 0."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -33,10 +33,12 @@ from torch import Tensor
 
 from ..engine.method import register_method
 from ._feedback import FeedbackRule, check_seed_and_scale, draw_feedback
+from .._settings import settings
 
 __all__ = ["FeedbackAlignment", "FeedbackAlignmentConfig"]
 
 
+@settings()
 @dataclass
 class FeedbackAlignmentConfig:
     """Settings of feedback alignment: ``seed`` of the feedback matrices (drawn on the CPU, the same on
@@ -44,7 +46,9 @@ class FeedbackAlignmentConfig:
     (``sqrt(2/in)``, > 0). The learning rate and optimizer are ``TrainingConfig``'s."""
 
     seed: int = 0
+    """Seed of the fixed random feedback matrices (drawn on the CPU: the same on every device and rank)."""
     scale: float = 0.1
+    """Their standard deviation relative to He-normal ``sqrt(2/in)`` (> 0; 1 diverged on Fashion-MNIST)."""
 
     def __post_init__(self) -> None:
         self.validate()

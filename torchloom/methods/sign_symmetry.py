@@ -29,18 +29,21 @@ from torch import Tensor
 
 from ..engine.method import register_method
 from ._feedback import FeedbackRule
+from .._settings import settings
 
 __all__ = ["SignSymmetry", "SignSymmetryConfig"]
 
 SCALES = ("mean_abs", "unit")
 
 
+@settings()
 @dataclass
 class SignSymmetryConfig:
     """Settings of sign symmetry: ``scale`` of the feedback ``s · sign(W)``: ``"mean_abs"`` (``s =
     mean|W|``, the default), ``"unit"`` (``s = 1``, the paper's) or a finite number > 0."""
 
     scale: str | float = "mean_abs"
+    """The feedback is ``s · sign(W)``: ``"mean_abs"`` (``s = mean|W|``), ``"unit"`` (``s = 1``, the paper's) or a number > 0."""
 
     def __post_init__(self) -> None:
         self.validate()
