@@ -455,17 +455,19 @@ def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
         )
 
 
-def check_optimizer_device(optimizer: Optimizer, device: torch.device) -> None:
+def check_optimizer_device(optimizer: Optimizer, device: torch.device, state_only: bool = False) -> None:
     """``ValueError`` when ``optimizer`` (after the model moved to the training ``device``) holds a
     parameter that is not on ``device`` (a move that made new parameters left the optimizer with the
     old ones), or state on another device than its parameter: an optimizer built and used before
     ``train()`` moved the model (``use_gpu=True`` / ``device``) whose parameters or state stayed
-    behind."""
+    behind. ``state_only`` (before the move, when the run starts): state not on ``device`` (a move
+    of the model never moves it)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            stale = p.device != device
+            stale = not state_only and p.device != device
             state = optimizer.state.get(p, {})
-            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != p.device]
+            home = device if state_only else p.device
+            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != home]
             if stale or away:
                 where = f"parameters on {p.device}" if stale else f"state {away[0]!r} on {state[away[0]].device}"
                 raise ValueError(

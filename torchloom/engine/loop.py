@@ -115,6 +115,8 @@ class Trainer(WarmStart):
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
         self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
+        if isinstance(config.optimizer, Optimizer):  # state made elsewhere never moves with the model: refused first
+            check_optimizer_device(config.optimizer, self.device, state_only=True)
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
