@@ -44,6 +44,9 @@ def finite_flag(tensors: Sequence[Tensor]) -> Tensor:
     extremes = [v for t in tensors if t.numel() and t.is_floating_point() for v in torch.aminmax(t)]
     if not extremes:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    device = extremes[0].device
+    if any(v.device != device for v in extremes):  # e.g. torch AdamW's step counts, kept on the CPU beside CUDA state
+        return torch.stack([torch.isfinite(v).to(device) for v in extremes]).all()
     return torch.isfinite(torch.stack(extremes)).all()
 
 
