@@ -79,13 +79,17 @@ def test_late_labels_score_the_served_prediction_and_train_in_label_order():
         live.learn(served[0][1], 0)
 
 
-def test_backprop_reuses_the_serve_forward():
-    """Served and trained at the same weights, backprop's update runs no forward of its own."""
+@pytest.mark.parametrize("lean", [False, True])
+def test_backprop_reuses_the_serve_forward(lean):
+    """Served and trained at the same weights, backprop's update runs no forward of its own (the
+    method's step, and the lean step)."""
     net = small_net()
-    live = LiveTrainer(net, method="backprop")
+    live = LiveTrainer(net, method="backprop", lean=lean)
+    assert (live._lean is not None) == lean
     calls = []
-    real = live.model.forward_saved
-    live.model.forward_saved = lambda x: (calls.append(1), real(x))[1]
+    owner = live._lean if lean else live.model
+    real = owner.forward if lean else owner.forward_saved
+    setattr(owner, "forward" if lean else "forward_saved", lambda x: (calls.append(1), real(x))[1])
     x, y = stream(5)
     for i in range(5):
         _, t = live.serve(x[i])
