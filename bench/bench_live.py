@@ -113,7 +113,7 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
         if args.scale_lr:  # MSE averages over the batch: lr × k sums the k samples' steps
             lr = args.lr * sched["batch_size"]
     live = LiveTrainer(net, method=method, learning_rate=lr, loss_type="mse", overlap=(mode == "overlap"),
-                       max_staleness=args.staleness, device=args.device, **sched)
+                       max_staleness=args.staleness, device=args.device, lean=not args.no_lean, **sched)
     phases = [("chase1", 0), ("avoid", task.shift), ("chase2", 0)]
     per_phase = args.samples_per_phase
     wall = args.clock == "wall"
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--scale-lr", action="store_true", help="batch<k>: train at lr × k (the batch's loss is a mean)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-lean", action="store_true", help="CPU: the method's step, not the lean host step (LiveConfig.lean)")
     args = ap.parse_args(argv)
     methods = list(method_names()) if args.methods == "all" else args.methods.split(",")
     clocks = ["wall", "free"] if args.clock == "both" else [args.clock]

@@ -310,3 +310,66 @@ def test_cuda_device_stream_is_one_graph():
     _run(serial, x, y)
     for a, b in zip(live.model.parameters(), serial.model.parameters()):
         assert_close(a.cpu(), b, name="stream weights", rtol=1e-4, atol=1e-5)
+
+
+def _eager_cuda(live: LiveTrainer):
+    """The CUDA per-sample logic (``CudaLive``) on the CPU: ``EagerOps`` graphs re-run their function
+    at each replay and count the replays; events count the host waits."""
+    from torchloom.live.device import CudaLive, EagerOps
+
+    ops = EagerOps()
+    live.cuda = CudaLive(live, ops=ops)
+    live._lean = None
+    live._lean_serve = False
+    return ops
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_logic_on_the_cpu_one_replay_each_and_the_cpu_loop_numbers(overlap):
+    """Per sample: one serve-graph replay, one wait on the serve's read-back, one update-graph replay
+    (after the first, eager, update); predictions come back as host tensors. Serial: the predictions
+    and weights of the CPU loop; overlap (staleness 1): each prediction from the weights before the
+    latest update."""
+    n = 12
+    x, y = stream(n, seed=4)
+    cpu = LiveTrainer(small_net(7), method="backprop")
+    ref = _run(cpu, x, y)
+    live = LiveTrainer(small_net(7), method="backprop", overlap=overlap, max_staleness=1)
+    ops = _eager_cuda(live)
+    history = [[p.detach().clone() for p in live.model.parameters()]]
+    got = []
+    for i in range(n):
+        syncs = ops.host_syncs
+        p, t = live.serve(x[i])
+        assert p.device.type == "cpu" and ops.host_syncs == syncs + 1  # the read-back of this serve only
+        got.append(p)
+        if overlap:
+            lag = max(len(history) - 2, 0)
+            assert_close(p, reference_forward(history[lag], x[i : i + 1]), name=f"prediction {i}", rtol=1e-5, atol=1e-6)
+        live.learn(t, int(y[i]))
+        history.append([q.detach().clone() for q in live.model.parameters()])
+    serve_replays = sum(g.replays for g in ops.graphs if g.fn.__name__ == "<lambda>")
+    update = live.cuda.update
+    assert serve_replays == n and update.graph is not None and update.graph.replays == n - 1
+    rep = live.report(window_samples=n)
+    assert rep.staleness_max == (1 if overlap else 0) and live.version == n
+    if not overlap:
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert_close(a, b, name=f"prediction {i}", rtol=1e-5, atol=1e-6)
+        for a, b in zip(live.model.parameters(), cpu.model.parameters()):
+            assert_close(a, b, name="weights", rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_logic_counts_a_refused_update_inside_the_update_graph():
+    x, y = stream(6, seed=2)
+    live = LiveTrainer(small_net(3), method="backprop")
+    _eager_cuda(live)
+    _run(live, x[:4], y[:4])
+    before = [p.detach().clone() for p in live.model.parameters()]
+    _, t = live.serve(torch.full((6,), float("nan")))
+    live.learn(t, 1)  # the device guard refuses it: the weights stay, the count is kept on the device
+    assert int(live.cuda.skipped) == 1 and live.version == 5
+    for a, b in zip(live.model.parameters(), before):
+        assert torch.equal(a, b)
+    live.report()
+    assert live.version == 4 and live.statuses["OK"] == 4 and int(live.cuda.skipped) == 0

@@ -218,16 +218,19 @@ class LiveTrainer:
         if self._start is None:
             self._begin()
         wall0, cpu0 = _wall(), _cpu()
-        x = self._as_input(x)
+        x = self._as_input(x, host=True)
+        saved = None
         lean = self._lean_serve and self._lean.forward(x)
         if lean:
             out, saved = lean
         elif self.cuda is not None and self.cuda.serves(x):
-            out, saved = self.cuda.serve(x), None
-        elif self._reuses and not (self.config.overlap and self.serve_version != self.version):
-            out, saved = self.serve_model.forward_saved(x)
+            out = self.cuda.serve(x)  # read back to the host: a served prediction is one the host has
         else:
-            out, saved = self.serve_model(x), None
+            x = x.to(self.device)
+            if self._reuses and not (self.config.overlap and self.serve_version != self.version):
+                out, saved = self.serve_model.forward_saved(x)
+            else:
+                out = self.serve_model(x)
         cpu, wall = _cpu() - cpu0, _wall() - wall0
         n = x.shape[0]
         first = self.record.add_serves(n, self.clock() - self._start, self.phase, cpu, wall, self.version - self.serve_version)
@@ -381,14 +384,15 @@ class LiveTrainer:
             x = tickets[0].x
         else:
             tickets = [g[0] for g in group]
-            x, y = torch.cat([t.x for t in tickets]), torch.cat([g[1] for g in group])
+            x = torch.cat([t.x.to(self.device) for t in tickets])
+            y = torch.cat([g[1].to(self.device) for g in group])
         if self.config.overlap and self.config.max_staleness == 1:
             self._publish()  # the server keeps the weights this update starts from
         if self.cuda is not None and self.cuda.trains(x, y):
             self.cuda.train(x, y)
             status = StepStatus.OK  # decided on the device; counted in the report (cuda.synchronize)
         else:
-            status = self._host_step(tickets, x, y)
+            status = self._host_step(tickets, x.to(self.device), y.to(self.device))
         self.statuses[status.name] += 1
         if status is StepStatus.OK:
             self.version += 1
@@ -455,7 +459,9 @@ class LiveTrainer:
             self._logged = n
 
     # ------------------------------------------------------------------ inputs
-    def _as_input(self, x: Any) -> Tensor:
+    def _as_input(self, x: Any, host: bool = False) -> Tensor:
+        """``x`` as ``[batch, ...]`` in the model's dtype, on the training device (``host=True``: a
+        host tensor stays on the host; the CUDA serve copies it into its static input itself)."""
         x = x if isinstance(x, Tensor) else torch.as_tensor(x)
         if not x.is_floating_point():
             raise TypeError(f"serve: x must be a floating tensor, got dtype {x.dtype}")
@@ -463,14 +469,19 @@ class LiveTrainer:
             x = x.unsqueeze(0)
         if x.dim() < 2 or x.shape[0] == 0:
             raise ValueError(f"serve: x must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        if host and x.device.type == "cpu":
+            return x.to(dtype=self.dtype)
         return x.to(self.device, self.dtype)
 
     def _one_hot(self, label: int, classes: int) -> Tensor:
         """Row ``label`` of a ``[classes, classes]`` identity on the training device, ``[1, classes]``:
-        a view for the lean step and the CUDA update (which only read it), a copy for a method's step."""
+        a view for the lean step and the CUDA update (which only read it), a copy for a method's step.
+        With CUDA graphs the table is on the host: the update copies the sample and its target to the
+        device together (``device.CudaLive.train``)."""
         eye = self._eye
         if eye is None or eye.shape[0] != classes:
-            eye = self._eye = torch.eye(classes, dtype=self.dtype, device=self.device)
+            where = "cpu" if self.cuda is not None and self.cuda.graphs else self.device
+            eye = self._eye = torch.eye(classes, dtype=self.dtype, device=where)
         row = eye[label : label + 1]
         return row if self._lean is not None or self.cuda is not None else row.clone()
 
