@@ -373,3 +373,29 @@ def test_cuda_logic_counts_a_refused_update_inside_the_update_graph():
         assert torch.equal(a, b)
     live.report()
     assert live.version == 4 and live.statuses["OK"] == 4 and int(live.cuda.skipped) == 0
+
+
+def test_stream_window_captured_logic_on_the_cpu_takes_predictions_from_the_steps_forward():
+    """The captured device-resident window (EagerOps on the CPU): after the first (eager) window, one
+    replay per window, no serve forward of its own (the prediction is the method's pre-update forward
+    of the sample), the predictions and weights of serve + learn sample by sample."""
+    x, y = stream(32, seed=9)
+    serial = LiveTrainer(small_net(3), method="backprop")
+    preds = torch.cat(_run(serial, x, y))
+    live = LiveTrainer(small_net(3), method="backprop")
+    _eager_cuda(live)
+    forwards = []
+    real = live.model.forward
+    live.model.forward = lambda t: (forwards.append(1), real(t))[1]
+    got = []
+    for k in range(0, 32, 8):
+        got.append(live.stream_window(x[k : k + 8], y[k : k + 8]).clone())
+        if k == 0:
+            assert len(forwards) == 8  # the eager window serves with the model
+    window = live._stream
+    assert window.reuse_forward and window.graph is not None and window.graph.replays == 3
+    assert len(forwards) == 8  # the captured windows run no serve forward of their own
+    assert_close(torch.cat(got), preds, name="stream predictions", rtol=1e-5, atol=1e-6)
+    for a, b in zip(live.model.parameters(), serial.model.parameters()):
+        assert_close(a, b, name="stream weights", rtol=1e-5, atol=1e-6)
+    assert live.version == 32

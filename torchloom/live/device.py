@@ -375,12 +375,26 @@ class CudaLive:
             self.skipped.zero_()
 
 
+class _Predictions:
+    """Stands in for the engine's training metrics during a window: ``update(output, target)`` (the
+    method's ``observe_outputs``: its step's pre-update output) writes the output into row ``row`` of
+    ``preds`` (when given) and counts the calls."""
+
+    def __init__(self, preds: Tensor | None) -> None:
+        self.preds, self.row, self.calls = preds, 0, 0
+
+    def update(self, output: Tensor, target: Tensor) -> None:
+        self.calls += 1
+        if self.preds is not None:
+            self.preds[self.row : self.row + 1].copy_(output.reshape(1, *self.preds.shape[1:]))
+
+
 class DeviceStream:
     """K samples per launch (see the module docstring): ``window(xs, ys)`` serves and trains on
     ``xs[K, ...]`` with targets ``ys[K, ...]`` (the method's form: one-hot for ``"mse"``) and returns
     the predictions ``[K, ...]`` (overwritten by the next window: read or clone them)."""
 
-    def __init__(self, live: Any, xs: Tensor, ys: Tensor) -> None:
+    def __init__(self, live: Any, xs: Tensor, ys: Tensor, ops: Any = None) -> None:
         if not live.method.device_ready():
             raise ValueError(f"DeviceStream: method {type(live.method).__name__} has no device step (device_ready() is False)")
         self.live = live
@@ -391,11 +405,16 @@ class DeviceStream:
         self.preds: Tensor | None = None
         self.graph: Any = None
         self.calls = 0
-        self.use_graph = live.device.type == "cuda" and live.config.cuda_graph
+        # the primitives (CudaOps on CUDA; the tests pass EagerOps to run the captured path on the CPU)
+        self.ops = ops if ops is not None else (CudaOps(live.device) if live.device.type == "cuda" else None)
+        self.use_graph = self.ops is not None and live.config.cuda_graph
         self.serve_s = 0.0  # thread CPU time of serving and of updating, in the eager windows
         self.train_s = 0.0
         self.window_ms: float | None = None  # GPU time of one captured window (CUDA events)
         self.serve_graph: Any = None  # the K serve forwards alone, for serve_fraction
+        # a captured window takes each prediction from the method's own forward of the sample (its
+        # pre-update output, at the weights the sample is served from) instead of a second forward
+        self.reuse_forward = False
 
     def window(self, xs: Tensor, ys: Tensor) -> Tensor:
         if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
@@ -404,7 +423,7 @@ class DeviceStream:
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
         if self.graph is not None:
-            if self.window_ms is None:  # GPU time of one real window, once (for serve_fraction)
+            if self.window_ms is None and isinstance(self.ops, CudaOps):  # GPU time of one real window, once
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 self.graph.replay()
@@ -414,12 +433,8 @@ class DeviceStream:
             else:
                 self.graph.replay()
         elif self.use_graph and self.calls >= 1:
-            with host_checks(False):
-                self._window(timed=False, dead=1)  # masked warm-up: compiles what the graph uses, updates nothing
-                torch.cuda.synchronize(self.live.device)
-                self.graph = torch.cuda.CUDAGraph()
-                with capturing(self.graph):
-                    self._window(timed=False)
+            # a masked warm-up compiles what the graph uses and updates nothing
+            self.graph = self.ops.capture(lambda: self._window(timed=False), warm=lambda: self._window(timed=False, dead=1))
             self.graph.replay()
         else:
             self._window(timed=True)
@@ -432,16 +447,29 @@ class DeviceStream:
     def _window(self, timed: bool, dead: int = 0) -> None:
         live, runner = self.live, self.runner
         runner.dead.fill_(dead)  # 1: every update masked (a warm-up)
+        reuse = self.reuse_forward and not timed
+        sink = _Predictions(self.preds if reuse else None)
+        engine, kept = live.engine, live.engine.__dict__.get("metric_set")
+        engine.metric_set = sink  # the device step hands its forward's output to the training metrics
         outs = []
-        for i in range(self.k):
-            c0 = time.thread_time() if timed else 0.0
-            outs.append(live.serve_model(self.xs[i : i + 1]))
-            c1 = time.thread_time() if timed else 0.0
-            live.method.device_step(self.xs[i : i + 1], self.ys[i : i + 1], i, runner)
-            if timed:
-                c2 = time.thread_time()
-                self.serve_s += c1 - c0
-                self.train_s += c2 - c1
+        try:
+            for i in range(self.k):
+                sink.row = i
+                c0 = time.thread_time() if timed else 0.0
+                if not reuse:
+                    outs.append(live.serve_model(self.xs[i : i + 1]))
+                c1 = time.thread_time() if timed else 0.0
+                live.method.device_step(self.xs[i : i + 1], self.ys[i : i + 1], i, runner)
+                if timed:
+                    c2 = time.thread_time()
+                    self.serve_s += c1 - c0
+                    self.train_s += c2 - c1
+        finally:
+            engine.metric_set = kept
+        if self.calls == 0:  # the step's forward serves (in a captured window) when every step hands it over once
+            self.reuse_forward = self.use_graph and sink.calls == self.k and live.serve_model is live.model
+        if reuse:
+            return
         preds = torch.cat(outs)
         if self.preds is None:  # made by the first (eager) window: the captured one copies into it
             self.preds = preds

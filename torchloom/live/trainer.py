@@ -301,7 +301,7 @@ class LiveTrainer:
         if self._stream is None:
             out_shape = self.engine.output_shape(xs[:1])
             target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape, device=self.device))
-            self._stream = DeviceStream(self, xs, target)
+            self._stream = DeviceStream(self, xs, target, ops=self.cuda.ops if self.cuda is not None else None)
         else:
             target, labels = self._as_target(y, self._stream.preds)
         preds = self._stream.window(xs, target)
