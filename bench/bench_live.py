@@ -120,8 +120,11 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
     total_s = args.seconds
     phase_s = total_s / 3
     chunk = args.stream_k if mode == "stream" else 1024
+    # per-sample modes take each sample from the host (the serve copies it to the device); the
+    # device-resident stream has its windows on the device
+    where = args.device if mode == "stream" else "cpu"
     xs, ys = task.draw(chunk)
-    xs, ys = xs.to(args.device), ys.to(args.device)
+    xs, ys = xs.to(where), ys.to(where)
     k = 0
     n = 0
     start = time.perf_counter()
@@ -142,11 +145,10 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
             live.stream_window(xs, labels)
             n += chunk
             xs, ys = task.draw(chunk)
-            xs, ys = xs.to(args.device), ys.to(args.device)
+            xs, ys = xs.to(where), ys.to(where)
             continue
         if k == chunk:
             xs, ys = task.draw(chunk)
-            xs, ys = xs.to(args.device), ys.to(args.device)
             k = 0
         if k == 0:
             ylist = ys.tolist()
