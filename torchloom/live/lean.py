@@ -64,6 +64,27 @@ def _flat_buffer(params: list[Tensor]) -> Tensor | None:
     return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (offset,), (1,))
 
 
+def _relu_backward(g: Tensor, y: Tensor) -> Tensor:
+    return torch.ops.aten.threshold_backward.default(g, y, 0)
+
+
+# activation → (g ⊙ f'(pre) from the output y, its form writing into grad_input= (None: copy))
+_BACKWARD = {
+    "tanh": (torch.ops.aten.tanh_backward.default, torch.ops.aten.tanh_backward.grad_input),
+    "sigmoid": (torch.ops.aten.sigmoid_backward.default, torch.ops.aten.sigmoid_backward.grad_input),
+    "relu": (_relu_backward, None),
+}
+
+
+def _act_backward(op: tuple[Any, Any], g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:
+    """``g ⊙ f'(pre)`` from the layer's output ``y``, into ``out`` when given."""
+    if out is None:
+        return op[0](g, y)
+    if op[1] is None:
+        return out.copy_(op[0](g, y))
+    return op[1](g, y, grad_input=out)
+
+
 class LeanDense:
     """Lean serve forward and SGD step for a ``LiveTrainer`` (see the module docstring). Build it with
     ``LeanDense.build(live)``, which returns ``None`` where it does not apply."""
@@ -103,6 +124,11 @@ class LeanDense:
                 self.grad_b.append(None)
                 self.grad_b_row.append(None)
         self.key = self._key()
+        # each layer's activation backward from its output: (op(g, y), its out= form), or None (linear)
+        self._backward = [_BACKWARD.get(name) for name in self.acts]
+        from ..methods.backprop import _global_step_hooks
+
+        self._global_hooks = _global_step_hooks
 
     # ------------------------------------------------------------------ when it applies
     @staticmethod
@@ -151,8 +177,8 @@ class LeanDense:
         params = list(live.model.parameters())
         return cls(live, list(live.model.layers), _flat_buffer(params))
 
-    def _key(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.weights)
+    def _key(self) -> list[int]:
+        return [p.data_ptr() for p in self.weights]
 
     def ready(self) -> bool:
         """Whether the step may run now: the optimizer's settings still plain SGD at a number rate, no
@@ -163,9 +189,7 @@ class LeanDense:
         opt = self.optimizer
         if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
             return False
-        from ..methods.backprop import _global_step_hooks
-
-        return not _global_step_hooks() and self._key() == self.key
+        return not self._global_hooks() and self._key() == self.key
 
     # ------------------------------------------------------------------ serve and update
     def forward(self, x: Tensor) -> tuple[Tensor, list[Tensor]] | None:
@@ -197,17 +221,17 @@ class LeanDense:
         scale = 2.0 / diff.numel()
         last = len(self.layers) - 1
         g: Tensor = diff
+        backward = self._backward
         for i in range(last, -1, -1):
             row = self.grad_b_row[i] if rows == 1 else None
-            name = self.acts[i]
+            op = backward[i]
             if i == last:  # the loss gradient 2(o − y)/N, then the output layer's activation
-                if name == "linear":
+                if op is None:
                     g = torch.mul(diff, scale, out=row) if row is not None else diff * scale
                 else:
-                    g = diff * scale
-                    g = self._act_backward(name, g, acts[i + 1], row)
-            elif name != "linear":
-                g = self._act_backward(name, g, acts[i + 1], row)
+                    g = _act_backward(op, diff * scale, acts[i + 1], row)
+            elif op is not None:
+                g = _act_backward(op, g, acts[i + 1], row)
             elif row is not None:
                 g = row.copy_(g)
             if self.grad_b[i] is not None and row is None:
@@ -221,20 +245,6 @@ class LeanDense:
             self.flat.copy_(new)
             return StepStatus.OK
         return self._cause(diff, new)
-
-    @staticmethod
-    def _act_backward(name: str, g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:
-        """``g ⊙ f'(pre)`` from the layer's output ``y``, into ``out`` when given."""
-        if name == "tanh":
-            op = torch.ops.aten.tanh_backward
-        elif name == "sigmoid":
-            op = torch.ops.aten.sigmoid_backward
-        else:
-            r = torch.ops.aten.threshold_backward.default(g, y, 0)
-            return out.copy_(r) if out is not None else r
-        if out is not None:
-            return op.grad_input(g, y, grad_input=out)
-        return op.default(g, y)
 
     def _cause(self, diff: Tensor, new: Tensor) -> StepStatus:
         """The new weights' sum was not finite: why, in the method's order (nothing was changed), or
