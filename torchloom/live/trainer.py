@@ -26,8 +26,11 @@ weights lag (staleness). With ``overlap=True`` serving reads a snapshot of the w
 that lags the trained weights by at most ``max_staleness`` (0 or 1) versions: with 1, the snapshot
 is taken just before each update (what a server overlapped with a running update sees); with 0, just
 after (then every prediction equals serial mode's). On CUDA the overlapped update runs on its own
-stream while serving uses a high-priority one (``cuda.py``); elsewhere the update runs in line, which
-gives the same predictions and versions.
+stream while serving uses a high-priority one (``device.py``); elsewhere the update runs in line,
+which gives the same predictions and versions.
+
+On the CPU, backprop's one-sample SGD on a Dense chain runs as ``lean.LeanDense`` (the same update in
+about a third of the torch calls) where it applies (``LiveConfig.lean``).
 """
 
 from __future__ import annotations
@@ -214,7 +217,8 @@ class LiveTrainer:
     @torch.no_grad()
     def serve(self, x: Any) -> tuple[Tensor, Ticket]:
         """The prediction for ``x`` (``[batch, ...]``, or one sample without the batch dimension) and
-        a ticket for ``learn``. Returns the model's output ``[batch, ...]`` (from ``serve_model``)."""
+        a ticket for ``learn``. Returns the model's output ``[batch, ...]`` (from ``serve_model``); on
+        CUDA with graphs, for one sample, read back to the host (a host tensor: ``device.CudaLive``)."""
         if self._start is None:
             self._begin()
         wall0, cpu0 = _wall(), _cpu()
@@ -301,9 +305,11 @@ class LiveTrainer:
         if self._stream is None:
             out_shape = self.engine.output_shape(xs[:1])
             target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape, device=self.device))
+            target = target.to(self.device)
             self._stream = DeviceStream(self, xs, target, ops=self.cuda.ops if self.cuda is not None else None)
         else:
             target, labels = self._as_target(y, self._stream.preds)
+            target = target.to(self.device)
         preds = self._stream.window(xs, target)
         bad = int((self._stream.statuses() != 0).sum())
         wall = time.perf_counter() - wall0
