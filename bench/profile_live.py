@@ -161,7 +161,8 @@ def stream(args: argparse.Namespace) -> None:
     rep = live.report(window_samples=k * 4)
     gpu = f"{s.window_ms:.3f} ms" if s.window_ms is not None else "n/a"
     print(f"  K={k}: {windows * k / wall:,.0f} samples/s, {1e3 * wall / windows:.3f} ms per window (wall), window GPU {gpu}, "
-          f"serving share {live._frac if live._frac is not None else float('nan'):.3f}, one forward per sample: {s.reuse_forward}, "
+          f"serving share {live._frac if live._frac is not None else float('nan'):.3f}, fused window kernel: {s.fused is not None}, "
+          f"one forward per sample: {s.fused is not None or s.reuse_forward}, "
           f"acc {rep.lucy.avg_accuracy:.1f} %")
 
 

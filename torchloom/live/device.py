@@ -389,6 +389,63 @@ class _Predictions:
             self.preds[self.row : self.row + 1].copy_(output.reshape(1, *self.preds.shape[1:]))
 
 
+class _FusedWindow:
+    """The whole window as one kernel (``kernels/live_window.py``) where backprop's plain SGD step of a
+    Dense chain applies (``LeanDense``'s rule, on any device) and Triton runs (CUDA; the interpreter
+    when the engine's ``kernel_backend`` is ``"triton"``, as in the tests), every layer at most
+    ``MAX_WIDTH`` wide."""
+
+    def __init__(self, lean: Any, xs: Tensor, out_width: int) -> None:
+        from ..kernels.live_window import ACT_CODES
+
+        self.lean = lean
+        flat = lean.flat
+        size = flat.element_size()
+        rows = []
+        for layer, w, b in zip(lean.layers, lean.weights, lean.biases):
+            wo = (w.data_ptr() - flat.data_ptr()) // size
+            bo = (b.data_ptr() - flat.data_ptr()) // size if b is not None else -1
+            rows += [layer.in_features, layer.out_features, wo, bo, ACT_CODES[layer.activation.name]]
+        self.meta = torch.tensor(rows, dtype=torch.int32, device=flat.device)
+        self.layers = len(lean.layers)
+        widest = max(max(layer.in_features, layer.out_features) for layer in lean.layers)
+        self.block = max(16, 1 << (widest - 1).bit_length())
+        k = xs.shape[0]
+        self.scratch = torch.zeros(2 * flat.numel() + (self.layers + 1) * self.block, dtype=flat.dtype, device=flat.device)
+        self.preds = torch.zeros(k, out_width, dtype=flat.dtype, device=flat.device)
+        self.spare = torch.zeros_like(self.preds)  # the forwards-only launches (serve_fraction) write here
+        self.status = torch.zeros(k, dtype=torch.int32, device=flat.device)
+
+    @classmethod
+    def build(cls, live: Any, xs: Tensor, ys: Tensor) -> "_FusedWindow | None":
+        from ..kernels._triton import triton_available, use_triton
+        from .lean import LeanDense
+
+        backend = live.engine.kernel_backend
+        if not triton_available() or backend == "reference" or ys.dtype != xs.dtype or ys.dim() != 2:
+            return None
+        try:
+            if not use_triton(xs, backend, (torch.float32,)):
+                return None
+        except (RuntimeError, ValueError):
+            return None
+        lean = LeanDense.build(live, any_device=True)
+        if lean is None or not lean.ready() or xs.dim() != 2:
+            return None
+        from ..kernels.live_window import MAX_WIDTH
+
+        if any(max(layer.in_features, layer.out_features) > MAX_WIDTH for layer in lean.layers):
+            return None
+        return cls(lean, xs, ys.shape[1])
+
+    def run(self, xs: Tensor, ys: Tensor, train: bool = True) -> None:
+        from ..kernels.live_window import live_window_
+
+        lr = self.lean.optimizer.param_groups[0]["lr"]
+        live_window_(xs, ys, self.lean.flat, self.meta, lr, self.preds if train else self.spare, self.status,
+                     self.scratch, self.layers, self.block, train=train)
+
+
 class DeviceStream:
     """K samples per launch (see the module docstring): ``window(xs, ys)`` serves and trains on
     ``xs[K, ...]`` with targets ``ys[K, ...]`` (the method's form: one-hot for ``"mse"``) and returns
@@ -399,9 +456,12 @@ class DeviceStream:
             raise ValueError(f"DeviceStream: method {type(live.method).__name__} has no device step (device_ready() is False)")
         self.live = live
         self.k = xs.shape[0]
-        self.runner = CudaRunner(live.engine)
-        self.runner._prepare_arrays(self.k)
         self.xs, self.ys = xs.clone(), ys.clone()
+        # backprop's plain SGD on a Dense chain: the window is one kernel; else the method's device steps
+        self.fused = _FusedWindow.build(live, self.xs, self.ys)
+        self.runner: CudaRunner | None = None
+        if self.fused is None:
+            self._make_runner()
         self.preds: Tensor | None = None
         self.graph: Any = None
         self.calls = 0
@@ -416,12 +476,29 @@ class DeviceStream:
         # pre-update output, at the weights the sample is served from) instead of a second forward
         self.reuse_forward = False
 
+    def _make_runner(self) -> None:
+        self.runner = CudaRunner(self.live.engine)
+        self.runner._prepare_arrays(self.k)
+
     def window(self, xs: Tensor, ys: Tensor) -> Tensor:
         if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
             raise ValueError(f"DeviceStream: a window must have the first window's shapes {list(self.xs.shape)} / "
                              f"{list(self.ys.shape)}, got {list(xs.shape)} / {list(ys.shape)}")
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
+        fused = self.fused
+        if fused is not None and not fused.lean.ready():  # the optimizer's settings changed: the method's steps
+            self.fused = fused = None
+            self._make_runner()
+        if fused is not None:
+            if self.window_ms is None and self.calls >= 1 and isinstance(self.ops, CudaOps):
+                # GPU time of one real window, once (not the first: it compiles the kernel)
+                self.window_ms = self._timed(lambda: fused.run(self.xs, self.ys))
+            else:
+                fused.run(self.xs, self.ys)
+            self.preds = fused.preds
+            self.calls += 1
+            return self.preds
         if self.graph is not None:
             if self.window_ms is None and isinstance(self.ops, CudaOps):  # GPU time of one real window, once
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -476,12 +553,29 @@ class DeviceStream:
         else:
             self.preds.copy_(preds)
 
+    @staticmethod
+    def _timed(fn: Any, repeats: int = 1) -> float:
+        """GPU milliseconds of ``fn()`` (mean of ``repeats``), by CUDA events."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
     @torch.no_grad()
     def serve_fraction(self, repeats: int = 5) -> float | None:
         """The serving share of a window's work. Eager windows: serve over serve + update time on the
         thread's CPU clock. Captured windows: the GPU time of a graph of the K serve forwards alone
         (captured once, replayed ``repeats`` times, CUDA events) over one real window's GPU time;
         ``None`` until a captured window has been timed."""
+        if self.fused is not None and self.live.device.type == "cuda":  # the kernel's forwards alone
+            if self.window_ms is None:
+                return None
+            self.fused.run(self.xs, self.ys, train=False)  # compiled outside the timing
+            ms = self._timed(lambda: self.fused.run(self.xs, self.ys, train=False), repeats)
+            return min(1.0, ms / self.window_ms) if self.window_ms > 0 else None
         if self.live.device.type != "cuda" or self.graph is None:
             total = self.serve_s + self.train_s
             return self.serve_s / total if total > 0 else 0.0
@@ -506,4 +600,6 @@ class DeviceStream:
 
     def statuses(self) -> Tensor:
         """The last window's per-sample step statuses ``[K]`` (0 = applied; a device read)."""
+        if self.fused is not None:
+            return self.fused.status
         return self.runner.step_status[: self.k, 0]

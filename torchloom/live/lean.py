@@ -132,15 +132,16 @@ class LeanDense:
 
     # ------------------------------------------------------------------ when it applies
     @staticmethod
-    def why_not(live: Any) -> str | None:
-        """``None`` when the lean step applies to ``live`` (a ``LiveTrainer``) as it is now, else why not."""
+    def why_not(live: Any, any_device: bool = False) -> str | None:
+        """``None`` when the lean step applies to ``live`` (a ``LiveTrainer``) as it is now, else why
+        not. ``any_device``: the same rule off the CPU (the fused stream window, ``device.py``)."""
         from ..layers.dense import Dense
         from ..layers.network import Sequential
         from ..methods.backprop import Backprop
         from ..optim.optimizers import SGD
 
         method, engine = live.method, live.engine
-        if live.device.type != "cpu":
+        if live.device.type != "cpu" and not any_device:
             return "not on the CPU"
         if type(method) is not Backprop:
             return f"method {type(method).__name__} is not Backprop"
@@ -171,8 +172,8 @@ class LeanDense:
         return None
 
     @classmethod
-    def build(cls, live: Any) -> "LeanDense | None":
-        if cls.why_not(live) is not None:
+    def build(cls, live: Any, any_device: bool = False) -> "LeanDense | None":
+        if cls.why_not(live, any_device) is not None:
             return None
         params = list(live.model.parameters())
         return cls(live, list(live.model.layers), _flat_buffer(params))

@@ -335,7 +335,7 @@ class LiveTrainer:
         serve_fraction``); the eager first windows use the thread CPU clock."""
         if self._frac is None:
             frac = self._stream.serve_fraction()
-            if self._stream.graph is not None and frac is not None:
+            if (self._stream.graph is not None or self._stream.fused is not None) and frac is not None:
                 self._frac = frac
             return frac if frac is not None else 0.0
         return self._frac
