@@ -300,12 +300,18 @@ def test_cuda_graphs_serve_and_train_like_the_cpu_loop(overlap):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_stream_is_one_graph():
+@pytest.mark.parametrize("fused", [True, False])
+def test_cuda_device_stream_is_one_launch(fused):
+    """One kernel per window (backprop's SGD on a Dense chain), or one CUDA graph of the method's
+    device steps (the kernel off: the torch-op steps)."""
     x, y = stream(64, seed=9)
     live = LiveTrainer(small_net(3).cuda(), method="backprop")
+    if not fused:
+        live.engine.kernel_backend = "reference"
     for k in range(0, 64, 16):
         live.stream_window(x[k : k + 16].cuda(), y[k : k + 16].cuda())
-    assert live._stream.graph is not None
+    assert (live._stream.fused is not None) == fused
+    assert fused or live._stream.graph is not None
     serial = LiveTrainer(small_net(3), method="backprop")
     _run(serial, x, y)
     for a, b in zip(live.model.parameters(), serial.model.parameters()):
