@@ -152,3 +152,35 @@ def test_where_the_lean_step_does_not_apply_the_methods_step_runs():
     assert lean.method.optimizer.state  # the momentum buffers exist: the method's step ran
     for a, b in zip(lean.model.parameters(), method.model.parameters()):
         assert_close(a, b, name="weights after momentum came on", rtol=1e-5, atol=1e-6)
+
+
+def test_a_sample_costs_the_lean_op_budget():
+    """adaptv2's net (Dense 8→32→64→64→64→32→4): a serve is its 6 addmm + 5 tanh; a learn (score,
+    target, update) at most 30 torch ops with one host read (the new weights' sum), where the method's
+    step with the engine's guard makes ~95 with three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    widths = [8, 32, 64, 64, 64, 32, 4]
+    net_ = net_of(["tanh"] * 5 + ["linear"], widths)
+    live = LiveTrainer(net_, method="backprop")
+    x, y = samples(4, dim=8)
+    labels = y.tolist()
+    for i in range(3):
+        _, t = live.serve(x[i])
+        live.learn(t, labels[i])
+    with Ops() as serve_ops:
+        _, t = live.serve(x[3])
+    with Ops() as learn_ops:
+        live.learn(t, labels[3])
+    assert serve_ops.names.count("addmm") == 6 and serve_ops.names.count("tanh") == 5 and len(serve_ops.names) <= 13  # + the input as [1, 8]
+    assert learn_ops.names.count("_local_scalar_dense") == 1 and len(learn_ops.names) <= 30, learn_ops.names
+    assert live.version == 4
