@@ -214,5 +214,5 @@ def live_window_(
     grads, new, acts = scratch[:p], scratch[p : 2 * p], scratch[2 * p : 2 * p + (n_layers + 1) * block]
     _live_window_kernel[(1,)](
         xs, targets, flat, grads, new, acts, preds, status, meta, float(lr), xs.shape[0], p,
-        L=n_layers, BLOCK=block, BLOCK_P=1024, TRAIN=train, num_warps=4,
+        L=n_layers, BLOCK=block, BLOCK_P=1024, TRAIN=train, num_warps=8,
     )
