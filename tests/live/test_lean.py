@@ -184,3 +184,25 @@ def test_a_sample_costs_the_lean_op_budget():
     assert serve_ops.names.count("addmm") == 6 and serve_ops.names.count("tanh") == 5 and len(serve_ops.names) <= 13  # + the input as [1, 8]
     assert learn_ops.names.count("_local_scalar_dense") == 1 and len(learn_ops.names) <= 30, learn_ops.names
     assert live.version == 4
+
+
+def test_an_optimizer_step_hook_takes_the_methods_step():
+    """A step hook (the optimizer's own, or a global one) is honoured: the lean step stands aside."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    x, y = samples(2)
+    live = LiveTrainer(net_of(), method="backprop")
+    calls = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append(1))
+    try:
+        assert not live._lean.ready()
+        _, t = live.serve(x[0])
+        live.learn(t, int(y[0]))
+    finally:
+        handle.remove()
+    assert calls == [1] and live._lean.ready()
+    own = live.method.optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(2))
+    _, t = live.serve(x[1])
+    live.learn(t, int(y[1]))
+    own.remove()
+    assert calls == [1, 2] and live.version == 2

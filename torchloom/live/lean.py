@@ -126,9 +126,9 @@ class LeanDense:
         self.key = self._key()
         # each layer's activation backward from its output: (op(g, y), its out= form), or None (linear)
         self._backward = [_BACKWARD.get(name) for name in self.acts]
-        from ..methods.backprop import _global_step_hooks
+        from torch.optim import optimizer as torch_optimizer
 
-        self._global_hooks = _global_step_hooks
+        self._torch_optimizer = torch_optimizer  # its global step hooks, read every step
 
     # ------------------------------------------------------------------ when it applies
     @staticmethod
@@ -190,7 +190,10 @@ class LeanDense:
         opt = self.optimizer
         if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
             return False
-        return not self._global_hooks() and self._key() == self.key
+        hooks = self._torch_optimizer
+        if getattr(hooks, "_global_optimizer_pre_hooks", None) or getattr(hooks, "_global_optimizer_post_hooks", None):
+            return False
+        return self._key() == self.key
 
     # ------------------------------------------------------------------ serve and update
     def forward(self, x: Tensor) -> tuple[Tensor, list[Tensor]] | None:
