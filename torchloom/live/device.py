@@ -9,10 +9,15 @@ device-resident stream.
   low-priority stream; ``publish`` copies the trained weights into the spare snapshot on the update
   stream, and the server switches to it once that copy has finished (an event), so it lags by at most
   one update. A method without a device step updates eagerly (``Method.step``).
-* ``DeviceStream``: K samples per launch: for each sample, the serve forward into a prediction row,
-  then the method's device step on it, all K recorded in one CUDA graph, predictions read once per
-  window. It runs eagerly on CPU tensors (the same steps, the engine's runner falls back to the
-  kernels' references), which the tests use.
+* ``DeviceStream``: K samples per launch: for backprop's plain SGD on a Dense chain, one Triton
+  kernel over the window (``kernels/live_window.py``); otherwise, for each sample, the method's device
+  step, its pre-update forward written into a prediction row (a first eager window ran the serve
+  forward and checked the step hands its output over), all K recorded in one CUDA graph;
+  predictions read once per window. It runs eagerly on CPU tensors (the same steps, the engine's
+  runner falls back to the kernels' references), which the tests use.
+* ``CudaOps`` / ``EagerOps``: the CUDA primitives the two use (streams, events, graph capture, pinned
+  buffers), and a CPU stand-in whose "graphs" run their function again at each replay, so the tests
+  run the per-sample and per-window logic on the CPU and count replays and host waits.
 """
 
 from __future__ import annotations
