@@ -14,8 +14,9 @@ Prints, per mode:
    **bookkeeping** = the end-to-end host CPU per sample minus the host cost of those pieces (the
    LiveTrainer's Python: tickets, scoring, the report's rows, the schedule);
 3. GPU time of one serve-graph and one update-graph replay (CUDA events, mean of 200);
-4. the device-resident stream (``--stream-k`` samples per launch): samples/s, window GPU ms and the
-   serving share (docs/live.md's availability);
+4. the device-resident stream (``--stream-k`` samples per launch), as the fused window kernel and as
+   one CUDA graph of the method's device steps: samples/s, window GPU ms and the serving share
+   (docs/live.md's availability);
 5. the top host functions of the serial loop by own time (cProfile, thread CPU).
 """
 
@@ -142,8 +143,10 @@ def split(args: argparse.Namespace, r: dict) -> None:
             print(f"  GPU time of one {name} replay: {1000 * start.elapsed_time(end) / 200:.1f} us")
 
 
-def stream(args: argparse.Namespace) -> None:
+def stream(args: argparse.Namespace, kernel: bool) -> None:
     live, task = make(args, False)
+    if not kernel:  # the method's device steps in one CUDA graph (the fused window kernel off)
+        live.engine.kernel_backend = "reference"
     k = args.stream_k
     windows = max(4, args.samples // k)
     batches = [task.draw(k) for _ in range(windows + 3)]
@@ -196,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             print("  top host functions (500 samples, own thread-CPU time, profiled):")
             for ln in lines[start : start + 13]:
                 print("   ", ln)
-    print("stream:")
-    stream(args)
+    print("stream (the fused window kernel where it applies, then the CUDA graph of the method's steps):")
+    stream(args, kernel=True)
+    stream(args, kernel=False)
     return 0
 
 

@@ -66,4 +66,4 @@ def test_profile_script_runs_the_cuda_logic_on_the_cpu(capsys):
     for piece in ("serve: input copy", "serve: graph replay", "serve: read-back", "update: [x|y] copy",
                   "update: graph replay", "bookkeeping"):
         assert piece in out
-    assert out.count("samples/s") == 3 and "one forward per sample: True" in out
+    assert out.count("samples/s") == 4 and "one forward per sample: True" in out
