@@ -113,15 +113,18 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
         if args.scale_lr:  # MSE averages over the batch: lr × k sums the k samples' steps
             lr = args.lr * sched["batch_size"]
     live = LiveTrainer(net, method=method, learning_rate=lr, loss_type="mse", overlap=(mode == "overlap"),
-                       max_staleness=args.staleness, device=args.device, **sched)
+                       max_staleness=args.staleness, device=args.device, lean=not args.no_lean, **sched)
     phases = [("chase1", 0), ("avoid", task.shift), ("chase2", 0)]
     per_phase = args.samples_per_phase
     wall = args.clock == "wall"
     total_s = args.seconds
     phase_s = total_s / 3
     chunk = args.stream_k if mode == "stream" else 1024
+    # per-sample modes take each sample from the host (the serve copies it to the device); the
+    # device-resident stream has its windows on the device
+    where = args.device if mode == "stream" else "cpu"
     xs, ys = task.draw(chunk)
-    xs, ys = xs.to(args.device), ys.to(args.device)
+    xs, ys = xs.to(where), ys.to(where)
     k = 0
     n = 0
     start = time.perf_counter()
@@ -142,11 +145,10 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
             live.stream_window(xs, labels)
             n += chunk
             xs, ys = task.draw(chunk)
-            xs, ys = xs.to(args.device), ys.to(args.device)
+            xs, ys = xs.to(where), ys.to(where)
             continue
         if k == chunk:
             xs, ys = task.draw(chunk)
-            xs, ys = xs.to(args.device), ys.to(args.device)
             k = 0
         if k == 0:
             ylist = ys.tolist()
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--scale-lr", action="store_true", help="batch<k>: train at lr × k (the batch's loss is a mean)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-lean", action="store_true", help="CPU: the method's step, not the lean host step (LiveConfig.lean)")
     args = ap.parse_args(argv)
     methods = list(method_names()) if args.methods == "all" else args.methods.split(",")
     clocks = ["wall", "free"] if args.clock == "both" else [args.clock]

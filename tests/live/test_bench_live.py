@@ -52,3 +52,18 @@ def test_tiny_run_prints_every_mode_and_welvets_board(capsys):
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         _bench().main(bad)
+
+
+def test_profile_script_runs_the_cuda_logic_on_the_cpu(capsys):
+    """bench/profile_live.py (for the GPU) runs its every part on the CPU through EagerOps."""
+    path = BENCH.parent / "profile_live.py"
+    spec = importlib.util.spec_from_file_location("profile_live", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--samples", "30", "--warmup", "5", "--stream-k", "4"]) == 0
+    out = capsys.readouterr().out
+    for piece in ("serve: input copy", "serve: graph replay", "serve: read-back", "update: [x|y] copy",
+                  "update: graph replay", "bookkeeping"):
+        assert piece in out
+    assert out.count("samples/s") == 4 and "one forward per sample: True" in out

@@ -79,13 +79,17 @@ def test_late_labels_score_the_served_prediction_and_train_in_label_order():
         live.learn(served[0][1], 0)
 
 
-def test_backprop_reuses_the_serve_forward():
-    """Served and trained at the same weights, backprop's update runs no forward of its own."""
+@pytest.mark.parametrize("lean", [False, True])
+def test_backprop_reuses_the_serve_forward(lean):
+    """Served and trained at the same weights, backprop's update runs no forward of its own (the
+    method's step, and the lean step)."""
     net = small_net()
-    live = LiveTrainer(net, method="backprop")
+    live = LiveTrainer(net, method="backprop", lean=lean)
+    assert (live._lean is not None) == lean
     calls = []
-    real = live.model.forward_saved
-    live.model.forward_saved = lambda x: (calls.append(1), real(x))[1]
+    owner = live._lean if lean else live.model
+    real = owner.forward if lean else owner.forward_saved
+    setattr(owner, "forward" if lean else "forward_saved", lambda x: (calls.append(1), real(x))[1])
     x, y = stream(5)
     for i in range(5):
         _, t = live.serve(x[i])
@@ -296,13 +300,108 @@ def test_cuda_graphs_serve_and_train_like_the_cpu_loop(overlap):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_stream_is_one_graph():
+@pytest.mark.parametrize("fused", [True, False])
+def test_cuda_device_stream_is_one_launch(fused):
+    """One kernel per window (backprop's SGD on a Dense chain), or one CUDA graph of the method's
+    device steps (the kernel off: the torch-op steps)."""
     x, y = stream(64, seed=9)
     live = LiveTrainer(small_net(3).cuda(), method="backprop")
+    if not fused:
+        live.engine.kernel_backend = "reference"
     for k in range(0, 64, 16):
         live.stream_window(x[k : k + 16].cuda(), y[k : k + 16].cuda())
-    assert live._stream.graph is not None
+    assert (live._stream.fused is not None) == fused
+    assert fused or live._stream.graph is not None
     serial = LiveTrainer(small_net(3), method="backprop")
     _run(serial, x, y)
     for a, b in zip(live.model.parameters(), serial.model.parameters()):
         assert_close(a.cpu(), b, name="stream weights", rtol=1e-4, atol=1e-5)
+
+
+def _eager_cuda(live: LiveTrainer):
+    """The CUDA per-sample logic (``CudaLive``) on the CPU: ``EagerOps`` graphs re-run their function
+    at each replay and count the replays; events count the host waits."""
+    from torchloom.live.device import CudaLive, EagerOps
+
+    ops = EagerOps()
+    live.cuda = CudaLive(live, ops=ops)
+    live._lean = None
+    live._lean_serve = False
+    return ops
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_logic_on_the_cpu_one_replay_each_and_the_cpu_loop_numbers(overlap):
+    """Per sample: one serve-graph replay, one wait on the serve's read-back, one update-graph replay
+    (after the first, eager, update); predictions come back as host tensors. Serial: the predictions
+    and weights of the CPU loop; overlap (staleness 1): each prediction from the weights before the
+    latest update."""
+    n = 12
+    x, y = stream(n, seed=4)
+    cpu = LiveTrainer(small_net(7), method="backprop")
+    ref = _run(cpu, x, y)
+    live = LiveTrainer(small_net(7), method="backprop", overlap=overlap, max_staleness=1)
+    ops = _eager_cuda(live)
+    history = [[p.detach().clone() for p in live.model.parameters()]]
+    got = []
+    for i in range(n):
+        syncs = ops.host_syncs
+        p, t = live.serve(x[i])
+        assert p.device.type == "cpu" and ops.host_syncs == syncs + 1  # the read-back of this serve only
+        got.append(p)
+        if overlap:
+            lag = max(len(history) - 2, 0)
+            assert_close(p, reference_forward(history[lag], x[i : i + 1]), name=f"prediction {i}", rtol=1e-5, atol=1e-6)
+        live.learn(t, int(y[i]))
+        history.append([q.detach().clone() for q in live.model.parameters()])
+    serve_replays = sum(g.replays for g in ops.graphs if g.fn.__name__ == "<lambda>")
+    update = live.cuda.update
+    assert serve_replays == n and update.graph is not None and update.graph.replays == n - 1
+    rep = live.report(window_samples=n)
+    assert rep.staleness_max == (1 if overlap else 0) and live.version == n
+    if not overlap:
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert_close(a, b, name=f"prediction {i}", rtol=1e-5, atol=1e-6)
+        for a, b in zip(live.model.parameters(), cpu.model.parameters()):
+            assert_close(a, b, name="weights", rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_logic_counts_a_refused_update_inside_the_update_graph():
+    x, y = stream(6, seed=2)
+    live = LiveTrainer(small_net(3), method="backprop")
+    _eager_cuda(live)
+    _run(live, x[:4], y[:4])
+    before = [p.detach().clone() for p in live.model.parameters()]
+    _, t = live.serve(torch.full((6,), float("nan")))
+    live.learn(t, 1)  # the device guard refuses it: the weights stay, the count is kept on the device
+    assert int(live.cuda.skipped) == 1 and live.version == 5
+    for a, b in zip(live.model.parameters(), before):
+        assert torch.equal(a, b)
+    live.report()
+    assert live.version == 4 and live.statuses["OK"] == 4 and int(live.cuda.skipped) == 0
+
+
+def test_stream_window_captured_logic_on_the_cpu_takes_predictions_from_the_steps_forward():
+    """The captured device-resident window (EagerOps on the CPU): after the first (eager) window, one
+    replay per window, no serve forward of its own (the prediction is the method's pre-update forward
+    of the sample), the predictions and weights of serve + learn sample by sample."""
+    x, y = stream(32, seed=9)
+    serial = LiveTrainer(small_net(3), method="backprop")
+    preds = torch.cat(_run(serial, x, y))
+    live = LiveTrainer(small_net(3), method="backprop")
+    _eager_cuda(live)
+    forwards = []
+    real = live.model.forward
+    live.model.forward = lambda t: (forwards.append(1), real(t))[1]
+    got = []
+    for k in range(0, 32, 8):
+        got.append(live.stream_window(x[k : k + 8], y[k : k + 8]).clone())
+        if k == 0:
+            assert len(forwards) == 8  # the eager window serves with the model
+    window = live._stream
+    assert window.reuse_forward and window.graph is not None and window.graph.replays == 3
+    assert len(forwards) == 8  # the captured windows run no serve forward of their own
+    assert_close(torch.cat(got), preds, name="stream predictions", rtol=1e-5, atol=1e-6)
+    for a, b in zip(live.model.parameters(), serial.model.parameters()):
+        assert_close(a, b, name="stream weights", rtol=1e-5, atol=1e-6)
+    assert live.version == 32

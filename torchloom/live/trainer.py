@@ -26,8 +26,11 @@ weights lag (staleness). With ``overlap=True`` serving reads a snapshot of the w
 that lags the trained weights by at most ``max_staleness`` (0 or 1) versions: with 1, the snapshot
 is taken just before each update (what a server overlapped with a running update sees); with 0, just
 after (then every prediction equals serial mode's). On CUDA the overlapped update runs on its own
-stream while serving uses a high-priority one (``cuda.py``); elsewhere the update runs in line, which
-gives the same predictions and versions.
+stream while serving uses a high-priority one (``device.py``); elsewhere the update runs in line,
+which gives the same predictions and versions.
+
+On the CPU, backprop's one-sample SGD on a Dense chain runs as ``lean.LeanDense`` (the same update in
+about a third of the torch calls) where it applies (``LiveConfig.lean``).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._settings import settings
 from typing import Any
+
+from .._settings import settings
 
 import torch
 from torch import Tensor
@@ -51,11 +55,13 @@ from ..engine.loop import Trainer
 from ..engine.method import Method, as_flat, flatten_tensors_
 from ..engine.types import StepOutput, StepStatus
 from ..observers.base import ObserverList
+from .lean import LeanDense
 from .report import LiveRecord, LiveReport
 
 __all__ = ["LiveConfig", "LiveTrainer", "Ticket", "SCHEDULES"]
 
 SCHEDULES = ("sample", "batch", "periodic")
+_wall, _cpu = time.perf_counter, time.thread_time
 
 
 @settings({"lr": "learning_rate"})
@@ -87,6 +93,9 @@ class LiveConfig:
     """Overlap: weight versions the snapshot may lag (0 or 1)."""
     cuda_graph: bool = True
     """CUDA: serve and update steps captured in CUDA graphs."""
+    lean: bool = True
+    """CPU: backprop's SGD step of a Dense chain runs as ``lean.LeanDense`` (the same update in fewer
+    torch calls) where it applies; False: always the method's step."""
     device: Any = None
     """None: the model's device."""
     observers: Sequence[Any] = ()
@@ -108,7 +117,7 @@ class LiveConfig:
             raise ValueError(f"LiveConfig: period_s must be a number >= 0 (seconds), got {self.period_s!r}")
         if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
             raise ValueError(f"LiveConfig: max_staleness must be 0 or 1 (weight versions), got {self.max_staleness!r}")
-        for name in ("overlap", "cuda_graph"):
+        for name in ("overlap", "cuda_graph", "lean"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LiveConfig: {name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) or not self.learning_rate > 0:
@@ -182,6 +191,7 @@ class LiveTrainer:
         self.pending: list[tuple[Ticket, Tensor, int]] = []  # (ticket, target, row) awaiting an update
         self.statuses: dict[str, int] = {s.name: 0 for s in StepStatus}
         self.observers = ObserverList(config.observers)
+        self._logs = self.observers.wants("on_epoch_end")
         self._last_update = None
         self._start: float | None = None
         self._cpu_start = 0.0
@@ -193,6 +203,11 @@ class LiveTrainer:
             from .device import CudaLive
 
             self.cuda = CudaLive(self)
+        # the lean host step (lean.py): None where it does not apply; its forward serves when the
+        # server reads the trained weights (not overlap's snapshot)
+        self._lean = LeanDense.build(self) if config.lean else None
+        self._lean_serve = self._lean is not None and self.serve_model is self.model
+        self._eye: Tensor | None = None  # one-hot rows for class labels (MSE)
 
     # ------------------------------------------------------------------ the stream
     def set_phase(self, phase: str) -> None:
@@ -202,24 +217,27 @@ class LiveTrainer:
     @torch.no_grad()
     def serve(self, x: Any) -> tuple[Tensor, Ticket]:
         """The prediction for ``x`` (``[batch, ...]``, or one sample without the batch dimension) and
-        a ticket for ``learn``. Returns the model's output ``[batch, ...]`` (from ``serve_model``)."""
+        a ticket for ``learn``. Returns the model's output ``[batch, ...]`` (from ``serve_model``); on
+        CUDA with graphs, for one sample, read back to the host (a host tensor: ``device.CudaLive``)."""
         if self._start is None:
             self._begin()
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
-        x = self._as_input(x)
-        keep = self._reuses and not (self.config.overlap and self.serve_version != self.version)
-        if self.cuda is not None and self.cuda.serves(x):
-            out, saved = self.cuda.serve(x), None
-        elif keep:
-            out, saved = self.serve_model.forward_saved(x)
+        wall0, cpu0 = _wall(), _cpu()
+        x = self._as_input(x, host=True)
+        saved = None
+        lean = self._lean_serve and self._lean.forward(x)
+        if lean:
+            out, saved = lean
+        elif self.cuda is not None and self.cuda.serves(x):
+            out = self.cuda.serve(x)  # read back to the host: a served prediction is one the host has
         else:
-            out, saved = self.serve_model(x), None
-        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+            x = x.to(self.device)
+            if self._reuses and not (self.config.overlap and self.serve_version != self.version):
+                out, saved = self.serve_model.forward_saved(x)
+            else:
+                out = self.serve_model(x)
+        cpu, wall = _cpu() - cpu0, _wall() - wall0
         n = x.shape[0]
-        t = self.clock() - self._start
-        first = len(self.record)
-        for _ in range(n):
-            self.record.add_serve(t, self.phase, cpu / n, wall, self.version - self.serve_version)
+        first = self.record.add_serves(n, self.clock() - self._start, self.phase, cpu, wall, self.version - self.serve_version)
         return out, Ticket(x, range(first, first + n), self.serve_version, out, saved)
 
     def _begin(self) -> None:
@@ -240,12 +258,13 @@ class LiveTrainer:
         ticket.learned = True
         self._score(ticket.rows, ticket.out, labels)
         self.pending.append((ticket, target, ticket.rows.start))
-        cpu0 = time.thread_time()
+        cpu0 = _cpu()
         steps = self._run_schedule(force=False)
         if steps:
-            self.record.train_s[ticket.rows.start] += time.thread_time() - cpu0
+            self.record.train_s[ticket.rows.start] += _cpu() - cpu0
             self.record.train_steps[ticket.rows.start] += steps
-        self._maybe_log()
+        if self._logs:
+            self._maybe_log()
         return steps
 
     def _score(self, rows: range, out: Tensor, labels: list[int]) -> None:
@@ -260,6 +279,7 @@ class LiveTrainer:
             self.record.correct[row] = int(best == label)
             self.record.soft[row] = min(100.0, max(0.0, 100.0 * exps[label] / sum(exps))) if math.isfinite(top) else 0.0
 
+    @torch.no_grad()
     def flush(self) -> int:
         """Train on every labelled sample still waiting (the end of a stream); returns the updates run."""
         cpu0 = time.thread_time()
@@ -278,16 +298,18 @@ class LiveTrainer:
         call), elsewhere it runs eagerly. Returns the predictions ``[K, ...]``."""
         from .device import DeviceStream
 
+        xs = self._as_input(xs)
+        if self._stream is None:  # set-up (a fused kernel compiles here), before the run's clock starts
+            out_shape = self.engine.output_shape(xs[:1])
+            target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape, device=self.device))
+            target = target.to(self.device)
+            self._stream = DeviceStream(self, xs, target, ops=self.cuda.ops if self.cuda is not None else None)
+        else:
+            target, labels = self._as_target(y, self._stream.preds)
+            target = target.to(self.device)
         if self._start is None:
             self._begin()
         wall0 = time.perf_counter()
-        xs = self._as_input(xs)
-        if self._stream is None:
-            out_shape = self.engine.output_shape(xs[:1])
-            target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape, device=self.device))
-            self._stream = DeviceStream(self, xs, target)
-        else:
-            target, labels = self._as_target(y, self._stream.preds)
         preds = self._stream.window(xs, target)
         bad = int((self._stream.statuses() != 0).sum())
         wall = time.perf_counter() - wall0
@@ -313,7 +335,7 @@ class LiveTrainer:
         serve_fraction``); the eager first windows use the thread CPU clock."""
         if self._frac is None:
             frac = self._stream.serve_fraction()
-            if self._stream.graph is not None and frac is not None:
+            if (self._stream.graph is not None or self._stream.fused is not None) and frac is not None:
                 self._frac = frac
             return frac if frac is not None else 0.0
         return self._frac
@@ -345,8 +367,9 @@ class LiveTrainer:
     def _run_schedule(self, force: bool) -> int:
         c, steps = self.config, 0
         if c.schedule == "sample" or (c.schedule == "batch" and c.batch_size == 1):
-            while self.pending:
-                steps += self._update([self.pending.pop(0)])
+            pending, self.pending = self.pending, []
+            for item in pending:
+                steps += self._update([item])
         elif c.schedule == "batch":
             while len(self.pending) >= c.batch_size or (force and self.pending):
                 group, self.pending = self.pending[: c.batch_size], self.pending[c.batch_size:]
@@ -362,16 +385,20 @@ class LiveTrainer:
 
     def _update(self, group: list[tuple[Ticket, Tensor, int]]) -> int:
         """One update of the method on ``group``'s samples, guarded as in ``train()``."""
-        tickets = [g[0] for g in group]
-        x = torch.cat([t.x for t in tickets]) if len(tickets) > 1 else tickets[0].x
-        y = torch.cat([g[1] for g in group]) if len(group) > 1 else group[0][1]
+        if len(group) == 1:
+            tickets, y = [group[0][0]], group[0][1]
+            x = tickets[0].x
+        else:
+            tickets = [g[0] for g in group]
+            x = torch.cat([t.x.to(self.device) for t in tickets])
+            y = torch.cat([g[1].to(self.device) for g in group])
         if self.config.overlap and self.config.max_staleness == 1:
             self._publish()  # the server keeps the weights this update starts from
         if self.cuda is not None and self.cuda.trains(x, y):
             self.cuda.train(x, y)
             status = StepStatus.OK  # decided on the device; counted in the report (cuda.synchronize)
         else:
-            status = self._host_step(tickets, x, y)
+            status = self._host_step(tickets, x.to(self.device), y.to(self.device))
         self.statuses[status.name] += 1
         if status is StepStatus.OK:
             self.version += 1
@@ -386,9 +413,18 @@ class LiveTrainer:
 
     def _host_step(self, tickets: list[Ticket], x: Tensor, y: Tensor) -> StepStatus:
         one = tickets[0] if len(tickets) == 1 else None
+        lean = self._lean
+        if lean is not None and lean.ready():
+            # the serve forward's outputs when this sample was served at these weights, else its own
+            acts = one.saved if one is not None and type(one.saved) is list and one.version == self.version else None
+            if acts is None:
+                forward = lean.forward(x)
+                acts = forward[1] if forward else None
+            if acts is not None and acts[-1].shape == y.shape:
+                return lean.step(acts, y)  # guarded in itself: the weights change only when OK
         self._guard.save()
         with self.engine.autocast():
-            if one is not None and one.saved is not None and one.version == self.version:
+            if one is not None and one.saved is not None and type(one.saved) is not list and one.version == self.version:
                 step: StepOutput = self.method.step_from_forward(x, y, one.out, one.saved)
             else:
                 step = self.method.step(x, y)
@@ -429,7 +465,9 @@ class LiveTrainer:
             self._logged = n
 
     # ------------------------------------------------------------------ inputs
-    def _as_input(self, x: Any) -> Tensor:
+    def _as_input(self, x: Any, host: bool = False) -> Tensor:
+        """``x`` as ``[batch, ...]`` in the model's dtype, on the training device (``host=True``: a
+        host tensor stays on the host; the CUDA serve copies it into its static input itself)."""
         x = x if isinstance(x, Tensor) else torch.as_tensor(x)
         if not x.is_floating_point():
             raise TypeError(f"serve: x must be a floating tensor, got dtype {x.dtype}")
@@ -437,7 +475,21 @@ class LiveTrainer:
             x = x.unsqueeze(0)
         if x.dim() < 2 or x.shape[0] == 0:
             raise ValueError(f"serve: x must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        if host and x.device.type == "cpu":
+            return x.to(dtype=self.dtype)
         return x.to(self.device, self.dtype)
+
+    def _one_hot(self, label: int, classes: int) -> Tensor:
+        """Row ``label`` of a ``[classes, classes]`` identity on the training device, ``[1, classes]``:
+        a view for the lean step and the CUDA update (which only read it), a copy for a method's step.
+        With CUDA graphs the table is on the host: the update copies the sample and its target to the
+        device together (``device.CudaLive.train``)."""
+        eye = self._eye
+        if eye is None or eye.shape[0] != classes:
+            where = "cpu" if self.cuda is not None and self.cuda.graphs else self.device
+            eye = self._eye = torch.eye(classes, dtype=self.dtype, device=where)
+        row = eye[label : label + 1]
+        return row if self._lean is not None or self.cuda is not None else row.clone()
 
     def _as_target(self, y: Any, out: Tensor) -> tuple[Tensor, list[int]]:
         """``(target the method trains on, class labels to score against)`` for the prediction ``out``
@@ -445,6 +497,10 @@ class LiveTrainer:
         ``[batch]``) are one-hot encoded unless the loss takes labels; a float target must have the
         prediction's shape (its argmax is the label scored against)."""
         n, classes = out.shape[0], out.shape[-1]
+        if type(y) is list and len(y) == 1 and n == 1:
+            y = y[0]
+        if type(y) is int and n == 1 and not self._labels and out.dim() == 2 and 0 <= y < classes:
+            return self._one_hot(y, classes), [y]  # one sample's class label: one row of a one-hot table
         if isinstance(y, int) and not isinstance(y, bool):
             y = [y]
         if isinstance(y, (list, tuple)) and y and all(type(v) is int for v in y):  # plain labels: checked in Python
