@@ -1,0 +1,155 @@
+"""Triton kernels registered as ``torch.library.triton_op``s, so that ``torch.compile`` sees them.
+
+``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward): the operator
+equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
+it is one ``triton_kernel_wrapper_functional`` node holding the kernel itself (what Inductor lowers),
+with its shapes right for plain and symbolic sizes. That trace needs a real ``triton.jit`` kernel, which
+Triton's interpreter replaces, so it runs in a subprocess without ``TRITON_INTERPRET`` (only traced:
+nothing is launched on the CPU). On CUDA, a compiled Dense layer reaches the kernel through the
+operator (Inductor's generated code launches it), with no graph break, equal to eager.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from helpers import assert_close
+from torchloom.kernels._triton import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("act,has_bias,need_dx,m", [("silu", True, True, 5), ("relu", False, False, 17), ("linear", True, False, 1)])
+def test_operator_equals_reference(cuda_default_device, act, has_bias, need_dx, m):
+    from torchloom.kernels.dense_small import ACT_CODES, dense_small_backward_ref
+
+    k, n = 13, 9
+    x, w, g = torch.randn(m, k), torch.randn(n, k) / k**0.5, torch.randn(m, n)
+    pre = x @ w.t()
+    dx, dw, db = torch.ops.torchloom.dense_small_backward(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
+    rdx, rdw, rdb = dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
+    assert_close(dw, rdw, name="dW", rtol=1e-5, atol=1e-5)
+    assert dx.shape == ((m, k) if need_dx else (1, k)) and db.shape == (n,)
+    if need_dx:
+        assert_close(dx, rdx, name="dx", rtol=1e-5, atol=1e-5)
+    if has_bias:
+        assert_close(db, rdb, name="db", rtol=1e-5, atol=1e-5)
+
+
+_TRACE = textwrap.dedent(
+    """
+    import logging, os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    logging.disable(logging.WARNING)  # no GPU driver: Inductor's mutation analysis warns and assumes every buffer written
+    import torch, torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torchloom.kernels import dense_small as ds
+
+    graphs = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(gm, example_inputs):  # the graph Inductor would get; nothing runs
+        graphs.append(gm)
+        def run(*args):
+            raise Captured()
+        return run
+
+    def f(g, pre, x, w):
+        dx, dw, db = torch.ops.torchloom.dense_small_backward(g, pre, x, w, ds.ACT_CODES["silu"], True, True)
+        return dx * 2, dw, db
+
+    g, pre, x, w = torch.randn(5, 9), torch.randn(5, 9), torch.randn(5, 13), torch.randn(9, 13)
+    for dynamic in (False, True):
+        graphs.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=dynamic)
+        try:
+            compiled(g, pre, x, w)
+        except Captured:
+            pass
+        (gm,) = graphs
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        hops = [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
+        assert len(hops) == 1, targets
+        kernel = kernel_side_table.get_kernel(hops[0].kwargs["kernel_idx"])
+        assert getattr(kernel, "fn", kernel) is ds._dense_bwd_kernel, kernel
+        grid = hops[0].kwargs["grid"][0]
+        outputs = gm.graph.find_nodes(op="output")[0].args[0][-3:]  # (after inputs it may count as written)
+        shapes = [[str(s) for s in n.meta["val"].shape] for n in outputs]
+        print(dynamic, "|", grid, "|", shapes)
+    """
+)
+
+
+def test_compile_sees_the_kernel():
+    """Dynamo + AOTAutograd, ``fullgraph=True``, plain and ``dynamic=True`` sizes: the operator becomes
+    the Triton kernel's functional node, the grid is the kernel's tile count (1 dW tile + 1 dx tile
+    for these sizes; symbolic under dynamic shapes), and the outputs have dx's, dW's and db's shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    static, dynamic = run.stdout.strip().splitlines()
+    assert static == "False | (2, 1, 1) | [['5', '13'], ['9', '13'], ['9']]"
+    flag, grid, shapes = dynamic.split(" | ")
+    assert flag == "True" and not grid.startswith("(2,"), dynamic  # a symbolic grid: no specialisation on the sizes
+    assert "'5'" not in shapes and "'13'" not in shapes and "'9'" not in shapes, dynamic
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_dense_on_cuda_launches_the_registered_kernel():
+    """A float32 Dense of a small batch on CUDA under ``torch.compile(fullgraph=True)`` (Inductor):
+    no graph break, Inductor's backward code launches ``_dense_bwd_kernel``, forward and gradients equal
+    eager (which launches the same kernel directly); ``dynamic=True`` over two batch sizes, one compile."""
+    import torch._dynamo
+    import torch._dynamo.testing
+    from torch._inductor.utils import run_and_get_code
+
+    from torchloom import Dense
+
+    torch._dynamo.reset()
+    layer = Dense(24, 16, "silu").cuda()
+
+    forward = layer
+
+    def step(x):  # the forward compiled (or not); the backward runs what AOTAutograd compiled for it
+        y = forward(x)
+        (y * y).sum().backward()
+        return y.detach()
+
+    x = torch.randn(8, 24, device="cuda", requires_grad=True)
+    explanation = torch._dynamo.explain(lambda t: layer(t).sum())(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    y_ref = step(x)
+    refs = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    forward = torch.compile(layer, fullgraph=True)
+    y, codes = run_and_get_code(step, x)
+    assert any("_dense_bwd_kernel" in c for c in codes), "Inductor's code does not launch the fused backward"
+    assert_close(y, y_ref, name="output", rtol=1e-5, atol=1e-5)
+    for got, ref in zip([x.grad, *(p.grad for p in layer.parameters())], refs):
+        assert_close(got, ref, name="gradient", rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    dyn = torch.compile(lambda t: layer(t).sum(), backend=counter, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (8, 13):
+            t = torch.randn(rows, 24, device="cuda", requires_grad=True)
+            dyn(t).backward()
+            ref = t.detach().requires_grad_()
+            layer(ref).sum().backward()
+            assert_close(t.grad, ref.grad, name=f"input grad, {rows} rows", rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
