@@ -1,12 +1,13 @@
 """Triton kernels registered as ``torch.library.triton_op``s, so that ``torch.compile`` sees them.
 
-``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward): the operator
-equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
+``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward) and
+``torch.ops.torchloom.swiglu`` / ``swiglu_backward`` (the SwiGLU gate): each operator equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
 it is one ``triton_kernel_wrapper_functional`` node holding the kernel itself (what Inductor lowers),
 with its shapes right for plain and symbolic sizes. That trace needs a real ``triton.jit`` kernel, which
 Triton's interpreter replaces, so it runs in a subprocess without ``TRITON_INTERPRET`` (only traced:
 nothing is launched on the CPU). On CUDA, a compiled Dense layer reaches the kernel through the
-operator (Inductor's generated code launches it), with no graph break, equal to eager.
+operator (Inductor's generated code launches it), and so does a SwiGLU layer its gate kernels, with no
+graph break, equal to eager.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def test_operator_equals_reference(cuda_default_device, act, has_bias, need_dx, 
         assert_close(db, rdb, name="db", rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_operators_equal_reference(cuda_default_device, dtype):
+    from torchloom.kernels.swiglu import swiglu_backward_ref, swiglu_ref
+
+    gate, up, da = (torch.randn(7, 33).to(dtype) for _ in range(3))
+    a = torch.ops.torchloom.swiglu(gate, up)
+    dg, du = torch.ops.torchloom.swiglu_backward(da, gate, up)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-3)
+    assert a.dtype == dg.dtype == du.dtype == dtype
+    assert_close(a, swiglu_ref(gate, up), name="a", **tol)
+    rdg, rdu = swiglu_backward_ref(da, gate, up)
+    assert_close(dg, rdg, name="d_gate", **tol)
+    assert_close(du, rdu, name="d_up", **tol)
+    assert not torch.equal(da, dg)  # fresh outputs: the operator writes into none of its inputs
+
+
 _TRACE = textwrap.dedent(
     """
     import logging, os, sys
@@ -64,11 +81,29 @@ _TRACE = textwrap.dedent(
             raise Captured()
         return run
 
+    from torchloom.kernels import swiglu as sg
+
     def f(g, pre, x, w):
         dx, dw, db = torch.ops.torchloom.dense_small_backward(g, pre, x, w, ds.ACT_CODES["silu"], True, True)
         return dx * 2, dw, db
 
+    def gate(g, u, da):
+        a = torch.ops.torchloom.swiglu(g, u)
+        dg, du = torch.ops.torchloom.swiglu_backward(da, g, u)
+        return a + 1, dg, du
+
     g, pre, x, w = torch.randn(5, 9), torch.randn(5, 9), torch.randn(5, 13), torch.randn(9, 13)
+    torch._dynamo.reset()
+    compiled = torch.compile(gate, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=True)
+    try:
+        compiled(g, pre, x)
+    except Captured:
+        pass
+    (gm,) = graphs
+    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in hops]
+    assert [getattr(k, "fn", k) for k in kernels] == [sg._swiglu_kernel, sg._swiglu_backward_kernel], kernels
+    print("swiglu", len(hops))
     for dynamic in (False, True):
         graphs.clear()
         torch._dynamo.reset()
@@ -92,14 +127,16 @@ _TRACE = textwrap.dedent(
 
 
 def test_compile_sees_the_kernel():
-    """Dynamo + AOTAutograd, ``fullgraph=True``, plain and ``dynamic=True`` sizes: the operator becomes
-    the Triton kernel's functional node, the grid is the kernel's tile count (1 dW tile + 1 dx tile
+    """Dynamo + AOTAutograd, ``fullgraph=True``: the SwiGLU gate's two operators become their two
+    kernels' functional nodes (``dynamic=True``); for the Dense backward, with plain and ``dynamic=True``
+    sizes, the operator becomes the Triton kernel's functional node, the grid is the kernel's tile count (1 dW tile + 1 dx tile
     for these sizes; symbolic under dynamic shapes), and the outputs have dx's, dW's and db's shapes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    static, dynamic = run.stdout.strip().splitlines()
+    gate, static, dynamic = run.stdout.strip().splitlines()
+    assert gate == "swiglu 2"
     assert static == "False | (2, 1, 1) | [['5', '13'], ['9', '13'], ['9']]"
     flag, grid, shapes = dynamic.split(" | ")
     assert flag == "True" and not grid.startswith("(2,"), dynamic  # a symbolic grid: no specialisation on the sizes
@@ -107,19 +144,21 @@ def test_compile_sees_the_kernel():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_dense_on_cuda_launches_the_registered_kernel():
-    """A float32 Dense of a small batch on CUDA under ``torch.compile(fullgraph=True)`` (Inductor):
-    no graph break, Inductor's backward code launches ``_dense_bwd_kernel``, forward and gradients equal
-    eager (which launches the same kernel directly); ``dynamic=True`` over two batch sizes, one compile."""
+@pytest.mark.parametrize("name,kernels", [("dense", ("_dense_bwd_kernel",)), ("swiglu", ("_swiglu_kernel", "_swiglu_backward_kernel"))])
+def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels):
+    """A float32 Dense of a small batch / a SwiGLU on CUDA under ``torch.compile(fullgraph=True)``
+    (Inductor): no graph break, Inductor's code launches the registered kernels, forward and gradients
+    equal eager (which launches the same kernels directly); ``dynamic=True`` over two batch sizes, one
+    compile."""
     import torch._dynamo
     import torch._dynamo.testing
     from torch._inductor.utils import run_and_get_code
 
-    from torchloom import Dense
+    from torchloom import Dense, SwiGLU
 
     torch._dynamo.reset()
-    layer = Dense(24, 16, "silu").cuda()
-
+    torch.manual_seed(0)
+    layer = (Dense(24, 16, "silu") if name == "dense" else SwiGLU(24, 40)).cuda()
     forward = layer
 
     def step(x):  # the forward compiled (or not); the backward runs what AOTAutograd compiled for it
@@ -134,9 +173,11 @@ def test_compiled_dense_on_cuda_launches_the_registered_kernel():
     refs = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
     x.grad = None
     layer.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
     forward = torch.compile(layer, fullgraph=True)
     y, codes = run_and_get_code(step, x)
-    assert any("_dense_bwd_kernel" in c for c in codes), "Inductor's code does not launch the fused backward"
+    for kernel in kernels:
+        assert any(kernel in c for c in codes), f"Inductor's code does not launch {kernel}"
     assert_close(y, y_ref, name="output", rtol=1e-5, atol=1e-5)
     for got, ref in zip([x.grad, *(p.grad for p in layer.parameters())], refs):
         assert_close(got, ref, name="gradient", rtol=1e-5, atol=1e-5)
