@@ -230,3 +230,22 @@ def test_compiled_backprop_with_loss_fn_accumulation_and_two_inputs():
     assert r.loss_history == pytest.approx(r_eager.loss_history, rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close(p, q, name=name, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", [True, {"mode": "reduce-overhead"}], ids=["inductor", "reduce-overhead"])
+def test_compiled_backprop_on_cuda(spec):
+    """On CUDA: ``compile=True`` (Inductor, the Triton operators inside) and Inductor's CUDA graphs
+    (``mode="reduce-overhead"``) run the host loop and end at the eager host loop's weights."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(48, 24, generator=g), torch.randint(0, 5, (48,), generator=g)
+    torch.manual_seed(0)
+    net = Network(Dense(24, 32, "silu"), nn.LayerNorm(32), RMSNorm(32), Dense(32, 5))
+    eager = copy.deepcopy(net)
+    cfg = dict(epochs=2, batch_size=8, loss_type="cross_entropy", optimizer="adamw", learning_rate=0.01, verbose=0, use_gpu=True)
+    r = train(net, (x, y), TrainingConfig(compile=spec, **cfg))
+    r_eager = train(eager, (x, y), TrainingConfig(cuda_graph=False, **cfg))
+    assert r.loss_history == pytest.approx(r_eager.loss_history, rel=1e-4)
+    for (name, p), q in zip(net.named_parameters(), eager.parameters()):
+        assert p.is_cuda
+        assert_close(p, q, name=name, rtol=1e-4, atol=1e-5)

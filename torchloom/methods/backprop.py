@@ -408,6 +408,8 @@ class Backprop(Method):
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         """One host-checked step (steps 1-7 of the module docstring; the engine steps the schedule)."""
         if self.compiled_model is not None:  # forward and backward through torch.compile
+            if self.device.type == "cuda":  # a new step: Inductor's CUDA graphs (mode="reduce-overhead") may reuse the last one's outputs
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.enable_grad():
                 out = self.compiled_model(x)
             return self._step_after_forward(out, _AUTOGRAD, y, None)
