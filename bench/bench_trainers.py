@@ -3,7 +3,8 @@
 One process, one table, a 784-256-256-10 ReLU network on random MNIST-shaped data (timing only):
 
 1. **Per-step time** at batch 1, 32, 1,024 and 16,384 for backprop (SGD, cross-entropy), TargetProp
-   (chain rule, pure) and Tween, each run three ways through ``torchloom.train``:
+   (chain rule, pure), Tween and the feedback rules (feedback alignment, DFA, sign symmetry, FastProxy:
+   SGD, cross-entropy), each run three ways through ``torchloom.train``:
 
    * ``graphed``: the engine's device path, steps captured in CUDA graphs (the default);
    * ``eager``: the same device steps without graphs (``cuda_graph=False``);
@@ -19,6 +20,8 @@ One process, one table, a 784-256-256-10 ReLU network on random MNIST-shaped dat
    torchloom method (graphed) against an eager PyTorch loop (``nn.Sequential``, ``torch.optim.SGD``,
    ``F.cross_entropy``) and ``torch.compile`` of that loop's step (compile time included). Target:
    torchloom ≤ 0.5× the eager loop. The data sit on the GPU before any timer starts.
+
+The feedback rules' step times: ``--steps-only --methods fa,dfa,"sign sym","fast proxy"``.
 
 Run: ``PYTHONPATH=. python bench/bench_trainers.py`` on a CUDA machine (``--quick`` for a short run,
 ``--dry-run`` runs the whole pipeline at toy sizes on the CPU, no timings worth reading).
@@ -43,7 +46,15 @@ METHODS = {
     "tp chain": TargetPropConfig(learning_rate=0.01),
     "tp pure": TargetPropConfig(mode="pure", learning_rate=0.01),
     "tween": TweenConfig(base_rate=0.01),
+    # the feedback rules (docs/choosing-a-method.md): backprop's device step with their own backward
+    # (targets: ≤ 1.5× backprop's step, DFA ≤ 1.0×)
+    "fa": "feedback_alignment",
+    "dfa": "dfa",
+    "sign sym": "sign_symmetry",
+    "fast proxy": "fast_proxy",
 }
+GRADIENT_METHODS = ("backprop", "fa", "dfa", "sign sym", "fast proxy")  # trained on cross-entropy with SGD
+DEFAULT_METHODS = ("backprop", "tp chain", "tp pure", "tween")  # the feedback rules: --methods fa,dfa,"sign sym","fast proxy"
 
 
 class _ForceHost:
@@ -74,7 +85,7 @@ def _config(method, dev, batch=None, **kw):
     m = m if isinstance(m, str) else type(m)(**{k: getattr(m, k) for k in m.__dataclass_fields__})
     if isinstance(m, TargetPropConfig) and batch:
         m.learning_rate = m.learning_rate * min(1.0, 32 / batch)
-    return TrainingConfig(method=m, loss_type="cross_entropy" if method == "backprop" else "mse", verbose=0, device=dev, **kw)
+    return TrainingConfig(method=m, loss_type="cross_entropy" if method in GRADIENT_METHODS else "mse", verbose=0, device=dev, **kw)
 
 
 def _sync(dev):
@@ -248,7 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="whole runs from empty Triton/Inductor caches (compiles timed)")
     ap.add_argument("--repeats", type=int, default=1, help="whole runs: time each contender this many times (median, range)")
     ap.add_argument("--no-preload-too", action="store_true", help="whole runs: each method also with TORCHLOOM_PRELOAD=0")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (backprop's step is always timed: the ratio's base)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma-separated, of {', '.join(METHODS)} (default: {', '.join(DEFAULT_METHODS)}; backprop's step is always timed: the ratio's base)")
     ap.add_argument("--sizes", default=None, help="comma-separated batch sizes for both tables")
     ap.add_argument("--one-run", nargs=4, metavar=("CONTENDER", "BATCH", "SAMPLES", "EPOCHS"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)

@@ -25,7 +25,7 @@ class FeedbackAlignment(torchloom.Backprop):
     """Backprop's machinery, with fixed random feedback ``B_i`` (the weight's shape, seeded) in place
     of ``W_i`` in each Dense layer's input gradient ``gz · W_i``."""
 
-    name = "feedback_alignment"
+    name = "custom_feedback_alignment"  # (torchloom has its own: method="feedback_alignment")
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -55,7 +55,7 @@ class FeedbackAlignment(torchloom.Backprop):
         self.feedback = [b.to(self.device) for b in state["feedback"]]
 
 
-torchloom.register_method(FeedbackAlignment)  # TrainingConfig(method="feedback_alignment") works too
+torchloom.register_method(FeedbackAlignment)  # TrainingConfig(method="custom_feedback_alignment") works too
 
 
 def main(epochs: int = 20, verbose: bool = True) -> dict[str, float]:

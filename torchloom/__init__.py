@@ -91,8 +91,16 @@ from .engine import (
 )
 from .lowbit import LOOM_DTYPES, LowBitConfig
 from .methods import (
+    DFA,
     Backprop,
     BackpropTrainer,
+    DFAConfig,
+    FastProxy,
+    FastProxyConfig,
+    FeedbackAlignment,
+    FeedbackAlignmentConfig,
+    SignSymmetry,
+    SignSymmetryConfig,
     TargetProp,
     TargetPropConfig,
     TargetPropState,
@@ -196,6 +204,15 @@ __all__ = [
     "Backprop",
     "TargetProp",
     "Tween",
+    # feedback rules
+    "FeedbackAlignment",
+    "FeedbackAlignmentConfig",
+    "DFA",
+    "DFAConfig",
+    "SignSymmetry",
+    "SignSymmetryConfig",
+    "FastProxy",
+    "FastProxyConfig",
     # TargetProp
     "TargetPropConfig",
     "TargetPropState",

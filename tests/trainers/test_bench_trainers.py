@@ -24,6 +24,18 @@ def test_dry_run_prints_both_tables(capsys):
     assert "| 32 | backprop |" in out and "| 32 | tween |" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check; on a GPU run the benchmark itself")
+def test_dry_run_times_the_feedback_rules_steps(capsys):
+    spec = importlib.util.spec_from_file_location("bench_trainers", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--dry-run", "--steps-only", "--methods", "dfa,fast proxy"]) == 0
+    out = capsys.readouterr().out
+    for method in ("backprop", "dfa", "fast proxy"):
+        assert f"| 4 | {method} |" in out
+
+
 def test_profile_start_phases_runs_and_times_the_start():
     """bench/profile_start.py --phases (in a process of its own: it wraps torchloom's functions) prints
     the first run's timeline with the batches' conversion in it, and the run still trains."""

@@ -137,13 +137,16 @@ def test_compiled_bf16_mixed_and_frozen_parameter():
 
 # ---------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("method,label", [("target_prop", "TargetPropConfig"), (TweenConfig(), "TweenConfig"),
-                                          (TargetPropConfig(), "TargetPropConfig")])
+                                          (TargetPropConfig(), "TargetPropConfig"),
+                                          ("feedback_alignment", "FeedbackAlignmentConfig"), ("dfa", "DFAConfig")])
 def test_methods_that_call_the_hand_written_backward_refuse_compile(method, label):
+    """TargetProp and Tweening run the layers' hand-written backward directly, the feedback rules a
+    backward of their own: refused by name when the config is built."""
     with pytest.raises(ValueError) as e:
         TrainingConfig(method=method, compile=True)
     assert str(e.value) == (
-        f"TrainingConfig: compile is for backprop; method {label} calls the layers' hand-written backward "
-        "directly, outside autograd, which torch.compile does not trace (leave compile=False)"
+        f"TrainingConfig: compile is for backprop; method {label} runs the layers' hand-written backward (or its "
+        "own) directly, outside autograd, which torch.compile does not trace (leave compile=False)"
     )
 
 

@@ -73,7 +73,7 @@ def test_custom_rule_gets_validation_metrics_schedule_and_exact_resume(tmp_path)
     path = tmp_path / "fa.pt"
     half = _net()
     train(half, data, cfg(epochs=1, observers=[Checkpoint(path, save_best_only=False)]))
-    assert torch.load(path, weights_only=True)["method"] == "feedback_alignment"
+    assert torch.load(path, weights_only=True)["method"] == "custom_feedback_alignment"
     resumed = _net()
     again = train(resumed, data, cfg(epochs=3, resume_from=path))
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
@@ -85,9 +85,9 @@ def test_custom_rule_by_registered_name_and_its_guards():
     data = _data(n=3)
     bad = (torch.full((8, 5), float("nan"), dtype=torch.float64), data[0][1])
     with pytest.warns(torchloom.DivergenceWarning):
-        result = train(net, [bad], TrainingConfig(method="feedback_alignment", epochs=1, loss_type="cross_entropy", verbose=0))
+        result = train(net, [bad], TrainingConfig(method="custom_feedback_alignment", epochs=1, loss_type="cross_entropy", verbose=0))
     assert result.skipped_batches == 1 and all(torch.isfinite(p).all() for p in net.parameters())
-    good = train(net, data, TrainingConfig(method="feedback-alignment", epochs=2, loss_type="cross_entropy", verbose=0))
+    good = train(net, data, TrainingConfig(method="custom-feedback-alignment", epochs=2, loss_type="cross_entropy", verbose=0))
     assert good.loss_history[-1] < good.loss_history[0]
 
 
@@ -163,12 +163,12 @@ def test_a_rule_with_its_own_update_trains_resumes_and_is_scheduled(tmp_path):
 
 
 def test_registry_names_conflicts_and_errors():
-    assert {"backprop", "target_prop", "tween", "feedback_alignment"} <= set(torchloom.method_names())
+    assert {"backprop", "target_prop", "tween", "custom_feedback_alignment"} <= set(torchloom.method_names())
 
     class Other(Method):
-        name = "feedback_alignment"
+        name = "custom_feedback_alignment"
 
-    with pytest.raises(ValueError, match="'feedback_alignment' is taken by"):
+    with pytest.raises(ValueError, match="'custom_feedback_alignment' is taken by"):
         torchloom.register_method(Other)
     with pytest.raises(TypeError, match="subclass of torchloom.Method"):
         torchloom.register_method(object)
@@ -182,4 +182,4 @@ def test_registry_names_conflicts_and_errors():
         TrainingConfig(method="no_such_rule")
     # the same class defined again (a re-run cell, a reloaded example) takes its name back
     again = load_example("08_custom_method.py").FeedbackAlignment
-    assert again is not FA and torchloom.engine.method.method_class("feedback_alignment")[0] is again
+    assert again is not FA and torchloom.engine.method.method_class("custom_feedback_alignment")[0] is again

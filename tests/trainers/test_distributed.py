@@ -32,7 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchloom import Checkpoint, ConsoleObserver, CSVLogger, Dense, Network, TargetPropConfig, TrainingConfig, TweenConfig, train
+from torchloom import (
+    Checkpoint, ConsoleObserver, CSVLogger, Dense, DFAConfig, FeedbackAlignmentConfig, Network, TargetPropConfig, TrainingConfig,
+    TweenConfig, train,
+)
 from torchloom.observers.base import Observer
 from test_examples import load_example
 
@@ -49,7 +52,13 @@ METHODS = {
     # a rule written outside torchloom (examples/08_custom_method.py): data-parallel like the others
     "custom": dict(method=load_example("08_custom_method.py").FeedbackAlignment(seed=4), loss_type="cross_entropy",
                    optimizer="momentum", learning_rate=0.05),
+    # the feedback rules: each all-reduces its own gradients as backprop does
+    "feedback_alignment": dict(method=FeedbackAlignmentConfig(seed=4), loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
+    "dfa": dict(method=DFAConfig(seed=4), loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
+    "sign_symmetry": dict(method="sign_symmetry", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
+    "fast_proxy": dict(method="fast_proxy", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
 }
+ALIGNED = ("dfa", "tween")  # alignment diagnostics under data-parallel training: a rule's direction, an applied change
 
 
 def _net(dtype=torch.float64, seed=0):
@@ -102,6 +111,11 @@ def _scenarios(rank, tmp):
         r = train(net, (X, Y), _cfg(name, batch_size=16, shuffle=True, seed=3, observers=[rows]))
         out[f"xy-{name}"] = (_weights(net), r.loss_history)
         out[f"rows-{name}"] = rows.rows
+    # alignment diagnostics: the global batch's exact gradient and direction (averaged over the ranks)
+    for name in ALIGNED:
+        net = _net()
+        r = train(net, (X, Y), _cfg(name, batch_size=16, shuffle=True, seed=3, alignment_every=3))
+        out[f"align-{name}"] = (_weights(net), r.loss_history, {k: v for k, v in r.history.history.items() if k.startswith("alignment_bp/")})
     # float32 backprop and tween
     X32 = X.float()
     for name in ("backprop", "tween"):
@@ -344,6 +358,22 @@ def test_xy_sharded_equals_one_process_on_global_batch(ranks, name):
         _check(*res[f"xy-{name}"], ref, r, 1e-10)
         assert res[f"rows-{name}"] == [8] * 12  # each rank ran its 8 rows of each of the 4 global batches, 3 epochs
     assert not all(torch.equal(p, q) for p, q in zip(results[0][f"xy-{name}"][0], _weights(_net())))  # it trained
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_alignment_diagnostics_equal_one_process(ranks, name):
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, (X, Y), _cfg(name, batch_size=16, shuffle=True, seed=3, distributed=False, alignment_every=3))
+    want = {k: v for k, v in r.history.history.items() if k.startswith("alignment_bp/")}
+    assert set(want) == {"alignment_bp/0", "alignment_bp/1"}
+    for res in results:
+        weights, losses, got = res[f"align-{name}"]
+        _check(weights, losses, ref, r, 1e-10)
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-7, atol=1e-5, err_msg=k)  # degrees; arccos near 0° amplifies rounding
 
 
 @pytest.mark.parametrize("name", ["backprop", "tween"])

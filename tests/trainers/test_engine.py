@@ -18,7 +18,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import assert_close
 from torchloom import (
+    DFAConfig,
     Dense,
+    FastProxyConfig,
+    FeedbackAlignmentConfig,
+    SignSymmetryConfig,
     DivergenceWarning,
     Network,
     TargetPropConfig,
@@ -38,8 +42,13 @@ METHODS = {
     "tween": TweenConfig(base_rate=0.05),
     # a rule written outside torchloom (examples/08_custom_method.py): every engine feature applies to it too
     "custom": load_example("08_custom_method.py").FeedbackAlignment(seed=4),
+    # the feedback rules (tests/trainers/test_zoo.py): backprop's machinery with their own backward
+    "feedback_alignment": FeedbackAlignmentConfig(seed=4),
+    "dfa": DFAConfig(seed=4),
+    "sign_symmetry": SignSymmetryConfig(),
+    "fast_proxy": FastProxyConfig(),
 }
-GRADIENT_RULES = ("backprop", "custom")  # rules on backprop's machinery: an optimizer, a loss_type
+GRADIENT_RULES = ("backprop", "custom", "feedback_alignment", "dfa", "sign_symmetry", "fast_proxy")  # rules on backprop's machinery: an optimizer, a loss_type
 
 
 def _net(dtype=torch.float64, seed=0, sizes=(6, 12, 4), acts=("tanh", "sigmoid")):
@@ -152,7 +161,8 @@ def test_observers_see_every_hook_with_method_logs(name):
     result = train(_net(), _data(), _cfg(name, observers=[rec]))
     assert rec.calls[0] == "train_begin" and rec.calls[-1] == "train_end" and rec.calls.count("batch") == 15
     assert len(rec.epoch_logs) == 3 and [e["loss"] for e in rec.epoch_logs] == result.loss_history
-    expected = {"backprop": set(), "custom": set(), "tp-chain": {"mean_link_budget", "mean_gap"}, "tp-pure": {"mean_link_budget", "mean_gap"},
+    expected = {"backprop": set(), "custom": set(), "feedback_alignment": set(), "dfa": set(), "sign_symmetry": set(),
+                "fast_proxy": set(), "tp-chain": {"mean_link_budget", "mean_gap"}, "tp-pure": {"mean_link_budget", "mean_gap"},
                 "tween": {"mean_gap", "mean_link_budget", "adaptive_rate"}}[name]
     assert expected <= set(rec.epoch_logs[0])
     assert expected <= set(result.history.keys())

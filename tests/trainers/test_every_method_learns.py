@@ -156,6 +156,10 @@ METHODS = {
     "tween": dict(method=TweenConfig(base_rate=0.1, gap_threshold=0.0), loss_type="cross_entropy"),
     "tween-mse": dict(method=TweenConfig(base_rate=0.1, gap_threshold=0.0), loss_type="mse"),
     "custom": dict(method=load_example("08_custom_method.py").FeedbackAlignment(seed=1), loss_type="cross_entropy", learning_rate=0.1),
+    "feedback_alignment": dict(method="feedback_alignment", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.1),
+    "dfa": dict(method="dfa", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.1),
+    "sign_symmetry": dict(method="sign_symmetry", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.1),
+    "fast_proxy": dict(method="fast_proxy", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.1),
 }
 
 

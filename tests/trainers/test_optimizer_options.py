@@ -210,3 +210,18 @@ def test_use_gpu_with_an_optimizer_used_on_the_cpu_is_a_clear_error():
     train(model, _data(), TrainingConfig(optimizer=opt, use_gpu=True, loss_type="cross_entropy", verbose=0))
     assert all(p.device.type == "cuda" for p in model.parameters())
     assert not any(torch.equal(a, b.cpu()) for a, b in zip(before, model.parameters()))
+
+
+def test_state_left_on_another_device_is_refused_before_anything_moves(monkeypatch):
+    """The check at the start of a run (before the method binds and lays its buffers out, where a
+    mixed-device ``torch.cat`` failed on a GPU with "wrapper_CUDA_cat"): optimizer state on another
+    device than the training device is refused, and the model is not moved."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    monkeypatch.setattr(loop_module, "resolve_device", lambda *a: torch.device("meta"))
+    with pytest.raises(ValueError, match=r"^optimizer: the SGD instance holds state 'momentum_buffer' on cpu, but training runs on meta"):
+        train(model, _data(), TrainingConfig(optimizer=opt, loss_type="cross_entropy", verbose=0))
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -202,6 +202,12 @@ class TrainingConfig:
     """Settings of an optimizer given by name, e.g. ``{"weight_decay": 0.1, "betas": (0.9, 0.95)}``:
     any argument of its class (``torchloom.optim.SGD`` / ``AdamW`` / ``RMSprop``) but the parameters
     and ``lr``; checked when the config is built. ``None`` = the optimizer's defaults."""
+    alignment_every: int = 0
+    """Alignment diagnostics: every this many steps, the angle in degrees between the method's update
+    direction and the exact backprop gradient, per layer with parameters, logged per epoch as
+    ``alignment_bp/<layer index>`` (engine/alignment.py; docs/choosing-a-method.md). Measured on the
+    host path, so the CUDA device path is not used (``cuda_graph=True`` is refused). ``0`` (default):
+    off."""
     compile: bool | Mapping[str, Any] = False
     """Backprop: run each step's forward and backward through ``torch.compile`` of the model (each
     layer's hand-written backward kept as one node of the compiled graph; the loss, the guards and
@@ -235,6 +241,17 @@ class TrainingConfig:
             raise ValueError(
                 "TrainingConfig: divergence_factor must be 0 (off) or a finite number > 1 (an epoch whose loss exceeds "
                 f"this × the best, or whose weights' norm exceeds this × the start's, diverged), got {self.divergence_factor!r}"
+            )
+        if isinstance(self.alignment_every, bool) or not isinstance(self.alignment_every, numbers.Integral) or self.alignment_every < 0:
+            raise ValueError(
+                "TrainingConfig: alignment_every must be an int >= 0 (0 = off; N: every N steps, the angle between the "
+                f"method's update and the exact gradient per layer), got {self.alignment_every!r}"
+            )
+        self.alignment_every = int(self.alignment_every)
+        if self.alignment_every and self.cuda_graph is True:
+            raise ValueError(
+                "TrainingConfig: alignment_every runs on the host path (it is measured in a separate pass), which "
+                "cuda_graph=True forbids; leave cuda_graph at None or False"
             )
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
@@ -479,17 +496,19 @@ def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
         )
 
 
-def check_optimizer_device(optimizer: Optimizer, device: torch.device) -> None:
+def check_optimizer_device(optimizer: Optimizer, device: torch.device, state_only: bool = False) -> None:
     """``ValueError`` when ``optimizer`` (after the model moved to the training ``device``) holds a
     parameter that is not on ``device`` (a move that made new parameters left the optimizer with the
     old ones), or state on another device than its parameter: an optimizer built and used before
     ``train()`` moved the model (``use_gpu=True`` / ``device``) whose parameters or state stayed
-    behind."""
+    behind. ``state_only`` (before the move, when the run starts): state not on ``device`` (a move
+    of the model never moves it)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            stale = p.device != device
+            stale = not state_only and p.device != device
             state = optimizer.state.get(p, {})
-            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != p.device]
+            home = device if state_only else p.device
+            away = [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.device != home]
             if stale or away:
                 where = f"parameters on {p.device}" if stale else f"state {away[0]!r} on {state[away[0]].device}"
                 raise ValueError(

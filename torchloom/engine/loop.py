@@ -46,6 +46,7 @@ from ..observers.history import History
 from ..observers.layer_stats import LayerEvents
 from ..observers.progress import EpochLinePrinter, ProgressObserver, print_line
 from . import checkpoint
+from .alignment import AlignmentProbe
 from .batches import BatchSource, moved
 from .config import as_scheduler, check_optimizer_device, is_plateau, resolve_device, resolve_method
 from .divergence import DivergenceWatch
@@ -85,6 +86,7 @@ class Trainer(WarmStart):
     model: Network
     method: Method
     scheduler: Any = None
+    alignment: Any = None  # the AlignmentProbe of a fit() run with TrainingConfig.alignment_every, else None
     metric_set: Any = None  # the training metrics of a fit() run (TrainingConfig.metrics), else None
     # kernels of the fused device steps: None = Triton on CUDA; "triton" runs them on CPU tensors
     # through Triton's interpreter (the tests), "reference" never (the torch-op device step)
@@ -113,6 +115,8 @@ class Trainer(WarmStart):
         self.metric_names: tuple[str, ...] = METRIC_NAMES  # what the epoch line shows as metrics
         self.dist = resolve_distributed(getattr(config, "distributed", None), self.device)  # None: single process
         self.lowbit = _low_bit_weights(model, config)  # None unless TrainingConfig.weight_dtype is set
+        if isinstance(config.optimizer, Optimizer):  # state made elsewhere never moves with the model: refused first
+            check_optimizer_device(config.optimizer, self.device, state_only=True)
         self.method = resolve_method(config) if method is None else method
         self.method.bind(self)
         rates = self.method.schedulable()
@@ -356,6 +360,7 @@ class Trainer(WarmStart):
             self._buffer_guard = UpdateGuard(self.guarded_buffers)
         buffers = self._buffer_guard if self.guarded_buffers() else None
         every = getattr(self.training, "log_every_n_steps", 0)
+        probe = self.__dict__.get("alignment")
         for x, y, last in _with_last(self.epoch_batches(source, epoch)):
             out.batches_run += 1
             out.samples += batch_rows(x)
@@ -365,6 +370,9 @@ class Trainer(WarmStart):
             guard.save()
             if buffers is not None:
                 buffers.save()
+            measure = probe is not None and probe.due(self.global_step)
+            if measure:  # alignment diagnostics: the exact gradient and the method's direction, before the step
+                probe.before(x, y)
             step = self.step(x, y)
             if step.status is StepStatus.OK and not guard.check_or_restore():  # the update overflowed: undone
                 step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
@@ -376,6 +384,8 @@ class Trainer(WarmStart):
                     buffers.restore()
             if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
                 self.lowbit.after_update(self.global_step)
+            if measure:
+                probe.after(step.status is StepStatus.OK)
             if log_now:
                 self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
             if scheduler is not None and not getattr(self.method, "update_pending", False):
@@ -571,6 +581,8 @@ class Trainer(WarmStart):
         self.skipped_per_epoch: list[int] = []
         first_epoch = 0
         self.divergence = DivergenceWatch(cfg.divergence_factor)
+        every = getattr(cfg, "alignment_every", 0)
+        self.alignment = AlignmentProbe(self, every) if every else None
         self.source = source  # (a checkpoint keeps its shuffling seed)
         if resume is not None:
             first_epoch = checkpoint.restore(self, resume, history)
@@ -649,6 +661,8 @@ class Trainer(WarmStart):
                 error = e
             if out.counted and self.is_main and error is None:
                 _warn_nonfinite_logs(epoch, logs)
+            if self.alignment is not None:  # alignment_bp/<layer>: the epoch's mean angle (NaN: not measured; no warning)
+                logs.update(self.alignment.epoch_logs())
             logs.update(epoch_lrs)
             logs.update(
                 {

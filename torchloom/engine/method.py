@@ -25,6 +25,11 @@ What a method implements:
 * ``schedulable()``: the ``torch.optim.Optimizer`` whose ``param_groups[i]["lr"]`` a schedule drives:
   an optimizer of the method's, or a ``RateHolder`` for a method with its own update rule.
 
+Optionally, ``update_direction(x, y)``: the direction the step on ``(x, y)`` would move the trainable
+parameters along, computed without changing anything (``Backprop`` and its subclasses: the rule's
+gradient), which the alignment diagnostics (``TrainingConfig.alignment_every``) compare with the exact
+gradient; without it they measure the change the step applied.
+
 Optionally, the **device step** (CUDA, every decision in device tensors, no host read, so the runner
 can capture it in a CUDA graph): ``device_ready()`` returns True, ``device_setup(runner)`` lays out
 buffers once, and ``device_step(x, y, slot, runner)`` runs one step using the runner's three services
@@ -150,8 +155,8 @@ class Method:
             )
         if getattr(training, "compile", False) and not cls.compiles:
             raise ValueError(
-                f"TrainingConfig: compile is for backprop; method {label} calls the layers' hand-written backward "
-                "directly, outside autograd, which torch.compile does not trace (leave compile=False)"
+                f"TrainingConfig: compile is for backprop; method {label} runs the layers' hand-written backward (or "
+                "its own) directly, outside autograd, which torch.compile does not trace (leave compile=False)"
             )
         if not cls.uses_optimizer:
             if not (isinstance(training.optimizer, str) and training.optimizer.lower() == "sgd"):
@@ -302,6 +307,14 @@ class Method:
 
     def setup(self) -> None:
         """Called once data and checkpoint are checked, before the model moves to the training device."""
+
+    def update_direction(self, x: Tensor, y: Tensor) -> list[Tensor] | None:
+        """The direction this method's step on ``(x, y)`` would move the trainable parameters along,
+        one tensor per trainable parameter (the update subtracts it: for a gradient rule, its estimate
+        of the gradient, before the optimizer), computed without changing anything; ``None`` (the
+        default): the engine's alignment diagnostics (``TrainingConfig.alignment_every``) measure the
+        change the step applies instead."""
+        return None
 
     def diagnose(self) -> str | None:
         """At an epoch's end: a sentence saying how the run collapsed, if the method sees it (the

@@ -193,6 +193,18 @@ class Backprop(Method):
         _, grads = self.model.backward_saved(grad_out, saved, needs_input_grad=False)
         return grads
 
+    @torch.no_grad()
+    def update_direction(self, x: Tensor, y: Tensor) -> list[Tensor]:
+        """The gradients this rule's ``backward`` gives on ``(x, y)`` (before the optimizer), one per
+        trainable parameter; nothing changes (no metrics, no update). Data-parallel: this rank's shard's
+        (the engine averages them)."""
+        out, saved = self.model.forward_saved(x)
+        _, grad = self._loss_and_grad(out, y)
+        grads = tuple(self.backward(grad, saved))
+        if len(grads) != len(self.params):
+            grads = tuple(g for g, keep in zip(grads, self._trainable) if keep)
+        return list(grads)
+
     def schedulable(self) -> Optimizer:
         return self.optimizer
 

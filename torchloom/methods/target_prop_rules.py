@@ -505,18 +505,12 @@ _ESTIMATORS: dict[type, Callable[[Any, Tensor], Tensor]] = {
 
 @torch.no_grad()
 def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor, layer_output: Tensor | None = None) -> Tensor:
-    """Pure-mode target for ``layer``'s input (``layer_input``, ``[B, ..., in]``) from the ``target`` of
-    its output (``[B, ..., out]``), batch-aware, with ``est`` the weight-based estimate (module
-    docstring) of Dense / RNN / LSTM / MultiHeadAttention:
-
-    * ``layer_output`` None (Loom's rule, ``pure_targets="loom"``): ``est(target)``;
-    * ``layer_output`` given (``pure_targets="difference"``, difference target propagation, Lee et al.
-      2015, with ``est`` as the approximate inverse): ``layer_input + est(target − layer_output)``.
-      ``est`` is linear, so this is ``layer_input + est(target) − est(layer_output)``: the estimate's
-      error on the layer's own output cancels, and a layer whose output meets its target passes no gap
-      down.
-
-    Any other layer: ``layer_input`` itself (Loom's fallback: no gap below it)."""
+    """Pure-mode target for ``layer``'s input ``[B, ..., in]`` from the ``target`` of its output
+    ``[B, ..., out]``, with ``est`` the weight-based estimate of Dense / RNN / LSTM / MultiHeadAttention
+    (module docstring): ``est(target)`` (Loom's rule) without ``layer_output``; with it, difference
+    target propagation (Lee et al. 2015), ``layer_input + est(target − layer_output)``: ``est`` is
+    linear, so the estimate's error on the layer's own output cancels. Any other layer:
+    ``layer_input`` itself (Loom's fallback: no gap below it)."""
     for cls in type(layer).__mro__:  # subclasses of Dense & co. inherit their estimate
         if cls in _ESTIMATORS:
             if layer_output is None:

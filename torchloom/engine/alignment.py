@@ -1,0 +1,133 @@
+"""Alignment diagnostics (``TrainingConfig(alignment_every=N)``): how far a method's updates point from
+the true backprop gradient, per layer.
+
+Every ``N`` steps (global steps ``0, N, 2N, …``), before the step runs, the probe computes the exact
+gradient ``∇`` of the training loss on the step's batch at the current weights (the layers'
+hand-written backward, a separate no-grad pass; data-parallel: averaged over the ranks, the global
+batch's). It compares ``∇`` with the method's **update direction** ``d``:
+
+* a method with ``update_direction`` (backprop and the feedback rules: feedback alignment, DFA, sign
+  symmetry, FastProxy): the gradient the rule gives on the same batch, before the optimizer;
+* any other method (TargetProp, Tweening, your own ``Method``): the change its step applies,
+  ``d = θ_before − θ_after`` (a descent direction), measured when the step counted.
+
+For each layer with trainable parameters (all of them flattened together), the angle
+``arccos(⟨d, ∇⟩ / (‖d‖‖∇‖))`` in degrees: 0 = backprop's direction, 90 = orthogonal (no first-order
+progress), above 90 = uphill. The epoch log gets ``alignment_bp/<i>`` (``i``: the layer's index in the
+network) = the mean over the epoch's measured steps (NaN for an epoch with none, or a layer whose
+``d`` or ``∇`` is zero), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line
+at verbose 2. The angles stay device tensors until the epoch's end (one host read per epoch).
+
+The probe's forwards run under a forked random-number state and the model's buffers (a BatchNorm's
+running statistics) are put back after them, so a run with alignment diagnostics trains exactly as
+one without (shuffling, dropout, running statistics). It runs on the host path: with
+``alignment_every`` set, the CUDA device path is not used (``cuda_graph=True`` is refused).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .losses import loss_and_grad
+
+__all__ = ["AlignmentProbe", "angle_degrees"]
+
+
+def angle_degrees(a: Tensor, b: Tensor) -> Tensor:
+    """The angle between two flat vectors in degrees, a 0-d float64 tensor (NaN when either is 0)."""
+    a, b = a.double(), b.double()
+    cos = torch.dot(a, b) / (a.norm() * b.norm())
+    return torch.rad2deg(torch.acos(cos.clamp(-1.0, 1.0)))
+
+
+class AlignmentProbe:
+    """Measures, every ``every`` steps, the angle per layer between a trainer's method's update
+    direction and the exact gradient (see the module docstring)."""
+
+    def __init__(self, trainer: Any, every: int) -> None:
+        self.trainer = trainer
+        self.every = every
+        model = trainer.model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        index = {id(p): k for k, p in enumerate(trainable)}
+        # per layer with trainable parameters: (log key, positions among the trainable parameters)
+        self.layers: list[tuple[str, list[int]]] = []
+        for i, layer in enumerate(model.layers):
+            pos = [index[id(p)] for p in layer.parameters() if id(p) in index]
+            if pos:
+                self.layers.append((f"alignment_bp/{i}", pos))
+        self.trainable = trainable
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: Tensor | None = None
+        self.count = 0
+        self._pending: tuple[list[Tensor], list[Tensor] | None, list[Tensor] | None] | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    @torch.no_grad()
+    def exact_gradient(self, x: Tensor, y: Tensor) -> list[Tensor]:
+        """The exact gradient of the training loss on ``(x, y)`` at the current weights, one per
+        trainable parameter (the global batch's under data-parallel training)."""
+        t = self.trainer
+        model = t.model
+        out, saved = model.forward_saved(x)
+        _, grad = loss_and_grad(out, y, t.method.eval_loss_type(), validate=False)
+        _, grads = model.backward_saved(grad, saved, needs_input_grad=False)
+        keep = [p.requires_grad for p in model.parameters()]
+        grads = [g for g, k in zip(grads, keep) if k] if len(grads) != len(self.trainable) else list(grads)
+        return grads
+
+    @torch.no_grad()
+    def before(self, x: Tensor, y: Tensor) -> None:
+        """Before the step on ``(x, y)``: the exact gradient and the method's direction (or a copy of
+        the weights, to measure the applied change after the step)."""
+        t = self.trainer
+        devices = [t.device] if t.device.type == "cuda" else []
+        buffers = [b.detach().clone() for b in t.model.buffers()]  # (a BatchNorm's running statistics)
+        with torch.random.fork_rng(devices=devices):
+            exact = self.exact_gradient(x, y)
+            direction = t.method.update_direction(x, y)
+        for b, saved in zip(t.model.buffers(), buffers):  # the probe's forwards leave no trace
+            b.copy_(saved)
+        if t.dist is not None:  # each rank holds a shard: the global batch's
+            t.dist.all_reduce_(exact, "mean")
+            if direction is not None:
+                t.dist.all_reduce_(direction, "mean")
+        weights = None if direction is not None else [p.detach().clone() for p in self.trainable]
+        self._pending = (exact, direction, weights)
+
+    @torch.no_grad()
+    def after(self, counted: bool) -> None:
+        """After the step: the angles, when it counted (an update refused by a guard measures nothing)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not counted:
+            return
+        exact, direction, weights = pending
+        if direction is None:
+            direction = [w - p.detach() for w, p in zip(weights, self.trainable)]
+        angles = []
+        for _, pos in self.layers:
+            d = torch.cat([direction[k].reshape(-1) for k in pos])
+            g = torch.cat([exact[k].reshape(-1) for k in pos])
+            angles.append(angle_degrees(d, g.to(d.device)))
+        values = torch.stack(angles)
+        self.sums = values if self.sums is None else self.sums + values
+        self.count += 1
+
+    def epoch_logs(self) -> dict[str, float]:
+        """``{"alignment_bp/<i>": mean angle}`` of the epoch's measured steps (NaN when none), then
+        cleared for the next epoch (the epoch's one host read)."""
+        if self.sums is None or self.count == 0:
+            values = [math.nan] * len(self.layers)
+        else:
+            values = (self.sums / self.count).tolist()
+        logs = {key: float(v) for (key, _), v in zip(self.layers, values)}
+        self.reset()
+        return logs
