@@ -1,13 +1,14 @@
 """Triton kernels registered as ``torch.library.triton_op``s, so that ``torch.compile`` sees them.
 
 ``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward) and
-``torch.ops.torchloom.swiglu`` / ``swiglu_backward`` (the SwiGLU gate): each operator equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
+``torch.ops.torchloom.swiglu`` / ``swiglu_backward`` (the SwiGLU gate), ``torch.ops.torchloom.norm_forward``
+/ ``norm_backward`` (RMSNorm's and LayerNorm's row-tiled kernels): each operator equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
 it is one ``triton_kernel_wrapper_functional`` node holding the kernel itself (what Inductor lowers),
 with its shapes right for plain and symbolic sizes. That trace needs a real ``triton.jit`` kernel, which
 Triton's interpreter replaces, so it runs in a subprocess without ``TRITON_INTERPRET`` (only traced:
 nothing is launched on the CPU). On CUDA, a compiled Dense layer reaches the kernel through the
-operator (Inductor's generated code launches it), and so does a SwiGLU layer its gate kernels, with no
-graph break, equal to eager.
+operator (Inductor's generated code launches it), and so do SwiGLU, RMSNorm and LayerNorm layers
+theirs, with no graph break, equal to eager.
 """
 
 from __future__ import annotations
@@ -60,6 +61,32 @@ def test_swiglu_operators_equal_reference(cuda_default_device, dtype):
     assert not torch.equal(da, dg)  # fresh outputs: the operator writes into none of its inputs
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_operators_equal_reference(cuda_default_device, kind):
+    from torchloom.kernels.layernorm import layernorm_backward_ref, layernorm_ref
+    from torchloom.kernels.rmsnorm import rmsnorm_backward_ref, rmsnorm_ref
+
+    x, g, w, b = torch.randn(6, 4, 33), torch.randn(6, 4, 33), torch.randn(33), torch.randn(33)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    if kind == "layernorm":
+        y, mean, rstd = torch.ops.torchloom.norm_forward(x, w, b, 1e-5, False)
+        ry, rmean, rrstd = layernorm_ref(x, w, b, 1e-5)
+        assert_close(mean, rmean, name="mean", **tol)
+        dx, dw, db = torch.ops.torchloom.norm_backward(g, x, w, mean, rstd, True)
+        rdx, rdw, rdb = layernorm_backward_ref(g, x, w, rmean, rrstd)
+        assert_close(db, rdb, name="db", **tol)
+    else:
+        y, _, rstd = torch.ops.torchloom.norm_forward(x, w, None, 1e-6, True)
+        ry, rrstd = rmsnorm_ref(x, w, 1e-6)
+        dx, dw, db = torch.ops.torchloom.norm_backward(g, x, w, None, rstd, False)
+        rdx, rdw = rmsnorm_backward_ref(g, x, w, rrstd)
+        assert db.numel() == 0
+    assert_close(y, ry, name="y", **tol)
+    assert_close(rstd, rrstd, name="rstd", **tol)
+    assert_close(dx, rdx, name="dx", **tol)
+    assert_close(dw, rdw, name="dw", rtol=1e-5, atol=1e-4)
+
+
 _TRACE = textwrap.dedent(
     """
     import logging, os, sys
@@ -104,6 +131,28 @@ _TRACE = textwrap.dedent(
     kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in hops]
     assert [getattr(k, "fn", k) for k in kernels] == [sg._swiglu_kernel, sg._swiglu_backward_kernel], kernels
     print("swiglu", len(hops))
+
+    from torchloom.kernels import layernorm as ln
+
+    def norms(x, w, b, g):
+        y, mean, rstd = torch.ops.torchloom.norm_forward(x, w, b, 1e-5, False)  # LayerNorm
+        dx, dw, db = torch.ops.torchloom.norm_backward(g, x, w, mean, rstd, True)
+        y2, _, rstd2 = torch.ops.torchloom.norm_forward(x, w, None, 1e-6, True)  # RMSNorm
+        dx2, dw2, _ = torch.ops.torchloom.norm_backward(g, x, w, None, rstd2, False)
+        return y + y2, dx + dx2, dw + dw2, db
+
+    graphs.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(norms, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=True)
+    try:
+        compiled(torch.randn(6, 33), torch.randn(33), torch.randn(33), torch.randn(6, 33))
+    except Captured:
+        pass
+    (gm,) = graphs
+    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
+    kernels = [getattr(k, "fn", k) for k in (kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in hops)]
+    assert kernels == [ln._norm_forward_kernel, ln._norm_backward_kernel] * 2, kernels
+    print("norms", len(hops))
     for dynamic in (False, True):
         graphs.clear()
         torch._dynamo.reset()
@@ -127,16 +176,16 @@ _TRACE = textwrap.dedent(
 
 
 def test_compile_sees_the_kernel():
-    """Dynamo + AOTAutograd, ``fullgraph=True``: the SwiGLU gate's two operators become their two
-    kernels' functional nodes (``dynamic=True``); for the Dense backward, with plain and ``dynamic=True``
+    """Dynamo + AOTAutograd, ``fullgraph=True``: the SwiGLU gate's two operators and the norms' (for
+    LayerNorm and RMSNorm) become their kernels' functional nodes (``dynamic=True``); for the Dense backward, with plain and ``dynamic=True``
     sizes, the operator becomes the Triton kernel's functional node, the grid is the kernel's tile count (1 dW tile + 1 dx tile
     for these sizes; symbolic under dynamic shapes), and the outputs have dx's, dW's and db's shapes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    gate, static, dynamic = run.stdout.strip().splitlines()
-    assert gate == "swiglu 2"
+    gate, norms, static, dynamic = run.stdout.strip().splitlines()
+    assert gate == "swiglu 2" and norms == "norms 4"
     assert static == "False | (2, 1, 1) | [['5', '13'], ['9', '13'], ['9']]"
     flag, grid, shapes = dynamic.split(" | ")
     assert flag == "True" and not grid.startswith("(2,"), dynamic  # a symbolic grid: no specialisation on the sizes
@@ -144,9 +193,14 @@ def test_compile_sees_the_kernel():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name,kernels", [("dense", ("_dense_bwd_kernel",)), ("swiglu", ("_swiglu_kernel", "_swiglu_backward_kernel"))])
+@pytest.mark.parametrize("name,kernels", [
+    ("dense", ("_dense_bwd_kernel",)), ("swiglu", ("_swiglu_kernel", "_swiglu_backward_kernel")),
+    ("rmsnorm", ("_norm_forward_kernel", "_norm_backward_kernel")),
+    ("layernorm", ("_norm_forward_kernel", "_norm_backward_kernel")),
+])
 def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels):
-    """A float32 Dense of a small batch / a SwiGLU on CUDA under ``torch.compile(fullgraph=True)``
+    """A float32 Dense of a small batch, a SwiGLU, an RMSNorm, a LayerNorm on CUDA under
+    ``torch.compile(fullgraph=True)``
     (Inductor): no graph break, Inductor's code launches the registered kernels, forward and gradients
     equal eager (which launches the same kernels directly); ``dynamic=True`` over two batch sizes, one
     compile."""
@@ -154,11 +208,16 @@ def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels):
     import torch._dynamo.testing
     from torch._inductor.utils import run_and_get_code
 
-    from torchloom import Dense, SwiGLU
+    from torchloom import Dense, LayerNorm, RMSNorm, SwiGLU
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = (Dense(24, 16, "silu") if name == "dense" else SwiGLU(24, 40)).cuda()
+    make = {"dense": lambda: Dense(24, 16, "silu"), "swiglu": lambda: SwiGLU(24, 40), "rmsnorm": lambda: RMSNorm(24),
+            "layernorm": lambda: LayerNorm(24)}
+    layer = make[name]().cuda()
+    with torch.no_grad():  # weights away from the initial ones and zeros
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
     forward = layer
 
     def step(x):  # the forward compiled (or not); the backward runs what AOTAutograd compiled for it
