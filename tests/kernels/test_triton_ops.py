@@ -1,15 +1,16 @@
 """Triton kernels registered as ``torch.library.triton_op``s, so that ``torch.compile`` sees them.
 
-``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward) and
-``torch.ops.torchloom.swiglu`` / ``swiglu_backward`` (the SwiGLU gate), ``torch.ops.torchloom.norm_forward``
-/ ``norm_backward`` (RMSNorm's and LayerNorm's row-tiled kernels), ``torch.ops.torchloom.softmax`` /
-``softmax_backward``: each operator equals its reference (Triton's interpreter on CPU, natively on CUDA); traced by Dynamo and AOTAutograd
-it is one ``triton_kernel_wrapper_functional`` node holding the kernel itself (what Inductor lowers),
-with its shapes right for plain and symbolic sizes. That trace needs a real ``triton.jit`` kernel, which
-Triton's interpreter replaces, so it runs in a subprocess without ``TRITON_INTERPRET`` (only traced:
-nothing is launched on the CPU). On CUDA, a compiled Dense layer reaches the kernel through the
-operator (Inductor's generated code launches it), and so do SwiGLU, RMSNorm, LayerNorm and Softmax
-layers theirs, with no graph break, equal to eager.
+The operators ``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward),
+``swiglu`` / ``swiglu_backward`` (the SwiGLU gate), ``norm_forward`` / ``norm_backward`` (RMSNorm's and
+LayerNorm's row-tiled kernels) and ``softmax`` / ``softmax_backward``:
+
+* each equals its reference (Triton's interpreter on CPU, natively on CUDA);
+* traced by Dynamo and AOTAutograd (``fullgraph=True``), each is one ``triton_kernel_wrapper_functional``
+  node holding the kernel itself (what Inductor lowers), with its shapes right for plain and symbolic
+  sizes. That trace needs a real ``triton.jit`` kernel, which Triton's interpreter replaces, so it runs
+  in a subprocess without ``TRITON_INTERPRET`` (only traced: nothing is launched on the CPU);
+* on CUDA, compiled Dense, SwiGLU, RMSNorm, LayerNorm and Softmax layers reach their kernels through
+  the operators (Inductor's generated code launches them), with no graph break, equal to eager.
 """
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ _TRACE = textwrap.dedent(
 
 
 def test_compile_sees_the_kernel():
-    """Dynamo + AOTAutograd, ``fullgraph=True``: the SwiGLU gate's two operators and the norms' (for
-    LayerNorm and RMSNorm) and softmax's become their kernels' functional nodes (``dynamic=True``); for the Dense backward, with plain and ``dynamic=True``
-    sizes, the operator becomes the Triton kernel's functional node, the grid is the kernel's tile count (1 dW tile + 1 dx tile
-    for these sizes; symbolic under dynamic shapes), and the outputs have dx's, dW's and db's shapes."""
+    """Dynamo + AOTAutograd, ``fullgraph=True``. ``dynamic=True``: the SwiGLU gate's two operators,
+    the norms' four (LayerNorm and RMSNorm) and softmax's two become their kernels' functional nodes.
+    The Dense backward with plain and ``dynamic=True`` sizes: the operator becomes its kernel's node,
+    the grid is the kernel's tile count (1 dW tile + 1 dx tile for these sizes; symbolic under dynamic
+    shapes), and the outputs have dx's, dW's and db's shapes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)

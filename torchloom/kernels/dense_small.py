@@ -169,7 +169,9 @@ def _programs(m, n, k, need_dx: bool):
 OP_NAME = "torchloom::dense_small_backward"
 
 
-def _op_body(g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: int, has_bias: bool, need_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _op_body(
+    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: int, has_bias: bool, need_dx: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """The operator's implementation (and, run on fake tensors, its shape function): ``g, pre [M, N]``,
     ``x [M, K]``, ``w [N, K]`` float32 → ``(dx [M, K], dW [N, K], db [N])``, fresh tensors; ``dx`` is
     ``[1, K]`` and unwritten when ``need_dx`` is False, ``db`` unwritten when ``has_bias`` is False
