@@ -19,10 +19,18 @@ steps pay; a layer that cannot be captured shows —). Peak memory: the largest
 parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤ 1.0× PyTorch's time
 (LSTM/RNN ≤ 1.5× cuDNN) and ≤ 1.1× its peak memory.
 
+``--compiled`` prints instead the *torchloom compiled vs PyTorch compiled* table (issue 36): each side
+under ``torch.compile`` (torchloom's with ``fullgraph=True``; a graph break is reported and that side
+compiled without it), one step timed like the eager column (host overhead included: what compiling
+saves), peak memory, the graph breaks, recompiles after the first step and the first step's compile
+time. Targets: ≤ 1.0× time, ≤ 1.1× peak memory. ``--budget S`` starts no new row after S seconds, so
+a run fits a time box (every row is printed as soon as it is measured).
+
 ``--kernels`` adds the older kernel-level rows (RMSNorm, SwiGLU gate, softmax kernels vs eager,
 ``torch.compile`` and the bandwidth floor).
 
-Run: ``PYTHONPATH=. python bench/bench_layers.py`` on a CUDA machine (``--no-compile`` skips the
+Run: ``PYTHONPATH=. python bench/bench_layers.py`` on a CUDA machine (``--compiled --target 0.05
+--budget 200`` for the compiled table) (``--no-compile`` skips the
 ``torch.compile`` column); ``PYTHONPATH=. python bench/bench_layers.py --smoke`` checks the script on
 the CPU with tiny shapes (kernels through Triton's interpreter; the numbers then mean nothing).
 """
@@ -371,6 +379,90 @@ def _row(case: Case, dt: str, r: dict) -> str:
     )
 
 
+def _compile_and_first_step(label: str, fn: Callable, case: Case, params: list, backend: str, fullgraph: bool):
+    """``(compiled step or None, graph breaks, compile counter, first step's seconds, note)``: ``fn``
+    under ``torch.compile`` (``dynamic=False``), its first step run (and timed: the compile); with
+    ``fullgraph=True`` a graph break is counted by ``torch._dynamo.explain`` and the side compiled
+    without ``fullgraph``."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    dev = case.x.device
+    breaks, note = 0, ""
+    if fullgraph:
+        try:
+            explanation = torch._dynamo.explain(fn)(case.x)
+            breaks = explanation.graph_break_count
+            if breaks:
+                note = str(explanation.break_reasons[0].reason).splitlines()[0][:120]
+        except Exception as e:
+            breaks, note = -1, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    try:
+        compiled = torch.compile(fn, backend=counter, dynamic=False, fullgraph=fullgraph and breaks == 0)
+        step = _step(compiled, case.x, case.gy, params)
+        _sync(dev)
+        t = time.perf_counter()
+        step()
+        _sync(dev)
+        return step, breaks, counter, time.perf_counter() - t, note
+    except Exception as e:  # report, don't hide
+        print(f"{label} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None, breaks, counter, float("nan"), f"compile failed: {type(e).__name__}"
+
+
+def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.device, target: float, backend: str, budget: float,
+                   start: float) -> list[str]:
+    """The "torchloom compiled vs PyTorch compiled" rows, printed as measured."""
+    import torch._dynamo
+
+    header = [
+        "",
+        f"torchloom compiled vs PyTorch compiled (torch.compile, backend {backend!r}, dynamic=False; torchloom's side",
+        "fullgraph=True): forward + backward per step, host overhead included; peak memory above the inputs and",
+        "parameters; graph breaks of torchloom's side (explain); recompiles after the first step; the first step's",
+        "seconds (the compile). Targets: time ≤ 1.0×, peak memory ≤ 1.1×.",
+        "",
+        "| layer (PyTorch side) | dtype | shape | torchloom compiled ms | PyTorch compiled ms | time ratio | torchloom compiled MB | PyTorch compiled MB | memory ratio | graph breaks | recompiles | compile s (torchloom / PyTorch) | targets met |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    print("\n".join(header), flush=True)
+    lines = []
+    for idx in range(len(cases[dtypes[0]])):
+        for dtype_name in dtypes:
+            case = cases[dtype_name][idx]
+            if only and not any(o in case.name for o in only):
+                continue
+            if budget and time.perf_counter() - start > budget:
+                print(f"(--budget {budget:.0f} s spent: {case.name} {dtype_name} and the rows after it not run)", flush=True)
+                return header + lines
+            label = f"{case.name} {dtype_name}"
+            torch._dynamo.reset()
+            ours, breaks, c_ours, s_ours, note = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, True)
+            theirs, _, c_theirs, s_theirs, _ = _compile_and_first_step(f"{label} PyTorch", case.theirs, case, case.theirs_params,
+                                                                    backend, False)
+            first = (c_ours.frame_count, c_theirs.frame_count)
+            t, p = _measure(f"{label} compiled", ours, dev, target), _measure(f"{label} PyTorch compiled", theirs, dev, target)
+            mt, mp = _memory(f"{label} compiled", ours, dev), _memory(f"{label} PyTorch compiled", theirs, dev)
+            recompiles = (c_ours.frame_count - first[0], c_theirs.frame_count - first[1])
+            time_ok = not math.isnan(t) and not math.isnan(p) and t <= p
+            mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
+            met = ("time ✓" if time_ok else "time ✗") + ", " + mem + (f"; break: {note}" if note else "")
+            line = (
+                f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_ratio(t, p)} | "
+                f"{_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | {breaks if breaks >= 0 else '?'} | {recompiles[0]} / {recompiles[1]} | "
+                f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
+            )
+            lines.append(line)
+            print(line, flush=True)
+            del ours, theirs
+            torch._dynamo.reset()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return header + lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
@@ -379,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--compile-only", action="store_true", help="measure only the torch.compile column")
     ap.add_argument("--kernels", action="store_true", help="add the kernel-level rows")
+    ap.add_argument("--compiled", action="store_true", help="only the 'torchloom compiled vs PyTorch compiled' table")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend of --compiled (aot_eager checks it fast on the CPU)")
+    ap.add_argument("--budget", type=float, default=0.0, help="--compiled: start no new row after this many seconds (0: no limit)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the layer rows whose name contains one")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -409,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         dt: sorted(layer_cases(dev, getattr(torch, dt), args.smoke), key=lambda c: [c.name.startswith(o) for o in order].index(True))
         for dt in dtypes
     }
+    if args.compiled:
+        table = compiled_table(cases, dtypes, only, dev, args.target, args.backend, args.budget, start)
+        print("\nThe table again, in one piece:\n" + "\n".join(table), flush=True)
+        print(f"\ntotal {time.perf_counter() - start:.0f} s")
+        return 0
     lines = []
     for idx in range(len(cases[dtypes[0]])):
         for dtype_name in dtypes:

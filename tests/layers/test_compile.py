@@ -255,6 +255,19 @@ def test_compiled_dynamic_batch(name):
     ), f"{name}: the graph has no symbolic size"
 
 
+# Under autocast and dynamic=True together, a handful (each of these modes alone covers more cases
+# above): a GEMM, a convolution, a time loop, attention, a norm, a gate, a lookup.
+BF16_DYNAMIC_CASES = ["dense", "conv2d", "rnn", "mha", "rmsnorm", "swiglu", "embedding"]
+
+
+@pytest.mark.parametrize("name", BF16_DYNAMIC_CASES)
+def test_compiled_bf16_autocast_dynamic_batch(name):
+    """``torch.autocast(bfloat16)`` inside a ``dynamic=True`` graph: two batch sizes, one graph
+    (``error_on_recompile``, and the compile counter unchanged after the first step), eager's
+    bfloat16 numbers, within bfloat16 error of float64."""
+    _train_and_compare(name, autocast=True, dynamic=True, batches=(8, 13), rtol=8e-3, atol=1e-4, floor=1e-3)
+
+
 # ------------------------------------------------------------------------------------ mixed models
 class _Mixed(nn.Module):
     """torchloom layers and plain PyTorch modules in one model."""

@@ -34,7 +34,7 @@ from .._settings import closest, python_numbers, settings
 
 __all__ = [
     "TrainingConfig", "CLIP_MODES", "resolve_method", "resolve_device", "as_network", "check_optimizer_params",
-    "check_factory_lr", "check_optimizer_device", "check_scheduler", "as_scheduler", "is_plateau",
+    "check_factory_lr", "check_optimizer_device", "check_scheduler", "as_scheduler", "is_plateau", "COMPILE_OPTIONS",
 ]
 
 
@@ -70,6 +70,7 @@ _ALIASES = {
     "validation": "validation_data", "val_dataloaders": "validation_data", "random_seed": "seed",
     "weight_decay": "optimizer_options", "momentum": "optimizer_options", "betas": "optimizer_options",
     "eps": "optimizer_options", "nesterov": "optimizer_options", "resume": "resume_from", "ckpt_path": "resume_from",
+    "torch_compile": "compile", "compiled": "compile",
 }
 
 
@@ -207,6 +208,13 @@ class TrainingConfig:
     ``alignment_bp/<layer index>`` (engine/alignment.py; docs/choosing-a-method.md). Measured on the
     host path, so the CUDA device path is not used (``cuda_graph=True`` is refused). ``0`` (default):
     off."""
+    compile: bool | Mapping[str, Any] = False
+    """Backprop: run each step's forward and backward through ``torch.compile`` of the model (each
+    layer's hand-written backward kept as one node of the compiled graph; the loss, the guards and
+    the optimizer update run as in the eager step). ``True``: torch.compile's defaults (Inductor);
+    or a mapping of its keyword arguments ``fullgraph``, ``dynamic``, ``backend``, ``mode``,
+    ``options`` (``{"mode": "reduce-overhead"}`` for Inductor's CUDA graphs, ``{"dynamic": True}``).
+    Compiled steps run the host loop, never the CUDA device path; TargetProp and Tweening refuse it."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -294,6 +302,7 @@ class TrainingConfig:
             raise TypeError(f"TrainingConfig: seed must be an int or None, got {self.seed!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise TypeError(f"TrainingConfig: cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}")
+        self.compile = _compile_setting(self.compile, self.cuda_graph)
         if self.loss_fn is not None and (not callable(self.loss_fn) or isinstance(self.loss_fn, (str, type))):
             raise TypeError(
                 f"TrainingConfig: loss_fn must be None or a callable loss_fn(output, target) -> one-element tensor, got {self.loss_fn!r}"
@@ -389,6 +398,38 @@ class TrainingConfig:
         """The method's own settings (``None`` for a method without a config type, e.g. backprop)."""
         cls, cfg = self.method_spec()
         return None if isinstance(cfg, Method) else cfg
+
+
+COMPILE_OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
+
+
+def _compile_setting(spec: Any, cuda_graph: bool | None) -> bool | dict[str, Any]:
+    """``TrainingConfig.compile`` checked: a bool, or a mapping of ``torch.compile`` keyword arguments
+    (``COMPILE_OPTIONS``; ``mode`` and ``options`` not both) kept as a dict; not with
+    ``cuda_graph=True`` (a compiled step runs the host loop)."""
+    if isinstance(spec, Mapping):
+        unknown = sorted(str(k) for k in spec if k not in COMPILE_OPTIONS)
+        if unknown:
+            guess = closest(unknown[0], COMPILE_OPTIONS)
+            hint = f" (did you mean {guess!r}?)" if guess else ""
+            raise ValueError(
+                f"TrainingConfig: compile has unknown torch.compile option {unknown[0]!r}{hint}; valid: "
+                f"{', '.join(map(repr, COMPILE_OPTIONS))}"
+            )
+        if "mode" in spec and "options" in spec:
+            raise ValueError("TrainingConfig: compile cannot hold both 'mode' and 'options' (torch.compile takes one of them)")
+        spec = dict(spec)
+    elif not isinstance(spec, bool):
+        raise TypeError(
+            "TrainingConfig: compile must be a bool or a mapping of torch.compile options (e.g. {'mode': "
+            f"'reduce-overhead'}}), got {spec!r}"
+        )
+    if spec is not False and cuda_graph:
+        raise ValueError(
+            "TrainingConfig: compile and cuda_graph=True cannot be combined: compiled steps run the host loop, not "
+            "the CUDA device path; for CUDA graphs of the compiled step use compile={'mode': 'reduce-overhead'}"
+        )
+    return spec
 
 
 def resolve_method(config: TrainingConfig) -> Method:

@@ -90,7 +90,10 @@ class Method:
     * ``multi_input``: whether it trains models of several inputs (batches ``((x1, x2, ...), y)``,
       ``model(*inputs)``); ``custom_loss``: whether it takes ``TrainingConfig.loss_fn``;
       ``accumulates``: whether it takes ``TrainingConfig.accumulate_grad_batches`` > 1 (backprop all
-      three; a method that needs the one input tensor and its own loss refuses them).
+      three; a method that needs the one input tensor and its own loss refuses them);
+    * ``compiles``: whether it takes ``TrainingConfig.compile`` (its step differentiates the model
+      with autograd, which ``torch.compile`` can trace; backprop only: a rule that calls the layers'
+      hand-written backward directly refuses it).
 
     A method object is bound to one training run at a time (``bind``): its state is built then.
     """
@@ -105,6 +108,7 @@ class Method:
     multi_input: ClassVar[bool] = False
     custom_loss: ClassVar[bool] = False
     accumulates: ClassVar[bool] = False
+    compiles: ClassVar[bool] = False
     engine: Any = None
 
     # ------------------------------------------------------------------ building
@@ -134,7 +138,7 @@ class Method:
         """Raise ``ValueError`` when ``training`` (a ``TrainingConfig``) asks for something this method
         cannot do with ``config`` (its settings). The base refuses, for a method with its own update
         rule (``uses_optimizer`` False), an optimizer other than the default, ``optimizer_options`` and
-        float16 loss scaling;
+        float16 loss scaling; ``compile`` for a method that is not ``compiles``;
         a loss it cannot train on (``losses``) or a config's ``loss_type`` that disagrees with the
         ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
         ``learning_rate`` that disagrees with it (one rate, one place)."""
@@ -148,6 +152,11 @@ class Method:
             raise ValueError(
                 f"TrainingConfig: accumulate_grad_batches={training.accumulate_grad_batches!r} is for backprop; "
                 f"method {label} updates the weights from every batch by its own rule (leave it at 1)"
+            )
+        if getattr(training, "compile", False) and not cls.compiles:
+            raise ValueError(
+                f"TrainingConfig: compile is for backprop; method {label} runs the layers' hand-written backward (or "
+                "its own) directly, outside autograd, which torch.compile does not trace (leave compile=False)"
             )
         if not cls.uses_optimizer:
             if not (isinstance(training.optimizer, str) and training.optimizer.lower() == "sgd"):

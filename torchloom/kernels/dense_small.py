@@ -11,6 +11,12 @@ The forward stays ``addmm`` + activation: a fused forward kernel measured 18.5 Â
 ``SMALL_BATCH_MAX`` is the switch.
 
 Products run in IEEE float32 (``input_precision="ieee"``), not TF32, so results match the CPU path.
+
+Under ``torch.compile`` the kernel is reached through the custom operator
+``torch.ops.torchloom.dense_small_backward`` (``torch.library.triton_op``, the launch wrapped by
+``torch.library.wrap_triton``): Dynamo records one op node, and AOTAutograd hands Inductor the Triton
+kernel itself, which it schedules with the code around it. Eager calls launch the kernel directly
+(no dispatcher on the way, and they may write into given ``out=`` buffers).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torch import Tensor
 from ._tl import jit, tl, triton
 from ._triton import use_triton
 
-__all__ = ["ACT_CODES", "SMALL_BATCH_MAX", "dense_small_backward_ref", "dense_small_backward", "supports"]
+__all__ = ["ACT_CODES", "SMALL_BATCH_MAX", "dense_small_backward_ref", "dense_small_backward", "supports", "OP_NAME"]
 
 # Activations the kernels implement (the others keep the torch path).
 ACT_CODES = {"linear": 0, "relu": 1, "leaky_relu": 2, "relu2": 3, "sigmoid": 4, "tanh": 5, "silu": 6}
@@ -153,15 +159,59 @@ def _contig(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _programs(m, n, k, need_dx: bool):
+    """The launch grid's size: the dW/db tiles, then the dx tiles (plain or symbolic sizes)."""
+    tiles_k = (k + _BWD_BLOCK_K - 1) // _BWD_BLOCK_K
+    dx_tiles = ((m + _BLOCK_M - 1) // _BLOCK_M) * tiles_k if need_dx else 0
+    return ((n + _BWD_BLOCK_N - 1) // _BWD_BLOCK_N) * tiles_k + dx_tiles
+
+
+OP_NAME = "torchloom::dense_small_backward"
+
+
+def _op_body(
+    g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: int, has_bias: bool, need_dx: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The operator's implementation (and, run on fake tensors, its shape function): ``g, pre [M, N]``,
+    ``x [M, K]``, ``w [N, K]`` float32 â†’ ``(dx [M, K], dW [N, K], db [N])``, fresh tensors; ``dx`` is
+    ``[1, K]`` and unwritten when ``need_dx`` is False, ``db`` unwritten when ``has_bias`` is False
+    (the kernel gets three distinct buffers: a functional trace copies each one it writes)."""
+    g, pre, x, w = g.contiguous(), pre.contiguous(), x.contiguous(), w.contiguous()
+    m, n = g.shape
+    k = x.shape[1]
+    dw = torch.empty(n, k, device=g.device, dtype=torch.float32)
+    db = torch.empty(n, device=g.device, dtype=torch.float32)
+    dx = torch.empty(m if need_dx else 1, k, device=g.device, dtype=torch.float32)
+    torch.library.wrap_triton(_dense_bwd_kernel)[(_programs(m, n, k, need_dx),)](
+        dw, db, dx, g, pre, x, w, m, n, k, n, k, k,
+        ACT=act, HAS_BIAS=has_bias, BLOCK_M=_BLOCK_M, BLOCK_N=_BWD_BLOCK_N, BLOCK_K=_BWD_BLOCK_K, num_warps=4,
+    )
+    return dx, dw, db
+
+
+# The registered operator (None without Triton: the layer then never reaches the kernel).
+dense_small_backward_op = (
+    torch.library.triton_op(OP_NAME, _op_body, mutates_args=()) if triton is not None else None
+)
+
+
 def dense_small_backward(
     g: Tensor, pre: Tensor, x: Tensor, w: Tensor, act: str, has_bias: bool, need_dx: bool, backend: str | None = None,
     out: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """``(dx or None, dW, db or None)`` of a Dense layer from the output gradient ``g [M, N]``, the
     saved ``pre [M, N]`` and ``x [M, K]`` and the weight ``w [N, K]``: one kernel on CUDA. ``out``:
-    optional contiguous ``(dW [N, K], db [N])`` buffers the kernel writes into (returned as dW, db)."""
+    optional contiguous ``(dW [N, K], db [N])`` buffers the kernel writes into (returned as dW, db).
+    While ``torch.compile`` traces, the kernel is called as the operator
+    ``torch.ops.torchloom.dense_small_backward`` (``out`` is then copied into)."""
     if not use_triton(g, backend):
         return dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
+    if torch.compiler.is_compiling():
+        dx, dw, db = torch.ops.torchloom.dense_small_backward(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
+        dw_out, db_out = out if out is not None else (None, None)
+        dw = dw_out.copy_(dw) if dw_out is not None else dw
+        db = (db_out.copy_(db) if db_out is not None else db) if has_bias else None
+        return (dx if need_dx else None), dw, db
     g, pre, x, w = g.contiguous(), pre.contiguous(), _contig(x), w.contiguous()
     m, n = g.shape
     k = x.shape[1]
@@ -171,9 +221,7 @@ def dense_small_backward(
     if has_bias:
         db = db_out if db_out is not None and db_out.is_contiguous() else torch.empty(n, device=g.device, dtype=torch.float32)
     dx = torch.empty(m, k, device=g.device, dtype=torch.float32) if need_dx else None
-    tiles_k = triton.cdiv(k, _BWD_BLOCK_K)
-    programs = triton.cdiv(n, _BWD_BLOCK_N) * tiles_k + (triton.cdiv(m, _BLOCK_M) * tiles_k if need_dx else 0)
-    _dense_bwd_kernel[(programs,)](
+    _dense_bwd_kernel[(_programs(m, n, k, need_dx),)](
         dw, db if db is not None else dw, dx if dx is not None else dw,
         g, pre, x, w, m, n, k, g.stride(0), x.stride(0), w.stride(0),
         ACT=ACT_CODES[act], HAS_BIAS=has_bias,

@@ -24,19 +24,25 @@ The tiled kernels need the row in one block (``n ≤ 8192`` on CUDA); longer row
 Read top to bottom: ``layernorm_ref`` / ``layernorm_backward_ref`` (the spec), the kernels, the
 launchers ``layernorm`` / ``layernorm_backward`` (the one place that picks the kernel or the
 reference) and ``tiled_forward`` / ``tiled_backward`` (shared with RMSNorm).
+
+Under ``torch.compile`` the tiled kernels are reached through the custom operators
+``torch.ops.torchloom.norm_forward`` / ``torch.ops.torchloom.norm_backward`` (``torch.library.triton_op``,
+the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
+AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional  # (the operators' schemas are read from their annotations)
 
 import torch
 from torch import Tensor
 
-from ._tl import jit, tl
+from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, use_triton
 
-__all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled"]
+__all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
 
 _CUDA_MAX_BLOCK = 8192  # a row up to this length sits in registers in one piece
 _INTERPRETER_MAX_BLOCK = 1 << 16
@@ -207,19 +213,23 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=1024)
-def _backward_grid(n_rows: int, n_cols: int, element_size: int, device_index: int | None) -> tuple[int, int]:
+def _grid(n_rows, n_cols: int, element_size: int, device_index: int | None):
     """``(programs, tiles_per_program)`` of the backward (``device_index=None``: the interpreter).
     Each program writes one float32 row of dw (and db) partials: at most one per
     ``_COLUMN_BYTES_PER_PARTIAL`` (256) bytes of a column of x, so the partials stay a small fraction
-    of x's size (peak memory), but at least one per SM. Cached per shape (at most 1,024 of them)."""
+    of x's size (peak memory), but at least one per SM. ``n_rows`` may be symbolic (a compiled graph
+    with dynamic sizes): ``torch.sym_min`` / ``sym_max`` keep the grid a formula of it."""
     rows, _, _ = _settings(n_cols, device_index is not None)
     tiles = -(-n_rows // rows)
     sms = _sm_count(device_index) if device_index is not None else 2
-    cap = max(sms, n_rows * element_size // _COLUMN_BYTES_PER_PARTIAL)
-    programs = max(1, min(tiles, _PROGRAMS_PER_SM * sms, cap))
+    cap = torch.sym_max(sms, n_rows * element_size // _COLUMN_BYTES_PER_PARTIAL)
+    programs = torch.sym_max(1, torch.sym_min(tiles, torch.sym_min(_PROGRAMS_PER_SM * sms, cap)))
     tiles_per_program = -(-tiles // programs)
     return -(-tiles // tiles_per_program), tiles_per_program  # no program without rows
+
+
+# Cached per shape for eager calls (at most 1,024 shapes).
+_backward_grid = functools.lru_cache(maxsize=1024)(_grid)
 
 
 def _dense(t: Tensor) -> Tensor:
@@ -232,6 +242,57 @@ def _device_index(t: Tensor) -> int | None:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+# ------------------------------------------------------------------------------------ operators
+OP_NAMES = ("torchloom::norm_forward", "torchloom::norm_backward")
+
+
+def _norm_forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.torchloom.norm_forward``: ``(y, mean, rstd)`` of the tiled kernel, fresh tensors
+    (``mean`` unwritten when ``rms``); run on fake tensors, also the operator's shape function. Every
+    buffer the kernel gets is its own (a functional trace copies each one a kernel writes)."""
+    x2 = x.contiguous()
+    n = x2.shape[-1]
+    n_rows = x2.numel() // n
+    rows, block, num_warps = _settings(int(n), x2.is_cuda)  # (a symbolic row length is specialised)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[:-1], device=x2.device, dtype=torch.float32)
+    mean = torch.empty_like(rstd)
+    b = bias.contiguous() if bias is not None else torch.empty(1, device=x2.device, dtype=weight.dtype)
+    torch.library.wrap_triton(_norm_forward_kernel)[(-(-n_rows // rows),)](
+        y, mean, rstd, x2, weight.contiguous(), b, n_rows, n, eps,
+        RMS=rms, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block, num_warps=num_warps,
+    )
+    return y, mean, rstd
+
+
+def _norm_backward_op(
+    grad_out: Tensor, x: Tensor, weight: Tensor, mean: Optional[Tensor], rstd: Tensor, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.torchloom.norm_backward``: ``(dx, dw, db)``, fresh tensors (``db`` empty without
+    ``has_bias``); LayerNorm with ``mean``, RMSNorm without."""
+    x2, g2 = x.contiguous(), grad_out.contiguous()
+    n = x2.shape[-1]
+    n_rows = x2.numel() // n
+    rows, block, num_warps = _settings(int(n), x2.is_cuda)
+    programs, tiles_per_program = _grid(n_rows, int(n), x2.element_size(), _device_index(x2))
+    dx = torch.empty_like(x2)
+    partial = torch.empty(programs, 2 if has_bias else 1, n, device=x2.device, dtype=torch.float32)
+    rstd2 = rstd.to(torch.float32).contiguous()
+    mean2 = torch.empty(1, device=x2.device, dtype=torch.float32) if mean is None else mean.to(torch.float32).contiguous()
+    torch.library.wrap_triton(_norm_backward_kernel)[(programs,)](
+        dx, partial, g2, x2, weight.contiguous(), mean2, rstd2, n_rows, n, tiles_per_program,
+        RMS=mean is None, HAS_BIAS=has_bias, ROWS=rows, BLOCK=block, num_warps=num_warps,
+    )
+    dw = partial[:, 0].sum(0).to(weight.dtype)
+    db = partial[:, 1].sum(0).to(weight.dtype) if has_bias else dw.new_empty(0)
+    return dx, dw, db
+
+
+if triton is not None:  # without Triton the layers never reach the kernels
+    torch.library.triton_op(OP_NAMES[0], _norm_forward_op, mutates_args=())
+    torch.library.triton_op(OP_NAMES[1], _norm_backward_op, mutates_args=())
+
+
 # The launchers below run on every call of a layer, so they keep the host's work small (at a few
 # thousand rows the layer's time is the host's, not the GPU's): no reshapes (the kernels index
 # contiguous rows), the launch settings cached per shape.
@@ -239,7 +300,11 @@ def tiled_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """``(y, mean or None, rstd)`` of LayerNorm (``rms=False``) or RMSNorm (``rms=True``, no bias)
-    through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``."""
+    through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``. While
+    ``torch.compile`` traces: the operator ``torch.ops.torchloom.norm_forward``."""
+    if torch.compiler.is_compiling():
+        y, mean, rstd = torch.ops.torchloom.norm_forward(x, weight, bias, eps, rms)
+        return y, (None if rms else mean), rstd
     x2 = _dense(x)
     n = x2.shape[-1]
     n_rows = x2.numel() // n
@@ -260,7 +325,11 @@ def tiled_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor, has_bias: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dx, dw, db or None)`` of LayerNorm (``mean`` given) or RMSNorm (``mean=None``) through the
-    tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s."""
+    tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s. While ``torch.compile``
+    traces: the operator ``torch.ops.torchloom.norm_backward``."""
+    if torch.compiler.is_compiling():
+        dx, dw, db = torch.ops.torchloom.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
+        return dx, dw, (db if has_bias else None)
     x2, g2 = _dense(x), _dense(grad_out)
     n = x2.shape[-1]
     n_rows = x2.numel() // n

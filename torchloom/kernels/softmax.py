@@ -15,6 +15,11 @@ a longer row is swept twice in chunks (online max and sum, then the output), so 
 
 Read top to bottom: ``softmax_ref`` / ``softmax_backward_ref`` (the spec), the Triton kernels, the
 launchers ``softmax`` / ``softmax_backward`` (the one place that picks the kernel or the reference).
+
+Under ``torch.compile`` the kernels are reached through the custom operators
+``torch.ops.torchloom.softmax`` / ``torch.ops.torchloom.softmax_backward`` (``torch.library.triton_op``,
+the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
+AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._tl import jit, tl
+from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, row_settings, use_triton
 
-__all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward"]
+__all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward", "OP_NAMES"]
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -153,17 +158,57 @@ def _launch_softmax_backward(grad_out: Tensor, p: Tensor, temperature: float, bl
     return dx.view(p.shape)
 
 
+# ------------------------------------------------------------------------------------ operators
+OP_NAMES = ("torchloom::softmax", "torchloom::softmax_backward")
+
+
+def _softmax_op(x: Tensor, temperature: float) -> Tensor:
+    """``torch.ops.torchloom.softmax``: a fresh ``[..., C]`` output (run on fake tensors, also the
+    operator's shape function; a symbolic row length is specialised, the row count stays symbolic)."""
+    n = int(x.shape[-1])
+    x2 = x.reshape(-1, n).contiguous()
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    block, num_warps = row_settings(n, x2.is_cuda)
+    torch.library.wrap_triton(_softmax_kernel)[(x2.shape[0],)](
+        out, x2, n, 1.0 / temperature, BLOCK=block, SINGLE=n <= block, num_warps=num_warps
+    )
+    return out
+
+
+def _softmax_backward_op(grad_out: Tensor, p: Tensor, temperature: float) -> Tensor:
+    """``torch.ops.torchloom.softmax_backward``: a fresh ``dx`` of ``p``'s shape."""
+    n = int(p.shape[-1])
+    g2, p2 = grad_out.reshape(-1, n).contiguous(), p.reshape(-1, n).contiguous()
+    dx = torch.empty(p.shape, device=p.device, dtype=p.dtype)
+    block, num_warps = row_settings(n, p2.is_cuda)
+    torch.library.wrap_triton(_softmax_backward_kernel)[(p2.shape[0],)](
+        dx, g2, p2, n, 1.0 / temperature, BLOCK=block, SINGLE=n <= block, num_warps=num_warps
+    )
+    return dx
+
+
+if triton is not None:  # without Triton the layer never reaches the kernels
+    torch.library.triton_op(OP_NAMES[0], _softmax_op, mutates_args=())
+    torch.library.triton_op(OP_NAMES[1], _softmax_backward_op, mutates_args=())
+
+
 def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:
     """``softmax(x / T)`` over the last dimension of ``x [..., C]``: the Triton kernel on CUDA for
-    float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``)."""
+    float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``); while
+    ``torch.compile`` traces, the operator ``torch.ops.torchloom.softmax``."""
     if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0:
         return softmax_ref(x, temperature)
+    if torch.compiler.is_compiling():
+        return torch.ops.torchloom.softmax(x, float(temperature))
     return _launch_softmax(x, temperature)
 
 
 def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:
     """``p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension; ``grad_out`` and ``p`` are ``[..., C]``. The
-    Triton kernel on CUDA, the reference elsewhere."""
+    Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, the operator
+    ``torch.ops.torchloom.softmax_backward``."""
     if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0:
         return softmax_backward_ref(grad_out, p, temperature)
+    if torch.compiler.is_compiling():
+        return torch.ops.torchloom.softmax_backward(grad_out, p, float(temperature))
     return _launch_softmax_backward(grad_out, p, temperature)

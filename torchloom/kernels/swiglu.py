@@ -12,6 +12,11 @@ Eager PyTorch runs the forward as 2 kernels (silu, multiply) and the backward as
 
 Read top to bottom: ``swiglu_ref`` / ``swiglu_backward_ref`` (the spec), the Triton kernels, the
 launchers ``swiglu`` / ``swiglu_backward`` (the one place that picks the kernel or the reference).
+
+Under ``torch.compile`` the kernels are reached through the custom operators
+``torch.ops.torchloom.swiglu`` / ``torch.ops.torchloom.swiglu_backward`` (``torch.library.triton_op``,
+the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
+AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._tl import jit, tl
+from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
 
-__all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward"]
+__all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward", "OP_NAMES"]
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -84,12 +89,45 @@ def _swiglu_backward_kernel(
     tl.store(du_ptr + offs, (da * g * s).to(du_ptr.dtype.element_ty), mask=mask)
 
 
+# ------------------------------------------------------------------------------------ operators
+OP_NAMES = ("torchloom::swiglu", "torchloom::swiglu_backward")
+
+
+def _swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+    """``torch.ops.torchloom.swiglu``: the forward kernel on contiguous copies, a fresh output (run on
+    fake tensors, also the operator's shape function)."""
+    g, u = gate.contiguous(), up.contiguous()
+    a = torch.empty_like(g)
+    block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
+    torch.library.wrap_triton(_swiglu_kernel)[(programs,)](a, g, u, g.numel(), BLOCK=block, num_warps=num_warps)
+    return a
+
+
+def _swiglu_backward_op(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.ops.torchloom.swiglu_backward``: ``(d_gate, d_up)``, fresh outputs."""
+    da, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
+    d_gate, d_up = torch.empty_like(g), torch.empty_like(u)
+    block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
+    torch.library.wrap_triton(_swiglu_backward_kernel)[(programs,)](
+        d_gate, d_up, da, g, u, g.numel(), BLOCK=block, num_warps=num_warps
+    )
+    return d_gate, d_up
+
+
+if triton is not None:  # without Triton the layer never reaches the kernels
+    torch.library.triton_op(OP_NAMES[0], _swiglu_op, mutates_args=())
+    torch.library.triton_op(OP_NAMES[1], _swiglu_backward_op, mutates_args=())
+
+
 # ------------------------------------------------------------------------------------ launchers
 def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) ⊙ up`` (same shapes): the Triton kernel on CUDA for float32/float16/bfloat16, the
-    reference elsewhere (``backend`` as ``_triton.use_triton``)."""
+    reference elsewhere (``backend`` as ``_triton.use_triton``); while ``torch.compile`` traces, the
+    operator ``torch.ops.torchloom.swiglu``."""
     if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0:
         return swiglu_ref(gate, up)
+    if torch.compiler.is_compiling():
+        return torch.ops.torchloom.swiglu(gate, up)
     g, u = gate.contiguous(), up.contiguous()
     a = torch.empty_like(g)
     block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
@@ -104,9 +142,12 @@ def swiglu_backward(
 
     ``out_gate``: a buffer for ``d_gate`` (used when it is contiguous with ``gate``'s shape and dtype,
     else ignored); it may be ``grad`` itself: every element of ``grad`` is read before ``d_gate`` is
-    written at the same place, so the gradient overwrites ``grad`` and saves one allocation."""
+    written at the same place, so the gradient overwrites ``grad`` and saves one allocation. While
+    ``torch.compile`` traces: the operator ``torch.ops.torchloom.swiglu_backward``, ``out_gate`` unused."""
     if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0:
         return swiglu_backward_ref(grad, gate, up)
+    if torch.compiler.is_compiling():  # the operator: fresh outputs (out_gate is a saving of eager calls)
+        return torch.ops.torchloom.swiglu_backward(grad, gate, up)
     da, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
     fits = out_gate is not None and out_gate.is_contiguous() and out_gate.shape == g.shape and out_gate.dtype == g.dtype
     d_gate, d_up = (out_gate if fits else torch.empty_like(g)), torch.empty_like(u)

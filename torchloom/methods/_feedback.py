@@ -51,6 +51,7 @@ class FeedbackRule(Backprop):
 
     dense_chain = False
     rule = ""
+    compiles = False  # its own backward runs outside autograd: TrainingConfig.compile is refused
     feedback: list[Tensor]
 
     def bind(self, engine: Any) -> None:

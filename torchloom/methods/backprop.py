@@ -16,6 +16,13 @@ with every decision in device tensors: the fused loss writes per-block partial s
 land in the optimizer's flat ``.grad`` views, the step guard decides NaN/Inf and the clip scale on the
 device, and the fused update obeys its ``found_inf``.
 
+Compiled (``TrainingConfig(compile=True)``, or a mapping of ``torch.compile`` options): steps 1 and 4
+run through ``torch.compile`` of the model instead: its forward under autograd (each layer's
+``autograd.Function`` holds its hand-written backward), then ``torch.autograd.grad`` of the output
+with the loss gradient runs the compiled backward; the loss (step 2) and steps 3 and 5-7 are the
+eager step's. Such a run takes the host loop on every device (the CUDA device path and its graph
+capture are the eager step's; ``{"mode": "reduce-overhead"}`` gives Inductor's own CUDA graphs).
+
 Per-layer observer events (``on_layer_forward`` / ``on_layer_backward``): only when an observer
 implements one of them does the step record history (``forward_record``) and send one event per
 layer; otherwise steps 1 and 4 stay the lean ``forward_saved`` / ``backward_saved`` pair.
@@ -37,10 +44,13 @@ from ..engine.guards import state_tensors
 from ..engine.losses import check_target, kernel_module, loss_and_grad
 from ..engine.method import Method, all_finite, register_method
 from ..engine.types import StepOutput, StepStatus
+from ..observers.base import ObserverList
 from ..kernels._update import coalesce
 from ..optim.optimizers import AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
 
 __all__ = ["Backprop", "LossScaler"]
+
+_AUTOGRAD = object()  # the "saved" state of a compiled forward: its output carries the autograd graph
 
 def _global_step_hooks() -> bool:
     """Whether any optimizer step hook is registered globally (``register_optimizer_step_*_hook``)."""
@@ -106,6 +116,7 @@ class Backprop(Method):
     multi_input = True  # batches ((x1, x2, ...), y) for a module taking several inputs
     custom_loss = True  # TrainingConfig.loss_fn
     accumulates = True  # TrainingConfig.accumulate_grad_batches
+    compiles = True  # TrainingConfig.compile: the step differentiates the model with autograd
     update_pending = False  # an accumulating step that has not updated yet (the engine's schedule waits)
 
     def bind(self, engine: Any) -> None:
@@ -141,6 +152,7 @@ class Backprop(Method):
                 group["capturable"] = True
         self.loss_scaler = LossScaler(self.device) if config.precision == "16-mixed" else None
         self._exact_backward = type(self).backward is Backprop.backward
+        self.compiled_model = self._compile(config)
         if self.device.type == "cuda" and config.cuda_graph and (self.loss_fn is not None or self.accumulate > 1):
             raise ValueError(
                 "TrainingConfig(cuda_graph=True) cannot be honoured with loss_fn or accumulate_grad_batches > 1 "
@@ -151,6 +163,27 @@ class Backprop(Method):
                 "TrainingConfig(cuda_graph=True) needs one of torchloom's optimizers (AdamW with "
                 f"capturable=True), got {type(self.optimizer).__name__}"
             )
+
+    def _compile(self, config: Any) -> Any:
+        """``torch.compile`` of the model for ``TrainingConfig.compile`` (``None`` when off): a wrapper
+        (``OptimizedModule``) over the model, which itself stays as it is. ``ValueError`` for a subclass
+        with its own ``backward`` (the compiled step differentiates the model with autograd) and with
+        per-layer observer events (they come from the eager step's layer-by-layer forward)."""
+        spec = getattr(config, "compile", False)
+        if spec is False:
+            return None
+        if not self._exact_backward:
+            raise ValueError(
+                f"TrainingConfig: compile cannot be used with {type(self).__name__}: it overrides backward(), and a "
+                "compiled step differentiates the model with autograd (the layers' hand-written backward); leave compile=False"
+            )
+        wanted = [h for h in ("on_layer_forward", "on_layer_backward") if ObserverList(config.observers).wants(h)]
+        if wanted:
+            raise ValueError(
+                f"TrainingConfig: compile cannot send per-layer observer events ({' / '.join(wanted)}): they come from the "
+                "eager step's layer-by-layer forward; leave compile=False or drop those observers"
+            )
+        return torch.compile(self.model, **({} if spec is True else spec))
 
     def backward(self, grad_out: Tensor, saved: Any) -> Sequence[Tensor]:
         """The parameter gradients (one per trainable parameter, in ``model.parameters()`` order) from
@@ -196,6 +229,8 @@ class Backprop(Method):
         tensors and never reads them on the host (AdamW only with ``capturable=True``); never with a
         ``loss_fn``, gradient accumulation or a model of several inputs (host steps)."""
         if self.loss_fn is not None or self.accumulate > 1 or self.engine.__dict__.get("multi_input", False):
+            return False
+        if self.compiled_model is not None:  # compiled steps run the host loop
             return False
         if isinstance(self.optimizer, AdamW):
             return all(g["capturable"] for g in self.optimizer.param_groups)
@@ -384,6 +419,12 @@ class Backprop(Method):
     @torch.no_grad()
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         """One host-checked step (steps 1-7 of the module docstring; the engine steps the schedule)."""
+        if self.compiled_model is not None:  # forward and backward through torch.compile
+            if self.device.type == "cuda":  # a new step: Inductor's CUDA graphs (mode="reduce-overhead") may reuse the last one's outputs
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.enable_grad():
+                out = self.compiled_model(x)
+            return self._step_after_forward(out, _AUTOGRAD, y, None)
         events = self.layer_events()  # None unless an observer wants per-layer events
         if events is None:
             out, saved = self.model.forward_saved(x)
@@ -402,6 +443,7 @@ class Backprop(Method):
         return self._step_after_forward(out, saved, y, None)
 
     def _step_after_forward(self, out: Tensor, saved: Any, y: Tensor, events: Any) -> StepOutput:
+        graph_out, out = (out, out.detach()) if saved is _AUTOGRAD else (None, out)
         loss_t, grad = self._loss_and_grad(out, y)
         scaler = self.loss_scaler
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled after
@@ -412,7 +454,9 @@ class Backprop(Method):
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
         self.observe_outputs(out, y)  # training metrics, if any: batches whose loss counted
-        if not self._exact_backward:  # a rule of a subclass's: no per-layer backward events
+        if graph_out is not None:  # the compiled backward, through autograd
+            grads = self._autograd_grads(graph_out, grad)
+        elif not self._exact_backward:  # a rule of a subclass's: no per-layer backward events
             grads = tuple(self.backward(grad, saved))
         elif events is None:
             _, grads = self.model.backward_saved(grad, saved, needs_input_grad=False)
@@ -438,6 +482,13 @@ class Backprop(Method):
         self._clip(grads)
         self.optimizer_update()  # the loop checks the weights after it (UpdateGuard)
         return StepOutput(loss)
+
+    def _autograd_grads(self, out: Tensor, grad: Tensor) -> tuple[Tensor, ...]:
+        """The trainable parameters' gradients of ``Σ out·grad`` by autograd (the compiled backward
+        graph): zeros for a parameter the output does not depend on, as the hand-written backward gives."""
+        with torch.enable_grad():
+            grads = torch.autograd.grad(out, self.params, grad.to(out.dtype), allow_unused=True)
+        return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
 
     def optimizer_update(self, **guards: Tensor | None) -> None:
         """``optimizer.step(**guards)``; for an optimizer ``train()`` made itself, with no step hooks
