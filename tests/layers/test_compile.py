@@ -382,3 +382,26 @@ def test_compiled_shape_check_raises():
         compiled(torch.randn(3, 7))
         with pytest.raises(ValueError if not fullgraph else Exception, match=r"input must have shape \[batch, \.\.\., 7\]"):
             compiled(bad)
+
+
+def test_a_compiled_cpu_rmsnorm_refuses_loudly_where_torch_computes_it_wrong(monkeypatch):
+    """On torch 2.11 a compiled RMSNorm's weight gradient on CPU tensors was measured wrong (by ~13 on a
+    [4, 8] input; 2.13 and CUDA are right): there ``torchloom.layers.norm._COMPILE_GUARD`` holds a
+    message. Switched on by hand here: ``fullgraph=True`` fails with that message; without it Dynamo
+    runs the layer's frame eagerly, so the weight gradient is the eager one (against autograd)."""
+    from torchloom.layers import norm
+
+    monkeypatch.setattr(norm, "_COMPILE_GUARD", "torchloom RMSNorm under torch.compile on the CPU needs torch >= 2.13")
+    torch._dynamo.reset()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    layer = RMSNorm(4, dtype=torch.float64)
+    with pytest.raises(Exception, match=r"RMSNorm under torch.compile on the CPU needs torch >= 2.13"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 2.0, 4, dtype=torch.float64))
+    torch.compile(layer, backend="aot_eager")(x).pow(2).sum().backward()
+    w = layer.weight.detach().clone().requires_grad_(True)
+    ((x * torch.rsqrt(x.square().mean(-1, keepdim=True) + layer.eps)) * w).pow(2).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+    torch._dynamo.reset()
