@@ -12,6 +12,7 @@
   history keeps it, and ``Checkpoint`` never takes it as the best.
 """
 
+import copy
 import math
 import warnings
 
@@ -203,3 +204,31 @@ def test_on_cuda_a_skipped_batch_leaves_the_running_statistics_as_without_it():
     assert result.skipped_per_epoch == [1, 1, 1]
     for key, value in want.state_dict().items():
         torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_a_constant_non_finite_buffer_does_not_stop_training():
+    """A model that keeps a ``-inf`` mask as a buffer (a constant, not a statistic): the buffer guard
+    leaves it out, so every step counts and the weights move as plain SGD's (against torch.optim)."""
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+
+        def forward(self, x):
+            return self.lin(x) + self.mask.clamp_min(-1e4) * 0
+
+    torch.manual_seed(0)
+    model = Masked()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
+    r = train(model, batches, TrainingConfig(epochs=1, learning_rate=0.1, verbose=0))
+    assert r.skipped_batches == 0
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 import copy
 
 import pytest
@@ -208,3 +209,27 @@ def test_whole_tensors_of_several_inputs_are_batched_alike() -> None:
     assert str(e.value) == (
         "batches: the inputs (X1, X2, ...) must be tensors [n, ...] with the same number of rows, got shapes [[20, 3], [5, 4]]"
     )
+
+
+def test_an_abandoned_epoch_with_accumulation_steps_the_schedule_once_per_missed_update():
+    """A NaN loss abandons an epoch: the schedule catches up by the updates the epoch did not reach
+    (one per ``accumulate_grad_batches`` batches, the last group counted), so the next epoch starts
+    at the same step of the schedule as a run without the bad batch."""
+    import torchloom
+
+    seen = []
+
+    def schedule(step):
+        seen.append(step)
+        return 0.01
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)) for _ in range(5)]
+    batches[1] = (batches[1][0].clone().fill_(float("nan")), batches[1][1])  # epoch 1 stops at its second batch
+    torch.manual_seed(0)
+    net = torchloom.Network(torchloom.Dense(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torchloom.train(net, batches, torchloom.TrainingConfig(epochs=1, accumulate_grad_batches=2, scheduler=schedule, verbose=0))
+    # 5 batches in groups of 2 → 3 updates an epoch: the schedule stepped 3 times in all
+    assert max(seen) == 3

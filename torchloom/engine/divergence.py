@@ -75,7 +75,7 @@ class DivergenceWatch:
             where = "its first epoch" if ref == self.first else f"epoch {self.best_epoch + 1}, its best"
             reasons.append(f"the loss grew from {ref:.4g} ({where}) to {loss:.4g}, more than {self.factor:g}×")
         elif (self.factor > 0 and math.isfinite(self.first) and math.isfinite(self.best) and self.best_epoch is not None
-              and loss > self.first and loss > REGRESSION * self.best):
+              and self.best > 0 and loss > self.first and loss > REGRESSION * self.best):
             reasons.append(
                 f"the loss rose from {self.best:.4g} (epoch {self.best_epoch + 1}, its best) to {loss:.4g}, above its first "
                 f"epoch's {self.first:.4g}: training is undoing its progress"

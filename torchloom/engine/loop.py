@@ -343,8 +343,9 @@ class Trainer(WarmStart):
             )
         out = self.host_epoch(source, epoch)
         scheduler = self.batch_scheduler
-        if scheduler is not None and source.sized:
-            for _ in range(len(source) - out.batches_run):  # batches an abandoned epoch did not reach
+        if scheduler is not None and source.sized:  # the updates an abandoned epoch did not reach
+            k = max(int(getattr(self.training, "accumulate_grad_batches", 1) or 1), 1)
+            for _ in range(-(-len(source) // k) - out.schedule_steps):  # a whole epoch: one step per update
                 scheduler.step()
         return out
 
@@ -382,14 +383,15 @@ class Trainer(WarmStart):
                     step = StepOutput(step.loss, StepStatus.NAN_WEIGHTS, step.logs)
                 elif step.status is not StepStatus.OK:
                     buffers.restore()
-            if step.status is StepStatus.OK and self.lowbit is not None:  # master takes the update, weights requantised
-                self.lowbit.after_update(self.global_step)
+            if step.status is StepStatus.OK and self.lowbit is not None and not getattr(self.method, "update_pending", False):
+                self.lowbit.after_update(self.global_step)  # master takes the update, weights requantised
             if measure:
                 probe.after(step.status is StepStatus.OK)
             if log_now:
                 self.log_step(self.global_step, step.loss, step.logs, lrs, step.status is not StepStatus.OK)
             if scheduler is not None and not getattr(self.method, "update_pending", False):
                 scheduler.step()  # once per update (an accumulating method updates every k batches)
+                out.schedule_steps += 1
             self.global_step += 1
             if step.status is StepStatus.NAN_LOSS:
                 out.skipped += 1
@@ -481,8 +483,17 @@ class Trainer(WarmStart):
 
     def guarded_buffers(self) -> list[Tensor]:
         """The model's buffers (BatchNorm's running mean, variance and batch count): a step's forward
-        changes them, so a step that does not count puts them back (``guards.py``)."""
-        return [b for b in self.model.buffers() if b.numel()]
+        changes them, so a step that does not count puts them back (``guards.py``). A floating buffer
+        that holds a non-finite value when the run first asks (an attention mask of ``-inf``) is a
+        constant, not a statistic: it is left out, or every step would look non-finite. Chosen by name
+        once, so a move to another device keeps the choice."""
+        names = self.__dict__.get("_guarded_buffer_names")
+        if names is None:
+            names = self._guarded_buffer_names = {
+                n for n, b in self.model.named_buffers()
+                if b.numel() and not (b.is_floating_point() and not bool(torch.isfinite(b).all()))
+            }
+        return [b for n, b in self.model.named_buffers() if n in names]
 
     def training_state(self) -> dict[str, Any]:
         """Everything a step changes (the model, the schedule and the method's ``state_dict()``), as

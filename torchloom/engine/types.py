@@ -96,6 +96,7 @@ class EpochOutcome:
     samples: int = 0
     skipped: int = 0
     extra_sums: dict[str, float] = field(default_factory=dict)
+    schedule_steps: int = 0  # per-batch schedule steps taken (once per update)
 
     def add(self, loss: float, logs: dict[str, float] | None = None) -> None:
         self.loss_sum += loss

@@ -273,7 +273,10 @@ class Backprop(Method):
 
     def device_epoch_begin(self, runner: Any, epoch: int) -> None:
         if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
-            flatten_optimizer_(self.optimizer)
+            # data-parallel: the gradients live in the one all-reduce buffer (``grad_views``) in parameter
+            # order; re-homing them per param group would leave the step writing views the optimizer no
+            # longer reads (two interleaved groups: the updates froze at epoch 0's last gradients)
+            flatten_optimizer_(self.optimizer, grads=self._reduce_prefix is None)
 
     def guarded_device_tensors(self) -> list[Tensor]:
         """What an update changes, as few tensors as the flat layout allows: per param group its
