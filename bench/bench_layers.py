@@ -412,6 +412,16 @@ def _compile_and_first_step(label: str, fn: Callable, case: Case, params: list, 
         return None, breaks, counter, float("nan"), f"compile failed: {type(e).__name__}"
 
 
+def _selected(cases: dict, dtypes: list, only: list | None):
+    """``(case, dtype name)`` in table order (each case's dtypes together), keeping the cases whose name
+    contains one of ``only`` (all without it)."""
+    for idx in range(len(cases[dtypes[0]])):
+        for dtype_name in dtypes:
+            case = cases[dtype_name][idx]
+            if not only or any(o in case.name for o in only):
+                yield case, dtype_name
+
+
 def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.device, target: float, backend: str, budget: float,
                    start: float) -> list[str]:
     """The "torchloom compiled vs PyTorch compiled" rows, printed as measured."""
@@ -429,37 +439,33 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
     ]
     print("\n".join(header), flush=True)
     lines = []
-    for idx in range(len(cases[dtypes[0]])):
-        for dtype_name in dtypes:
-            case = cases[dtype_name][idx]
-            if only and not any(o in case.name for o in only):
-                continue
-            if budget and time.perf_counter() - start > budget:
-                print(f"(--budget {budget:.0f} s spent: {case.name} {dtype_name} and the rows after it not run)", flush=True)
-                return header + lines
-            label = f"{case.name} {dtype_name}"
-            torch._dynamo.reset()
-            ours, breaks, c_ours, s_ours, note = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, True)
-            theirs, _, c_theirs, s_theirs, _ = _compile_and_first_step(f"{label} PyTorch", case.theirs, case, case.theirs_params,
-                                                                    backend, False)
-            first = (c_ours.frame_count, c_theirs.frame_count)
-            t, p = _measure(f"{label} compiled", ours, dev, target), _measure(f"{label} PyTorch compiled", theirs, dev, target)
-            mt, mp = _memory(f"{label} compiled", ours, dev), _memory(f"{label} PyTorch compiled", theirs, dev)
-            recompiles = (c_ours.frame_count - first[0], c_theirs.frame_count - first[1])
-            time_ok = not math.isnan(t) and not math.isnan(p) and t <= p
-            mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
-            met = ("time ✓" if time_ok else "time ✗") + ", " + mem + (f"; break: {note}" if note else "")
-            line = (
-                f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_ratio(t, p)} | "
-                f"{_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | {breaks if breaks >= 0 else '?'} | {recompiles[0]} / {recompiles[1]} | "
-                f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
-            )
-            lines.append(line)
-            print(line, flush=True)
-            del ours, theirs
-            torch._dynamo.reset()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    for case, dtype_name in _selected(cases, dtypes, only):
+        if budget and time.perf_counter() - start > budget:
+            print(f"(--budget {budget:.0f} s spent: {case.name} {dtype_name} and the rows after it not run)", flush=True)
+            return header + lines
+        label = f"{case.name} {dtype_name}"
+        torch._dynamo.reset()
+        ours, breaks, c_ours, s_ours, note = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, True)
+        theirs, _, c_theirs, s_theirs, _ = _compile_and_first_step(f"{label} PyTorch", case.theirs, case, case.theirs_params,
+                                                                backend, False)
+        first = (c_ours.frame_count, c_theirs.frame_count)
+        t, p = _measure(f"{label} compiled", ours, dev, target), _measure(f"{label} PyTorch compiled", theirs, dev, target)
+        mt, mp = _memory(f"{label} compiled", ours, dev), _memory(f"{label} PyTorch compiled", theirs, dev)
+        recompiles = (c_ours.frame_count - first[0], c_theirs.frame_count - first[1])
+        time_ok = not math.isnan(t) and not math.isnan(p) and t <= p
+        mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
+        met = ("time ✓" if time_ok else "time ✗") + ", " + mem + (f"; break: {note}" if note else "")
+        line = (
+            f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_ratio(t, p)} | "
+            f"{_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | {breaks if breaks >= 0 else '?'} | {recompiles[0]} / {recompiles[1]} | "
+            f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
+        )
+        lines.append(line)
+        print(line, flush=True)
+        del ours, theirs
+        torch._dynamo.reset()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return header + lines
 
 
@@ -510,44 +516,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntotal {time.perf_counter() - start:.0f} s")
         return 0
     lines = []
-    for idx in range(len(cases[dtypes[0]])):
-        for dtype_name in dtypes:
-            case = cases[dtype_name][idx]
-            if only and not any(o in case.name for o in only):
-                continue
-            label = f"{case.name} {dtype_name}"
-            ours = _step(case.ours, case.x, case.gy, case.ours_params)
-            theirs = _step(case.theirs, case.x, case.gy, case.theirs_params)
-            compiled = None
-            if not args.no_compile and not args.smoke:
-                cf = _compiled(case.theirs, label)
-                compiled = None if cf is None else _step(cf, case.x, case.gy, case.theirs_params)
-            if args.compile_only:
-                ours = theirs = None
-            r = {
-                "torchloom": _measure(label, ours, dev, args.target),
-                "pytorch": _measure(f"{label} PyTorch", theirs, dev, args.target),
-                "mem_torchloom": _memory(label, ours, dev),
-                "mem_pytorch": _memory(f"{label} PyTorch", theirs, dev),
-                "graphed_torchloom": _measure(f"{label} graphed", ours, dev, args.target, graphed=True),
-                "graphed_pytorch": _measure(f"{label} PyTorch graphed", theirs, dev, args.target, graphed=True),
-                "compile": _measure(f"{label} compile", compiled, dev, args.target),
-                "mem_compile": _memory(f"{label} compile", compiled, dev),
-            }
-            if not lines:
-                print("\n".join(header), flush=True)
-            line = _row(case, dtype_name, r)
-            lines.append(line)
-            print(line, flush=True)
-            if case.name.startswith(("LSTM", "RNN")) and dev.type == "cuda":
-                from torchloom.kernels import recurrent
+    for case, dtype_name in _selected(cases, dtypes, only):
+        label = f"{case.name} {dtype_name}"
+        ours = _step(case.ours, case.x, case.gy, case.ours_params)
+        theirs = _step(case.theirs, case.x, case.gy, case.theirs_params)
+        compiled = None
+        if not args.no_compile and not args.smoke:
+            cf = _compiled(case.theirs, label)
+            compiled = None if cf is None else _step(cf, case.x, case.gy, case.theirs_params)
+        if args.compile_only:
+            ours = theirs = None
+        r = {
+            "torchloom": _measure(label, ours, dev, args.target),
+            "pytorch": _measure(f"{label} PyTorch", theirs, dev, args.target),
+            "mem_torchloom": _memory(label, ours, dev),
+            "mem_pytorch": _memory(f"{label} PyTorch", theirs, dev),
+            "graphed_torchloom": _measure(f"{label} graphed", ours, dev, args.target, graphed=True),
+            "graphed_pytorch": _measure(f"{label} PyTorch graphed", theirs, dev, args.target, graphed=True),
+            "compile": _measure(f"{label} compile", compiled, dev, args.target),
+            "mem_compile": _memory(f"{label} compile", compiled, dev),
+        }
+        if not lines:
+            print("\n".join(header), flush=True)
+        line = _row(case, dtype_name, r)
+        lines.append(line)
+        print(line, flush=True)
+        if case.name.startswith(("LSTM", "RNN")) and dev.type == "cuda":
+            from torchloom.kernels import recurrent
 
-                print(f"  ({case.name} {dtype_name}: CUDA-graphed loop buffers held between calls: "
-                      f"{recurrent.graph_cache_bytes() / 2**20:.0f} MB, not in the peak above)", flush=True)
-                recurrent.clear_graph_cache()
-            del ours, theirs, compiled
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            print(f"  ({case.name} {dtype_name}: CUDA-graphed loop buffers held between calls: "
+                  f"{recurrent.graph_cache_bytes() / 2**20:.0f} MB, not in the peak above)", flush=True)
+            recurrent.clear_graph_cache()
+        del ours, theirs, compiled
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     del cases
     print("\nThe table again, in one piece:\n" + "\n".join(header + lines), flush=True)
     if args.kernels:

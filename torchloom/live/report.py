@@ -139,18 +139,6 @@ class LiveRecord:
         """``n`` samples served together (their serve time split evenly); returns the first's index.
         O(1) per sample: one append per column."""
         first = len(self.t)
-        if n == 1:
-            self.t.append(t)
-            self.phase.append(phase)
-            self.correct.append(-1)
-            self.soft.append(0.0)
-            self.serve_s.append(serve_s)
-            self.train_s.append(0.0)
-            self.latency_s.append(latency_s)
-            self.staleness.append(staleness)
-            self.trained.append(False)
-            self.train_steps.append(0)
-            return first
         for _ in range(n):
             self.add_serve(t, phase, serve_s / n, latency_s, staleness)
         return first
