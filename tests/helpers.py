@@ -52,3 +52,37 @@ def recurrent_truth(module_cls, x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch
     y, _ = ref(xr)
     params = [ref.weight_ih_l0, ref.weight_hh_l0] + ([ref.bias_ih_l0] if b is not None else [])
     return y.detach(), torch.autograd.grad(y, [xr, *params], g.double())
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a test's process group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, tmp: str, timeout_s: float) -> list:
+    """Run ``worker(rank, port, tmp)`` in ``world`` spawned processes (one process group on a free
+    port), wait at most ``timeout_s`` (then kill what is left and raise ``TimeoutError``), and return
+    what each rank saved to ``tmp/rank{r}.pt``; a rank that saved ``{"error": traceback}`` fails the test."""
+    import os
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(free_port(), str(tmp)), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {world} ranks did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [torch.load(os.path.join(str(tmp), f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results

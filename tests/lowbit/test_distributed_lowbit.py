@@ -5,17 +5,15 @@ bit, and they lie on the dtype's grid."""
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchloom import Dense, LowBitConfig, Network, TrainingConfig, train
 from torchloom.lowbit import decode, encode
+from helpers import spawn_ranks
 
 WORLD = 2
 SCENARIOS = {"int8-none": ("int8", dict(master="none")), "int4-fp32-stochastic": ("int4", dict(rounding="stochastic"))}
@@ -48,26 +46,8 @@ def _worker(rank, port, tmp):
     os._exit(0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_rank_holds_the_same_bits(tmp_path):
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the ranks did not finish in 120 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r in res:
-        assert "error" not in r, r.get("error")
+    res = spawn_ranks(_worker, WORLD, tmp_path, 120)
     for name, (dtype, _) in SCENARIOS.items():
         (w0, s0), (w1, s1) = res[0][name], res[1][name]
         for a, b in zip(w0, w1):

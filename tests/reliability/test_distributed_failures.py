@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -28,11 +27,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchloom import Dense, Network, TrainingConfig, train
 from torchloom.observers.base import Observer
+from helpers import spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 240  # the whole spawn: a hung collective fails the test instead of hanging CI
@@ -163,29 +162,9 @@ def _worker(rank, port, tmp):
     os._exit(0)  # no interpreter teardown (gloo's destructors sometimes aborted a finished rank's exit)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("dist-fail"))
-    ctx = mp.start_processes(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return results
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("dist-fail")), TIMEOUT_S)
 
 
 def _other(where):

@@ -20,7 +20,6 @@ import contextlib
 import copy
 import io
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -29,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchloom import (
@@ -38,6 +36,7 @@ from torchloom import (
 )
 from torchloom.observers.base import Observer
 from test_examples import load_example
+from helpers import free_port, spawn_ranks
 
 WORLD = 2
 PERM = [(7 * i + 3) % 64 for i in range(64)]  # a row order of the user's own sampler
@@ -316,29 +315,10 @@ def _worker(rank, port, tmp):
     os._exit(0)  # no interpreter teardown: gloo's C++ destructors sometimes aborted a finished rank's exit
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("dist"))
-    ctx = mp.start_processes(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return results, tmp
+    return spawn_ranks(_worker, WORLD, tmp, TIMEOUT_S), tmp
 
 
 def _check(weights, losses, ref_net, ref_result, tol):
@@ -593,7 +573,7 @@ def test_timeout_of_the_process_group_is_read():
 
     from torchloom.engine.distributed import DistContext
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=17))
     try:
         assert DistContext().timeout_s() == 17.0
