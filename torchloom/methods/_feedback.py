@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,13 +53,48 @@ class FeedbackRule(Backprop):
     dense_chain = False
     rule = ""
     compiles = False  # its own backward runs outside autograd: TrainingConfig.compile is refused
+    backward_out = True  # the device step hands ``backward`` the flat .grad views (``out=``)
     feedback: list[Tensor]
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
         self.layers = list(self.model.layers)
         self.dense_indices = self._check_layers()
+        self._param_counts = [sum(1 for _ in layer.parameters()) for layer in self.layers]
         self.feedback = [b.to(device=self.device, dtype=self.dtype) for b in self.make_feedback()]
+
+    def layer_outs(self, out: Sequence[Tensor | None] | None) -> list[Sequence[Tensor | None] | None]:
+        """``out`` (buffers aligned with ``model.parameters()``, None for frozen ones; or None) split
+        into one slice per layer, for each layer's ``backward_saved(..., out=)``."""
+        if out is None:
+            return [None] * len(self.layers)
+        outs, k = [], 0
+        for count in self._param_counts:
+            outs.append(out[k : k + count] if count else None)
+            k += count
+        return outs
+
+    @staticmethod
+    def out_kw(out: Sequence[Tensor | None] | None) -> dict[str, Any]:
+        """``{"out": out}`` for a layer's ``backward_saved`` when there are buffers (a Dense layer's),
+        else ``{}`` (a layer without parameters takes no ``out``)."""
+        return {} if out is None else {"out": out}
+
+    def fused_chain(self, grad_out: Tensor, saved: Sequence[Any]) -> bool:
+        """Whether the rule's backward takes the fused kernels (``kernels/feedback.py``): every layer a
+        ``Dense`` with a float32 ``[batch, features]`` input of at most ``SMALL_BATCH_MAX`` rows and
+        no autocast cast, on CUDA (or the interpreter with ``kernel_backend="triton"``: the tests)."""
+        backend = self.kernel_backend
+        if not (grad_out.is_cuda or backend == "triton") or backend == "reference":
+            return False  # (CPU runs never import the kernels)
+        if grad_out.dim() != 2 or grad_out.dtype != torch.float32 or len(self.dense_indices) != len(self.layers):
+            return False
+        from ..kernels.feedback import fits
+
+        return all(
+            s.dtypes is None and s.weight.dtype == torch.float32 and s.input.dim() == 2 and fits(s.input, s.activation.name, backend)
+            for s in saved
+        )
 
     def _check_layers(self) -> list[int]:
         """The indices of the Dense layers; ``ValueError`` naming the first layer the rule is not

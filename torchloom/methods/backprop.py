@@ -118,6 +118,9 @@ class Backprop(Method):
     accumulates = True  # TrainingConfig.accumulate_grad_batches
     compiles = True  # TrainingConfig.compile: the step differentiates the model with autograd
     update_pending = False  # an accumulating step that has not updated yet (the engine's schedule waits)
+    # a subclass's ``backward(grad_out, saved, out=...)`` takes the flat ``.grad`` views to write into
+    # (aligned with ``model.parameters()``, None for frozen ones): the device step then copies nothing
+    backward_out = False
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -325,7 +328,7 @@ class Backprop(Method):
             grad = scaler.scale_grad(grad)
         overlapped = self._exact_backward and self.dist is not None and self.dist.overlap_pays(self.grad_views)
         if not self._exact_backward:  # a rule of a subclass's (feedback alignment, ...)
-            grads = tuple(self.backward(grad, saved))
+            grads = tuple(self.backward(grad, saved, out=self._grad_out()) if self.backward_out else self.backward(grad, saved))
         elif overlapped:  # data-parallel, large model: each layer's gradients averaged while the layers below run
             _, grads = self.dist.backward_overlapped(self.model, grad, saved, self._grad_out(), "mean")
         else:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..engine.method import register_method
@@ -75,22 +76,57 @@ class DFA(FeedbackRule):
         stds = [self.config.scale * math.sqrt(2.0 / layer.out_features) for layer in self.layers[:-1]]
         return draw_feedback(self.config.seed, shapes, stds)
 
-    def backward(self, grad_out: Tensor, saved: Sequence[Any]) -> list[Tensor]:
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        # the B_l side by side, [n_L, Σ n_l]: one product gives every hidden layer its error; each
+        # ``feedback[l]`` is a view of its columns (checkpoints keep the list, restored in place)
+        self.bounds = [0]
+        for b in self.feedback:
+            self.bounds.append(self.bounds[-1] + b.shape[1])
+        self.feedback_cat = torch.cat(self.feedback, 1) if self.feedback else None
+        self.feedback = [self.feedback_cat[:, lo:hi] for lo, hi in zip(self.bounds, self.bounds[1:])]
+
+    def backward(self, grad_out: Tensor, saved: Sequence[Any], out: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         """The output layer's exact gradients; each hidden layer's from ``e B_l`` as the gradient at
-        its output (its own backward applies ``f_l'(z_l)`` and forms ``δ_lᵀ a_{l−1}``)."""
+        its output (its own backward applies ``f_l'(z_l)`` and forms ``δ_lᵀ a_{l−1}``). Every ``e B_l``
+        comes from one product ``e [B_1 | … | B_{L−1}]``; on CUDA at most ``SMALL_BATCH_MAX`` rows the
+        whole backward is two launches (``kernels/feedback.py``). ``out``: the gradients' buffers."""
+        outs = self.layer_outs(out)
+        if self.feedback and self.fused_chain(grad_out, saved):
+            return self._fused_backward(grad_out, saved, outs)
         head, s_head = self.layers[-1], saved[-1]
-        _, head_grads = head.backward_saved(grad_out, s_head, needs_input_grad=False)
-        pre = s_head.pre
-        with autocast_off(pre.device.type):
-            e = s_head.activation.grad(grad_out.to(pre.dtype), pre)
+        _, head_grads = head.backward_saved(grad_out, s_head, needs_input_grad=False, out=outs[-1])
         grads: list[Tensor] = []
-        for i, layer in enumerate(self.layers[:-1]):
-            s = saved[i]
-            with autocast_off(e.device.type):
-                g = e @ self.feedback_as(i, s.pre)  # [*, n_L] @ [n_L, n_l]: the error at layer i's output
-            _, param_grads = layer.backward_saved(g, s, needs_input_grad=False)
-            grads.extend(param_grads)
+        if self.feedback:
+            pre = s_head.pre
+            with autocast_off(pre.device.type):
+                e = s_head.activation.grad(grad_out.to(pre.dtype), pre)
+                cat = self.feedback_cat if self.feedback_cat.dtype == pre.dtype else self.feedback_cat.to(pre.dtype)
+                g_all = e @ cat  # [*, n_L] @ [n_L, Σ n_l]: the error at every hidden layer's output
+            for i, layer in enumerate(self.layers[:-1]):
+                g = g_all[..., self.bounds[i] : self.bounds[i + 1]]
+                _, param_grads = layer.backward_saved(g, saved[i], needs_input_grad=False, out=outs[i])
+                grads.extend(param_grads)
         grads.extend(head_grads)
+        return grads
+
+    def _fused_backward(self, grad_out: Tensor, saved: Sequence[Any], outs: list[Any]) -> list[Tensor]:
+        """Two launches: ``e [B_1 | …]`` (the head's ``f_L'`` applied inside), then every layer's
+        ``dW``/``db`` (three layers per launch), written into ``outs``."""
+        from ..kernels.feedback import dense_grads, feedback_product
+
+        backend = self.kernel_backend
+        s_head = saved[-1]
+        g_all = feedback_product(grad_out, s_head.pre, self.feedback_cat, s_head.activation.name, backend=backend)
+        jobs = []
+        last = len(self.layers) - 1
+        for i, (layer, s) in enumerate(zip(self.layers, saved)):
+            g = grad_out if i == last else g_all[:, self.bounds[i] : self.bounds[i + 1]]
+            w_out, b_out = layer._out_pair(outs[i]) or (None, None)
+            jobs.append((g, s.pre, s.input, s.activation.name, s.has_bias, w_out, b_out))
+        grads: list[Tensor] = []
+        for dw, db in dense_grads(jobs, backend=backend):
+            grads.extend((dw,) if db is None else (dw, db))
         return grads
 
 

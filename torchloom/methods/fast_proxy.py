@@ -100,12 +100,13 @@ class FastProxy(FeedbackRule):
             for layer in hidden
         ]
 
-    def backward(self, grad_out: Tensor, saved: Sequence[Any]) -> list[Tensor]:
+    def backward(self, grad_out: Tensor, saved: Sequence[Any], out: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         """The head's exact gradients; the proxy ``g_y W_head`` (pre-update weights, no act'),
         block-averaged and scaled, as the gradient at each hidden layer's output (its own backward
-        applies ``f_l'(z_l)`` and forms ``δ_lᵀ a_{l−1}``)."""
+        applies ``f_l'(z_l)`` and forms ``δ_lᵀ a_{l−1}``). ``out``: the gradients' buffers."""
+        outs = self.layer_outs(out)
         head, s_head = self.layers[-1], saved[-1]
-        _, head_grads = head.backward_saved(grad_out, s_head, needs_input_grad=False)
+        _, head_grads = head.backward_saved(grad_out, s_head, needs_input_grad=False, out=outs[-1])
         with autocast_off(grad_out.device.type):
             w = s_head.weight
             proxy = grad_out.to(w.dtype) @ w  # [*, n_L] @ [n_L, n_{L-1}]
@@ -115,7 +116,7 @@ class FastProxy(FeedbackRule):
             with autocast_off(proxy.device.type):
                 g = proxy if p is None else proxy @ (p if p.dtype == proxy.dtype else p.to(proxy.dtype))
                 g = g * self.share
-            _, param_grads = layer.backward_saved(g, saved[i], needs_input_grad=False)
+            _, param_grads = layer.backward_saved(g, saved[i], needs_input_grad=False, out=outs[i])
             grads.extend(param_grads)
         grads.extend(head_grads)
         return grads

@@ -75,9 +75,11 @@ class FeedbackAlignment(FeedbackRule):
             stds.append(self.config.scale * math.sqrt(2.0 / w.shape[1]))
         return draw_feedback(self.config.seed, shapes, stds)
 
-    def backward(self, grad_out: Tensor, saved: Sequence[Any]) -> list[Tensor]:
+    def backward(self, grad_out: Tensor, saved: Sequence[Any], out: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         """Parameter gradients, last layer first: each Dense layer's own backward shown ``B_l`` as its
-        weight (its ``∂W = δᵀ a`` does not read the weight); other layers' exact backward."""
+        weight (its ``∂W = δᵀ a`` does not read the weight); other layers' exact backward. ``out``:
+        the gradients' buffers (aligned with ``model.parameters()``)."""
+        outs = self.layer_outs(out)
         fb = {i: k for k, i in enumerate(self.dense_indices[1:])}
         grads: list[Tensor] = []
         g = grad_out
@@ -85,7 +87,7 @@ class FeedbackAlignment(FeedbackRule):
             s = saved[i]
             if i in fb:
                 s = s._replace(weight=self.feedback_as(fb[i], s.weight))
-            g, param_grads = self.layers[i].backward_saved(g, s, needs_input_grad=i > 0)
+            g, param_grads = self.layers[i].backward_saved(g, s, needs_input_grad=i > 0, **self.out_kw(outs[i]))
             grads[:0] = param_grads
         return grads
 

@@ -75,19 +75,49 @@ class SignSymmetry(FeedbackRule):
             return b
         return b.mul_(float(scale))
 
-    def backward(self, grad_out: Tensor, saved: Sequence[Any]) -> list[Tensor]:
+    def backward(self, grad_out: Tensor, saved: Sequence[Any], out: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         """Parameter gradients, last layer first: each Dense layer above the first shown
-        ``s · sign(W)`` of its fp32 weight (cast to the saved weight's dtype under autocast)."""
+        ``s · sign(W)`` of its fp32 weight (cast to the saved weight's dtype under autocast). On CUDA at
+        most ``SMALL_BATCH_MAX`` rows, each such layer is one launch that forms ``s · sign(W)`` inside
+        its error product (``kernels/feedback.py``), every ``s = mean|W|`` coming from one
+        ``_foreach_norm``. ``out``: the gradients' buffers (aligned with ``model.parameters()``)."""
+        outs = self.layer_outs(out)
+        fused = self.fused_chain(grad_out, saved) and len(self.layers) > 1
+        if fused:
+            scales, muls = self._device_scales()
         grads: list[Tensor] = []
         g = grad_out
         for i in range(len(self.layers) - 1, -1, -1):
             s = saved[i]
+            layer = self.layers[i]
+            if fused and i > 0:
+                from ..kernels.feedback import dense_backward_fb
+
+                g, dw, db = dense_backward_fb(
+                    g, s.pre, s.input, layer.weight.detach(), s.activation.name, s.has_bias, scales[i - 1], muls[i - 1],
+                    out=layer._out_pair(outs[i]), backend=self.kernel_backend,
+                )
+                grads[:0] = (dw,) if db is None else (dw, db)
+                continue
             if i > 0 and i in self.dense_indices:
-                b = self.sign_feedback(self.layers[i].weight.detach())
+                b = self.sign_feedback(layer.weight.detach())
                 s = s._replace(weight=b if b.dtype == s.weight.dtype else b.to(s.weight.dtype))
-            g, param_grads = self.layers[i].backward_saved(g, s, needs_input_grad=i > 0)
+            g, param_grads = layer.backward_saved(g, s, needs_input_grad=i > 0, **self.out_kw(outs[i]))
             grads[:0] = param_grads
         return grads
+
+    def _device_scales(self) -> tuple[list[Tensor], list[float]]:
+        """Per layer above the first: a one-element device tensor and a float whose product is ``s``:
+        ``(Σ|W|, 1/numel)`` for ``"mean_abs"`` (every layer's ``Σ|W|`` in one ``_foreach_norm``), else
+        ``(1, s)``."""
+        weights = [layer.weight.detach() for layer in self.layers[1:]]
+        scale = self.config.scale
+        if scale == "mean_abs":
+            return list(torch._foreach_norm(weights, 1)), [1.0 / w.numel() for w in weights]
+        one = self.__dict__.get("_one")
+        if one is None or one.device != weights[0].device:
+            one = self._one = torch.ones(1, dtype=torch.float32, device=weights[0].device)
+        return [one] * len(weights), [1.0 if scale == "unit" else float(scale)] * len(weights)
 
 
 register_method(SignSymmetry, "usf")
