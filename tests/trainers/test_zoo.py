@@ -243,8 +243,7 @@ def test_bad_settings_name_the_field():
         FastProxyConfig(scale=-1)
     with pytest.raises(ValueError, match=r"^TrainingConfig: alignment_every must be an int >= 0 .*got -1$"):
         TrainingConfig(alignment_every=-1)
-    with pytest.raises(ValueError, match="cuda_graph=True forbids"):
-        TrainingConfig(alignment_every=5, cuda_graph=True)
+    TrainingConfig(alignment_every=5, cuda_graph=True)  # measured on the device path too (test_zoo_device.py)
 
 
 def test_layers_a_rule_is_not_defined_on_are_refused():

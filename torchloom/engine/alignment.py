@@ -20,8 +20,16 @@ at verbose 2. The angles stay device tensors until the epoch's end (one host rea
 
 The probe's forwards run under a forked random-number state and the model's buffers (a BatchNorm's
 running statistics) are put back after them, so a run with alignment diagnostics trains exactly as
-one without (shuffling, dropout, running statistics). It runs on the host path: with
-``alignment_every`` set, the CUDA device path is not used (``cuda_graph=True`` is refused).
+one without (shuffling, dropout, running statistics).
+
+On the CUDA device path (``cuda_path.py``) the same measurement is device ops only: ``measure``
+before the step, ``fold`` after it, which adds the angles into device buffers (``dev_sums``,
+``dev_count``) when the step's status (a device tensor) says it counted; nothing is read on the host
+until ``epoch_logs``, once per epoch. The runner replays the measured steps through a captured
+single-step graph that holds the probe (unmeasured steps keep their graphs), so steps stay captured.
+Inside a captured graph the CUDA random-number state is not forked (a capture cannot read it): a
+model with random layers (Dropout) then draws the probe's randomness from the step's generator, and
+its masks differ from an unmeasured run's; everything else trains as without diagnostics.
 """
 
 from __future__ import annotations
@@ -67,6 +75,16 @@ class AlignmentProbe:
         self.sums: Tensor | None = None
         self.count = 0
         self._pending: tuple[list[Tensor], list[Tensor] | None, list[Tensor] | None] | None = None
+        if self.__dict__.get("dev_sums") is not None:  # in place: captured graphs hold these buffers
+            self.dev_sums.zero_()
+            self.dev_count.zero_()
+
+    def device_buffers(self, device: torch.device) -> None:
+        """The device path's accumulators (made once, before any capture): the sums of the counted
+        steps' angles per layer (``dev_sums [layers]``, float64) and their number (``dev_count``)."""
+        if self.__dict__.get("dev_sums") is None:
+            self.dev_sums = torch.zeros(len(self.layers), dtype=torch.float64, device=device)
+            self.dev_count = torch.zeros((), dtype=torch.float64, device=device)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -89,7 +107,8 @@ class AlignmentProbe:
         """Before the step on ``(x, y)``: the exact gradient and the method's direction (or a copy of
         the weights, to measure the applied change after the step)."""
         t = self.trainer
-        devices = [t.device] if t.device.type == "cuda" else []
+        capturing = t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        devices = [t.device] if t.device.type == "cuda" and not capturing else []
         buffers = [b.detach().clone() for b in t.model.buffers()]  # (a BatchNorm's running statistics)
         with torch.random.fork_rng(devices=devices):
             exact = self.exact_gradient(x, y)
@@ -109,6 +128,12 @@ class AlignmentProbe:
         pending, self._pending = self._pending, None
         if pending is None or not counted:
             return
+        values = self._angles(pending)
+        self.sums = values if self.sums is None else self.sums + values
+        self.count += 1
+
+    def _angles(self, pending: tuple[list[Tensor], list[Tensor] | None, list[Tensor] | None]) -> Tensor:
+        """The angles per layer ``[layers]`` (float64, on the device) of a measurement after its step."""
         exact, direction, weights = pending
         if direction is None:
             direction = [w - p.detach() for w, p in zip(weights, self.trainable)]
@@ -117,17 +142,40 @@ class AlignmentProbe:
             d = torch.cat([direction[k].reshape(-1) for k in pos])
             g = torch.cat([exact[k].reshape(-1) for k in pos])
             angles.append(angle_degrees(d, g.to(d.device)))
-        values = torch.stack(angles)
-        self.sums = values if self.sums is None else self.sums + values
-        self.count += 1
+        return torch.stack(angles)
+
+    # ------------------------------------------------------------ the device path (cuda_path.py)
+    def measure(self, x: Tensor, y: Tensor) -> None:
+        """Before a device step on ``(x, y)``: ``before``'s measurement, device ops only (capturable)."""
+        self.device_buffers(self.trainer.device)
+        self.before(x, y)
+
+    @torch.no_grad()
+    def fold(self, status: Tensor) -> None:
+        """After the device step ``measure`` preceded: its angles added into ``dev_sums`` and one into
+        ``dev_count`` when ``status`` (the step's 0-d device status) is 0, nothing otherwise; no host
+        read."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        ok = status == 0
+        self.dev_sums.add_(torch.where(ok, self._angles(pending), 0.0))
+        self.dev_count.add_(ok)
 
     def epoch_logs(self) -> dict[str, float]:
         """``{"alignment_bp/<i>": mean angle}`` of the epoch's measured steps (NaN when none), then
         cleared for the next epoch (the epoch's one host read)."""
-        if self.sums is None or self.count == 0:
+        sums, count = self.sums, float(self.count)
+        if self.__dict__.get("dev_sums") is not None:  # the device path's: one read
+            host = torch.cat([self.dev_sums, self.dev_count.reshape(1)]).tolist()
+            if host[-1]:
+                dev = torch.tensor(host[:-1], dtype=torch.float64)
+                sums = dev if sums is None else sums.cpu() + dev
+                count += host[-1]
+        if sums is None or count == 0:
             values = [math.nan] * len(self.layers)
         else:
-            values = (self.sums / self.count).tolist()
+            values = (sums / count).tolist()
         logs = {key: float(v) for (key, _), v in zip(self.layers, values)}
         self.reset()
         return logs

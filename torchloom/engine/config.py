@@ -205,9 +205,9 @@ class TrainingConfig:
     alignment_every: int = 0
     """Alignment diagnostics: every this many steps, the angle in degrees between the method's update
     direction and the exact backprop gradient, per layer with parameters, logged per epoch as
-    ``alignment_bp/<layer index>`` (engine/alignment.py; docs/choosing-a-method.md). Measured on the
-    host path, so the CUDA device path is not used (``cuda_graph=True`` is refused). ``0`` (default):
-    off."""
+    ``alignment_bp/<layer index>`` (engine/alignment.py; docs/choosing-a-method.md). On the CUDA
+    device path it is measured on the device inside captured one-step graphs, read once per epoch.
+    ``0`` (default): off."""
     compile: bool | Mapping[str, Any] = False
     """Backprop: run each step's forward and backward through ``torch.compile`` of the model (each
     layer's hand-written backward kept as one node of the compiled graph; the loss, the guards and
@@ -248,11 +248,6 @@ class TrainingConfig:
                 f"method's update and the exact gradient per layer), got {self.alignment_every!r}"
             )
         self.alignment_every = int(self.alignment_every)
-        if self.alignment_every and self.cuda_graph is True:
-            raise ValueError(
-                "TrainingConfig: alignment_every runs on the host path (it is measured in a separate pass), which "
-                "cuda_graph=True forbids; leave cuda_graph at None or False"
-            )
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"TrainingConfig: clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.verbose not in (True, False, 0, 1, 2):

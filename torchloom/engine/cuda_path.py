@@ -159,6 +159,9 @@ class CudaRunner:
         self.step_logs = torch.zeros(0, max(self.n_logs, 1), dtype=torch.float64, device=dev)
         self.lr_table: Tensor | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self._chunk: dict[str, Any] | None = None
+        self._single: dict[str, Any] | None = None  # the one-step graphs of alignment diagnostics
+        self._tail_start = 0
         self._streamed_samples = 0
         self.capture_count = 0  # graphs captured (for tests and curiosity)
         self.capture_failed = False
@@ -203,6 +206,23 @@ class CudaRunner:
         self.t.device_step(x, y, slot, self)
         if guard is not None:
             guard.restore_unless_ok_(self.step_status[slot, 0])
+
+    def probe(self) -> Any:
+        """The run's alignment probe (``TrainingConfig.alignment_every``; ``engine/alignment.py``) with
+        its device accumulators made, or ``None``."""
+        probe = self.t.__dict__.get("alignment")
+        if probe is not None:
+            probe.device_buffers(self.t.device)
+        return probe
+
+    def measured_step(self, x: Tensor, y: Tensor, slot: int, measured: bool) -> None:
+        """``guarded_step``, preceded by the alignment probe's measurement and followed by its fold
+        (the angles counted when the step's status is OK) when ``measured``; device ops only."""
+        if measured:
+            self.t.alignment.measure(x, y)
+        self.guarded_step(x, y, slot)
+        if measured:
+            self.t.alignment.fold(self.step_status[slot, 0])
 
     def log(self, slot: int, values: Sequence[Tensor] | Tensor) -> None:
         """Write the method's per-step logs (``trainer.device_log_names`` order) into row ``slot``."""
@@ -249,6 +269,7 @@ class CudaRunner:
                 )
         every = getattr(t.training, "log_every_n_steps", 0)
         start = t.global_step
+        probe = self.probe()
 
         def logged(k: int) -> bool:  # whether step k of this epoch's logs are delivered (log_every_n_steps)
             return every > 0 and (start + k + 1) % every == 0
@@ -264,7 +285,7 @@ class CudaRunner:
                     names = list(base)
                     self._step_lrs = {k: dict(zip(names, self._lr_rows[k])) for k in range(n) if logged(k)}
             with t.op_recorder():
-                self._replay(source)
+                self._replay(source, start)
             t.finish_op_record()
             count = n
         else:
@@ -275,7 +296,7 @@ class CudaRunner:
                     self._grow_arrays()
                 if logged(k):
                     self._step_lrs[k] = t.lr_logs()
-                self.guarded_step(x, y, k)
+                self.measured_step(x, y, k, probe is not None and probe.due(start + k))
                 if t.batch_scheduler is not None:
                     t.batch_scheduler.step()
                 count += 1
@@ -357,6 +378,8 @@ class CudaRunner:
                 "n_chunks": n_chunks,
             }
         tail_start = n_chunks * k_steps
+        self._tail_start = tail_start
+        self._single = None
         if t.scheduler is not None:  # each captured step reads its lr from its (aligned) row
             self.lr_table = torch.zeros(n, len(groups), _SLOT, dtype=torch.float32, device=t.device)
         pool = torch.cuda.graph_pool_handle()
@@ -372,12 +395,13 @@ class CudaRunner:
                 for k, (x, y) in enumerate(items):
                     shapes.setdefault((tuple(x.shape), tuple(y.shape)), k)
                 warmups = [0, 0, *[k for k in shapes.values() if k != 0]]
+                probe = self.probe()
                 with t.op_recorder():  # a first run notes the kernels for the next (op_warm.py)
-                    for k in warmups:
+                    for i, k in enumerate(warmups):
                         self.dead.fill_(1)  # the guard reports NOT_RUN, so the warm-up updates nothing
                         try:  # a host read would break the capture: found here, before it starts
-                            with _NoHostReads():
-                                self.guarded_step(*items[k], k)
+                            with _NoHostReads():  # (the probe's measurement too: NOT_RUN counts nothing)
+                                self.measured_step(*items[k], k, probe is not None and i == 1)
                         finally:
                             self.dead.zero_()
                         t.device_epoch_begin(self, 1)  # state the warm-up created joins the layout
@@ -405,19 +429,81 @@ class CudaRunner:
                             self.guarded_step(*items[k], k)
                     graphs.append(graph)
                     self.capture_count += 1
+                if probe is not None:
+                    self._single = self._capture_single(x0, y0, pool, probe)
         finally:
             for g, lr in zip(groups, host_lrs):
                 g["lr"] = lr
         self.graphs = graphs
 
-    def _replay(self, source: Any) -> None:
-        """One epoch from the captured graphs (see ``_capture``)."""
+    def _capture_single(self, x0: Tensor, y0: Tensor, pool: Any, probe: Any) -> dict[str, Any]:
+        """With alignment diagnostics: two one-step graphs over one static slot of the first batch's
+        shape, ``"plain"`` (the step) and ``"probe"`` (the probe's measurement, the step, the fold),
+        through which ``_replay`` runs the chunks that hold a measured step."""
+        t = self.t
+        groups = t.rate_groups()
+        one = {
+            "x": x0.clone(), "y": y0.clone(),
+            "loss": torch.zeros(1, _SLOT, dtype=self.loss_dtype, device=t.device),
+            "status": torch.zeros(1, _SLOT, dtype=torch.int32, device=t.device),
+            "logs": torch.zeros(1, self.step_logs.shape[1], dtype=torch.float64, device=t.device),
+            "lr": torch.zeros(1, len(groups), _SLOT, dtype=torch.float32, device=t.device),
+        }
+        epoch_rows = (self.step_loss, self.step_status, self.step_logs)
+        self.step_loss, self.step_status, self.step_logs = one["loss"], one["status"], one["logs"]
+        try:
+            for name in ("plain", "probe"):
+                graph = torch.cuda.CUDAGraph()
+                with capturing(graph, pool):
+                    self._use_lr_row(0, table=one["lr"] if t.scheduler is not None else None)
+                    self.measured_step(one["x"], one["y"], 0, name == "probe")
+                one[name] = graph
+                self.capture_count += 1
+        finally:
+            self.step_loss, self.step_status, self.step_logs = epoch_rows
+        return one
+
+    def _replay_one(self, k: int, x: Tensor, y: Tensor, measured: bool) -> None:
+        """Step ``k`` of the epoch alone: through the one-step graphs when ``x``, ``y`` have their shape,
+        else (a ragged last batch) eagerly; measured by the alignment probe when ``measured``."""
+        one = self._single
+        if x.shape == one["x"].shape and y.shape == one["y"].shape:
+            one["x"].copy_(x)
+            one["y"].copy_(y)
+            if self.lr_table is not None:
+                one["lr"].copy_(self.lr_table[k : k + 1])
+            one["probe" if measured else "plain"].replay()
+            self.step_loss[k : k + 1].copy_(one["loss"])
+            self.step_status[k : k + 1].copy_(one["status"])
+            if self.n_logs:
+                self.step_logs[k : k + 1].copy_(one["logs"])
+            return
+        groups = self.t.rate_groups()
+        host_lrs = [g["lr"] for g in groups]
+        try:
+            self._use_lr_row(k)
+            self.measured_step(x, y, k, measured)
+        finally:
+            for g, lr in zip(groups, host_lrs):
+                g["lr"] = lr
+
+    def _replay(self, source: Any, start: int = 0) -> None:
+        """One epoch from the captured graphs (see ``_capture``); with alignment diagnostics, a chunk
+        (or the tail) that holds a measured step (global step ``start + k``) runs step by step
+        through the one-step graphs (``_capture_single``) instead."""
         c = self._chunk
+        items = source.items
+        probe = self.probe() if self._single is not None else None
+        measured = {k for k in range(len(items)) if probe.due(start + k)} if probe is not None else set()
         if c is not None:
-            items = source.items
             k_steps = c["x"].shape[0]
             for chunk in range(c["n_chunks"]):
                 lo, hi = chunk * k_steps, (chunk + 1) * k_steps
+                if measured and any(k in measured for k in range(lo, hi)):
+                    for k in range(lo, hi):
+                        self._replay_one(k, *items[k], k in measured)
+                    self._mark_progress()
+                    continue
                 torch.stack([x for x, _ in items[lo:hi]], out=c["x"])
                 torch.stack([y for _, y in items[lo:hi]], out=c["y"])
                 if self.lr_table is not None:
@@ -428,6 +514,11 @@ class CudaRunner:
                 self.step_status[lo:hi].copy_(c["status"])
                 if self.n_logs:
                     self.step_logs[lo:hi].copy_(c["logs"])
+        tail = range(self._tail_start, len(items))
+        if measured and any(k in measured for k in tail):
+            for k in tail:
+                self._replay_one(k, *items[k], k in measured)
+            return
         for graph in self.graphs:
             graph.replay()
 
@@ -447,6 +538,7 @@ class CudaRunner:
         that the process can exit."""
         self.graphs = None
         self._chunk = None
+        self._single = None
         self._progress = []
 
     def _use_lr_row(self, k: int, table: Tensor | None = None) -> None:

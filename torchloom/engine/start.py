@@ -23,8 +23,8 @@ class WarmStart:
 
     def _on_device_path(self) -> bool:
         """Whether this run's steps run on the CUDA device path (a CUDA device and a method with a
-        device step, and no alignment diagnostics: they run on the host path)."""
-        return self.device.type == "cuda" and self.device_ready() and not getattr(self.training, "alignment_every", 0)
+        device step)."""
+        return self.device.type == "cuda" and self.device_ready()
 
     def _start_preload(self, batches: Any) -> Any:
         """On CUDA, with a device step: a ``kernels._preload.Preload`` importing Triton and the device
