@@ -109,6 +109,8 @@ class Backprop(Method):
     at the output and the forward's saved state) keeps everything else: the optimizer, clipping,
     guards, data-parallel averaging and the CUDA device path (when its ``backward`` reads nothing on
     the host). Feedback alignment and sign symmetry are such rules (``examples/08_custom_method.py``).
+    A subclass that sets ``backward_out = True`` takes ``backward(grad_out, saved, out=...)``: the
+    device step's gradient buffers to write into (aligned with ``model.parameters()``), saving a copy.
     """
 
     name = "backprop"

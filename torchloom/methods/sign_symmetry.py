@@ -7,7 +7,9 @@ The error goes down through the *signs* of the forward weights: for a chain of D
 ``∂b_l = Σ_batch δ_l``. Only the sign of each weight travels back, never its magnitude.
 
 ``SignSymmetryConfig.scale`` sets ``s_l``: ``"mean_abs"`` (the default) ``s_l = mean|W_l|``, so the
-feedback has the forward weights' overall magnitude (one reduction per layer on the device);
+feedback has the forward weights' overall magnitude (on CUDA every layer's ``Σ|W|`` in one
+``_foreach_norm``, and at most 128 rows ``s · sign(W)`` formed inside each layer's one-launch backward,
+``kernels/feedback.py``);
 ``"unit"``: ``s_l = 1``, the paper's ±1 feedback, whose error grows by about ``1/mean|W|`` per layer
 (Liao et al. train it with batch normalisation; without it, lower the rate); or a number ``s > 0``.
 
