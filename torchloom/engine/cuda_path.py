@@ -25,6 +25,12 @@ range), else in the second. A ``DataLoader`` (new tensors every epoch) runs eage
 one host sync reads the per-step losses, statuses and logs, prints Loom's NaN messages and fills the
 epoch log.
 
+Alignment diagnostics (``TrainingConfig.alignment_every``, ``alignment.py``): a measured step is the
+probe's device-only measurement, the step, and the probe's fold (``measured_step``). Captured, it
+runs through two extra one-step graphs (``_capture_single``: with and without the probe), which
+``_replay`` uses, step by step, for a chunk (or the tail) holding a measured step; other chunks
+replay their graph as usual.
+
 Learning-rate schedules: the schedule is advanced on the host once per batch of the epoch ahead of
 time, and each captured step reads its learning rate from a device table filled at epoch start (the
 rate groups of ``trainer.rate_groups()`` point at their row).
