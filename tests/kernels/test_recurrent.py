@@ -84,3 +84,28 @@ def test_half_precision_within_dtype_tolerance(dtype):
         lo_err = (lo.double() - want).abs().max().item()
         floor = 2 * torch.finfo(dtype).eps * want.abs().max().item()
         assert err <= 2 * lo_err + floor, f"{name}: error {err:.3e} vs nn.LSTM's {lo_err:.3e}"
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_traced_lstm_loops_equal_autograd_in_float64(T):
+    """The loops a compiled LSTM traces where the fused cell kernel would run
+    (``lstm_forward_loop_traced`` / ``lstm_backward_loop_traced``: every step from fresh tensors, no
+    write into a view) against ``nn.LSTM`` with autograd in float64: the hidden states, and with BPTT's
+    products over ``gPre`` (``dx = gPre W_ih``, ``dW_ih = Σ gPreᵀ x``, ``dW_hh = Σ_{t≥1} gPre_tᵀ h_{t−1}``,
+    ``db = Σ gPre``) every gradient."""
+    torch.manual_seed(0)
+    B, I, H = 3, 4, 5
+    x = torch.randn(B, T, I, dtype=torch.float64)
+    w_ih, w_hh = torch.randn(4 * H, I, dtype=torch.float64) * 0.5, torch.randn(4 * H, H, dtype=torch.float64) * 0.5
+    b, g = torch.randn(4 * H, dtype=torch.float64) * 0.5, torch.randn(B, T, H, dtype=torch.float64)
+    y_ref, (dx_ref, dw_ih_ref, dw_hh_ref, db_ref) = recurrent_truth(nn.LSTM, x, w_ih, w_hh, b, g)
+    proj = (x.reshape(B * T, I) @ w_ih.t() + b).view(B, T, 4 * H)
+    pre, cell, hidden = K.lstm_forward_loop_traced(proj, w_hh)
+    assert_close(hidden, y_ref, name="hidden", rtol=1e-12, atol=1e-12)
+    g_pre = K.lstm_backward_loop_traced(g, pre, cell, w_hh)
+    g2 = g_pre.reshape(B * T, 4 * H)
+    assert_close((g2 @ w_ih).view(B, T, I), dx_ref, name="dx", rtol=1e-12, atol=1e-12)
+    assert_close(g2.t() @ x.reshape(B * T, I), dw_ih_ref, name="dW_ih", rtol=1e-12, atol=1e-12)
+    dw_hh = g_pre[:, 1:].reshape(-1, 4 * H).t() @ hidden[:, :-1].reshape(-1, H)
+    assert_close(dw_hh, dw_hh_ref, name="dW_hh", rtol=1e-12, atol=1e-12)
+    assert_close(g2.sum(0), db_ref, name="db", rtol=1e-12, atol=1e-12)

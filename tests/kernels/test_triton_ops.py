@@ -1,7 +1,7 @@
 """Triton kernels registered as ``torch.library.triton_op``s, so that ``torch.compile`` sees them.
 
 The operators ``torch.ops.torchloom.dense_small_backward`` (the fused small-batch Dense backward),
-``swiglu`` / ``swiglu_backward`` (the SwiGLU gate), ``norm_forward`` / ``norm_backward`` (RMSNorm's and
+``swiglu`` / ``swiglu_backward`` / ``swiglu_backward_`` (the SwiGLU gate), ``norm_forward`` / ``norm_backward`` (RMSNorm's and
 LayerNorm's row-tiled kernels) and ``softmax`` / ``softmax_backward``:
 
 * each equals its reference (Triton's interpreter on CPU, natively on CUDA);
@@ -61,6 +61,12 @@ def test_swiglu_operators_equal_reference(cuda_default_device, dtype):
     assert_close(dg, rdg, name="d_gate", **tol)
     assert_close(du, rdu, name="d_up", **tol)
     assert not torch.equal(da, dg)  # fresh outputs: the operator writes into none of its inputs
+    # swiglu_backward_: d_gate over the incoming gradient (what a compiled SwiGLU's backward calls)
+    grad, gate_before, up_before = da.clone(), gate.clone(), up.clone()
+    du_inplace = torch.ops.torchloom.swiglu_backward_(grad, gate, up)
+    assert_close(grad, rdg, name="d_gate written over grad", **tol)
+    assert_close(du_inplace, rdu, name="d_up of swiglu_backward_", **tol)
+    assert torch.equal(gate, gate_before) and torch.equal(up, up_before)
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
@@ -128,7 +134,9 @@ _TRACE = textwrap.dedent(
     def gate(g, u, da):
         a = torch.ops.torchloom.swiglu(g, u)
         dg, du = torch.ops.torchloom.swiglu_backward(da, g, u)
-        return a + 1, dg, du
+        grad = da * 2  # an intermediate, as the layer's backward has it
+        du2 = torch.ops.torchloom.swiglu_backward_(grad, g, u)  # d_gate written over grad
+        return a + 1, dg, du, grad, du2
 
     g, pre, x, w = torch.randn(5, 9), torch.randn(5, 9), torch.randn(5, 13), torch.randn(9, 13)
     torch._dynamo.reset()
@@ -140,7 +148,7 @@ _TRACE = textwrap.dedent(
     (gm,) = graphs
     hops = [n for n in gm.graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
     kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in hops]
-    assert [getattr(k, "fn", k) for k in kernels] == [sg._swiglu_kernel, sg._swiglu_backward_kernel], kernels
+    assert [getattr(k, "fn", k) for k in kernels] == [sg._swiglu_kernel, sg._swiglu_backward_kernel, sg._swiglu_backward_kernel], kernels
     print("swiglu", len(hops))
 
     from torchloom.kernels import layernorm as ln
@@ -206,7 +214,8 @@ _TRACE = textwrap.dedent(
 
 
 def test_compile_sees_the_kernel():
-    """Dynamo + AOTAutograd, ``fullgraph=True``. ``dynamic=True``: the SwiGLU gate's two operators,
+    """Dynamo + AOTAutograd, ``fullgraph=True``. ``dynamic=True``: the SwiGLU gate's three operators
+    (``swiglu_backward_`` writing over an intermediate),
     the norms' four (LayerNorm and RMSNorm) and softmax's two become their kernels' functional nodes.
     The Dense backward with plain and ``dynamic=True`` sizes: the operator becomes its kernel's node,
     the grid is the kernel's tile count (1 dW tile + 1 dx tile for these sizes; symbolic under dynamic
@@ -216,7 +225,7 @@ def test_compile_sees_the_kernel():
     run = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     gate, norms, soft, static, dynamic = run.stdout.strip().splitlines()
-    assert (gate, norms, soft) == ("swiglu 2", "norms 4", "softmax 2")
+    assert (gate, norms, soft) == ("swiglu 3", "norms 4", "softmax 2")
     assert static == "False | (2, 1, 1) | [['5', '13'], ['9', '13'], ['9']]"
     flag, grid, shapes = dynamic.split(" | ")
     assert flag == "True" and not grid.startswith("(2,"), dynamic  # a symbolic grid: no specialisation on the sizes

@@ -27,7 +27,7 @@ def scalar_value(value, ON_DEVICE: tl.constexpr):
     if ON_DEVICE:
         out = tl.load(value).to(tl.float32)
     else:
-        out = value
+        out = tl.cast(value, tl.float32)  # Inductor passes a Python float as fp64
     return out
 
 

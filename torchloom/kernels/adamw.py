@@ -115,6 +115,17 @@ def _adamw_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_CLIP: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    beta2 = tl.cast(beta2, tl.float32)
+    one_minus_beta1 = tl.cast(one_minus_beta1, tl.float32)
+    one_minus_beta2 = tl.cast(one_minus_beta2, tl.float32)
+    log_beta1 = tl.cast(log_beta1, tl.float32)
+    log_beta2 = tl.cast(log_beta2, tl.float32)
+    bias_correction1 = tl.cast(bias_correction1, tl.float32)
+    bias_correction2_sqrt = tl.cast(bias_correction2_sqrt, tl.float32)
+    eps = tl.cast(eps, tl.float32)
+    weight_decay = tl.cast(weight_decay, tl.float32)
+    clip_value = tl.cast(clip_value, tl.float32)
     offs, mask = update_block(n, found_inf_ptr, BLOCK, HAS_FOUND_INF)
     lr_v = scalar_value(lr, LR_ON_DEVICE)
     if STEP_ON_DEVICE:

@@ -110,6 +110,8 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, so nothing below is promoted to fp64.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # BLOCK_M is a multiple of BLOCK_N: a query block's diagonal starts on a key-block boundary.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -203,6 +205,9 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, so nothing below is promoted to fp64.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     # BLOCK_N (keys) is a multiple of BLOCK_M (queries): the diagonal spans whole query blocks.
     start_n = tl.program_id(0) * BLOCK_N
     bk = tl.program_id(1)
@@ -280,6 +285,9 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, so nothing below is promoted to fp64.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     # BLOCK_M is a multiple of BLOCK_N (as in the forward).
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)

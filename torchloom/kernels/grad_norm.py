@@ -59,6 +59,8 @@ def _norm_finish_kernel(
     BLOCK: tl.constexpr,
     HAS_CLIP: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    max_norm = tl.cast(max_norm, tl.float32)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_partials, BLOCK):

@@ -111,6 +111,8 @@ def _norm_forward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    eps = tl.cast(eps, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: row · n may pass 2³¹
     cols = tl.arange(0, BLOCK)
     rmask = rows < n_rows

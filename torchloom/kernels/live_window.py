@@ -129,6 +129,8 @@ def _live_window_kernel(
     lr, K, P,
     L: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, TRAIN: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    lr = tl.cast(lr, tl.float32)
     r = tl.arange(0, BLOCK)
     rp = tl.arange(0, BLOCK_P)
     n_x = tl.load(meta_ptr + 0)

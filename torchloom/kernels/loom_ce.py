@@ -40,6 +40,9 @@ def _loom_ce_kernel(
     eps,
     BLOCK: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_n = tl.cast(inv_n, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

@@ -96,6 +96,10 @@ def _target_rows_kernel(
     out_ptr, y_ptr, n_cols, inv_n, rows_f, gap_threshold,  # read
     BLOCK: tl.constexpr, LABELS: tl.constexpr, MODE: tl.constexpr, MASK_GAP: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_n = tl.cast(inv_n, tl.float32)
+    rows_f = tl.cast(rows_f, tl.float32)
+    gap_threshold = tl.cast(gap_threshold, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -191,6 +195,8 @@ def _estimate_kernel(
     ``WITH_NUM`` (at most ``BLOCK_R`` rows) also ``t_out W`` for the block, from the same W tiles —
     then rows r, r + row_programs, ... in blocks of ``BLOCK_R``: t = num / colsum where connected, and
     the gap t − act. Without ``WITH_NUM``, ``t_ptr`` holds ``num`` on entry and ``t`` on exit."""
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    min_connection = tl.cast(min_connection, tl.float32)
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < cols
     rr = tl.arange(0, BLOCK_R)
@@ -303,6 +309,8 @@ def _stats_kernel(
 ):
     # grid-stride: at most _MAX_STATS_PROGRAMS partial rows, so the rule kernel's single program adds
     # up few of them whatever the batch
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    scale = tl.cast(scale, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     _stats_program(part_ptr + pid * 5, f_ptr, t_ptr, e_ptr, n, n_extra, scale, pid, programs, BLOCK, HAS_EXTRA, FROM_GRAD, T_IS_F)
 
@@ -315,6 +323,15 @@ def _stats_pairs_kernel(
     NP: tl.constexpr, BLOCK: tl.constexpr, EXTRA: tl.constexpr, GRAD: tl.constexpr, SAME: tl.constexpr,
 ):
     # every pair's statistics in one launch: grid (programs, pairs); pair j's flags are bit j of the masks
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    s0 = tl.cast(s0, tl.float32)
+    s1 = tl.cast(s1, tl.float32)
+    s2 = tl.cast(s2, tl.float32)
+    s3 = tl.cast(s3, tl.float32)
+    s4 = tl.cast(s4, tl.float32)
+    s5 = tl.cast(s5, tl.float32)
+    s6 = tl.cast(s6, tl.float32)
+    s7 = tl.cast(s7, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     pair = tl.program_id(1)
     for j in tl.static_range(NP):

@@ -43,6 +43,8 @@ def _mse_kernel(
     inv_n,  # 1/N
     BLOCK: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_n = tl.cast(inv_n, tl.float32)
     pid = tl.program_id(0).to(tl.int64)  # int64: offsets past 2^31 elements stay exact
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

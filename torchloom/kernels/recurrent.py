@@ -35,6 +35,8 @@ from ._triton import KERNEL_DTYPES, use_triton
 __all__ = [
     "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
     "rnn_forward_loop", "rnn_backward_loop", "rnn_forward_loop_ref", "rnn_backward_loop_ref", "rnn_loop_uses_triton",
+    "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
+    "rnn_loop_traced_available", "rnn_forward_loop_traced", "rnn_backward_loop_traced",
 ]
 
 
@@ -112,35 +114,49 @@ def _store(op, *args: Tensor, out: Tensor) -> None:
         op(*args, out=out)
 
 
-def lstm_cell_ref(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tensor) -> None:
-    """Reference forward step: writes ``c_t`` into ``c_out`` and ``h_t`` into ``h_out``."""
-    hsz = c_out.shape[-1]
+def lstm_cell_values(pre: Tensor, c_prev: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One forward step as fresh tensors: ``(c_t, h_t)`` ``[B, H]`` from ``pre [B, 4H]`` and ``c_{t−1}``
+    (None: zero); the formulas of the module doc, in the inputs' dtype."""
+    hsz = pre.shape[-1] // 4
     act = torch.sigmoid(pre)
     i, f, o = act[:, :hsz], act[:, hsz : 2 * hsz], act[:, 3 * hsz :]
     g = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
     c = i * g if c_prev is None else torch.addcmul(i * g, f, c_prev)
-    c_out.copy_(c)
-    _store(torch.mul, o, torch.tanh(c), out=h_out)
+    return c, o * torch.tanh(c)
 
 
-def lstm_cell_backward_ref(
-    pre: Tensor, c: Tensor, c_prev: Tensor | None, dh: Tensor, kappa: Tensor, g_pre: Tensor, has_kappa: bool
-) -> None:
-    """Reference backward step: writes ``gPre_t`` into ``g_pre`` and ``κ_t`` over ``kappa``."""
+def lstm_cell_backward_values(
+    pre: Tensor, c: Tensor, c_prev: Tensor | None, dh: Tensor, kappa: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """One backward step as fresh tensors: ``(gPre_t [B, 4H], κ_t [B, H])`` from the carry ``κ_{t+1}``
+    (None after the last step); the formulas of the module doc."""
     hsz = c.shape[-1]
     act = torch.sigmoid(pre)
     i, f, o = act[:, :hsz], act[:, hsz : 2 * hsz], act[:, 3 * hsz :]
     g = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
     tc = torch.tanh(c)
     dc = dh * o * (1.0 - tc * tc)
-    if has_kappa:
+    if kappa is not None:
         dc = dc + kappa
     cp = torch.zeros_like(c) if c_prev is None else c_prev
-    g_pre[:, :hsz] = dc * g * i * (1.0 - i)
-    g_pre[:, hsz : 2 * hsz] = dc * cp * f * (1.0 - f)
-    g_pre[:, 2 * hsz : 3 * hsz] = dc * i * (1.0 - g * g)
-    g_pre[:, 3 * hsz :] = dh * tc * o * (1.0 - o)
-    kappa.copy_(dc * f)
+    g_pre = torch.cat((dc * g * i * (1.0 - i), dc * cp * f * (1.0 - f), dc * i * (1.0 - g * g), dh * tc * o * (1.0 - o)), dim=1)
+    return g_pre, dc * f
+
+
+def lstm_cell_ref(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tensor) -> None:
+    """Reference forward step: writes ``c_t`` into ``c_out`` and ``h_t`` into ``h_out``."""
+    c, h = lstm_cell_values(pre, c_prev)
+    c_out.copy_(c)
+    h_out.copy_(h)
+
+
+def lstm_cell_backward_ref(
+    pre: Tensor, c: Tensor, c_prev: Tensor | None, dh: Tensor, kappa: Tensor, g_pre: Tensor, has_kappa: bool
+) -> None:
+    """Reference backward step: writes ``gPre_t`` into ``g_pre`` and ``κ_t`` over ``kappa``."""
+    g, k = lstm_cell_backward_values(pre, c, c_prev, dh, kappa if has_kappa else None)
+    g_pre.copy_(g)
+    kappa.copy_(k)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -223,16 +239,17 @@ def graph_buffers(key: tuple, make: Callable[[], dict]) -> dict:
 
 
 def ensure_graph(entry: dict, name: str, body: Callable[[], None]):
-    """The graph ``name`` of ``entry``, captured from ``body()`` on first use (after one warm-up run
-    on a side stream, which compiles the kernels). Call before writing the inputs: the warm-up runs
-    on the buffers."""
+    """The graph ``name`` of ``entry``, captured from ``body()`` on first use (after one warm-up run,
+    which compiles the kernels). Call before writing the inputs: the warm-up runs on the buffers.
+
+    The warm-up runs on the current stream, not on a new side stream: PyTorch keeps a cuBLAS workspace
+    per stream (tens of MiB on recent GPUs) for as long as the stream lives, so a fresh side stream per
+    capture held one more workspace per graph, part of the scratch of an LSTM's first call (issue 36).
+    The capture stream's own workspace is created inside the capture either way: a side stream's
+    warm-up never warmed it."""
     g = entry["graphs"].get(name)
     if g is None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
+        body()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             body()
@@ -545,3 +562,94 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
     if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(g_pre, grad_out, hidden, weight_hh, True):
         torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
+
+
+# -------------------------------------------------------------------- loops under torch.compile
+# While ``torch.compile`` traces, the CUDA paths above are not used as they are: the CUDA-graph cache
+# needs real buffers, and a Triton kernel launched into strided views of a ``[B, T, ·]`` buffer is a
+# write that Inductor must functionalise (a copy of the buffer per step unless its re-inplacing
+# proves the view free); a compiled LSTM at 64×64×256×256 on an H200 ended in an illegal memory access
+# (issue 36). Where the fused LSTM cell kernel would run, the traced loop launches no kernel into a
+# view: it builds every
+# step from fresh tensors instead: the same formulas (``lstm_cell_values`` /
+# ``lstm_cell_backward_values``, which the references also use), written as PyTorch ops that
+# Inductor fuses into one kernel per step, stacked at the end. The persistent RNN kernel needs a
+# cooperative launch (every program resident), which Inductor's launcher does not promise, so under
+# compile it runs behind opaque operators (``torchloom::rnn_loop`` / ``rnn_loop_backward``): the
+# compiled graph calls the eager launcher at run time. On the CPU and in float64 the reference loops
+# (PyTorch ops only) are traced as they are.
+
+
+def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The LSTM's forward loop from fresh tensors (for ``torch.compile``): ``proj [B, T, 4H]`` (input
+    projections and bias) → ``(pre [B, T, 4H], cell, hidden [B, T, H])``; ``proj`` is not written."""
+    w_hh_t = weight_hh.t()
+    pres, cells, hiddens = [], [], []
+    c = h = None
+    for t in range(proj.shape[1]):
+        p = proj[:, t] if t == 0 else torch.addmm(proj[:, t], h, w_hh_t)
+        c, h = lstm_cell_values(p, c)
+        pres.append(p)
+        cells.append(c)
+        hiddens.append(h)
+    return torch.stack(pres, 1), torch.stack(cells, 1), torch.stack(hiddens, 1)
+
+
+def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+    """The LSTM's backward loop from fresh tensors (for ``torch.compile``): ``gPre [B, T, 4H]`` from
+    ``grad_out [B, T, H]`` and the forward's ``pre`` and ``cell``."""
+    T = pre.shape[1]
+    g_pres: list = [None] * T
+    kappa = None
+    for t in range(T - 1, -1, -1):
+        dh = grad_out[:, t] if t == T - 1 else torch.addmm(grad_out[:, t], g_pres[t + 1], weight_hh)
+        g_pres[t], kappa = lstm_cell_backward_values(pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa)
+    return torch.stack(g_pres, 1)
+
+
+def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor]:
+    pre = proj.clone(memory_format=torch.contiguous_format)
+    hidden = torch.empty_like(pre)
+    rnn_forward_loop(pre, weight_hh, hidden)
+    return pre, hidden
+
+
+def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor) -> Tensor:
+    hidden = hidden.contiguous()
+    g_pre = torch.empty_like(hidden)
+    rnn_backward_loop(grad_out.contiguous(), weight_hh, hidden, g_pre)
+    return g_pre
+
+
+def _register_rnn_ops():
+    """``torchloom::rnn_loop`` / ``torchloom::rnn_loop_backward``: the persistent loops as opaque
+    operators with fresh outputs (None where ``torch.library.custom_op`` is missing)."""
+    if not hasattr(torch.library, "custom_op"):
+        return None, None
+    fwd = torch.library.custom_op("torchloom::rnn_loop", _rnn_loop_eager, mutates_args=())
+    bwd = torch.library.custom_op("torchloom::rnn_loop_backward", _rnn_loop_backward_eager, mutates_args=())
+    fwd.register_fake(lambda proj, weight_hh: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))  # contiguous
+    bwd.register_fake(lambda grad_out, weight_hh, hidden: hidden.new_empty(hidden.shape))
+    return fwd, bwd
+
+
+_RNN_OPS = _register_rnn_ops()
+
+
+def rnn_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
+    """Whether a traced RNN on ``x`` runs its loops through ``torchloom::rnn_loop`` /
+    ``rnn_loop_backward``: where ``rnn_loop_uses_triton`` and ``torch.library.custom_op`` exists."""
+    return _RNN_OPS[0] is not None and rnn_loop_uses_triton(x, batch, hidden, backend)
+
+
+def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor]:
+    """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_traced_available``): one call of
+    the opaque ``torchloom::rnn_loop`` — the persistent kernel, launched cooperatively at run time —
+    ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``proj`` not written."""
+    return _RNN_OPS[0](proj, weight_hh)
+
+
+def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor) -> Tensor:
+    """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_traced_available``):
+    ``gPre [B, T, H]`` from one call of the opaque ``torchloom::rnn_loop_backward``."""
+    return _RNN_OPS[1](grad_out, weight_hh, hidden)

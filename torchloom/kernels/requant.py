@@ -90,6 +90,9 @@ def _requant_grid_kernel(
     STOCHASTIC: tl.constexpr,
     HAS_BEFORE: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    lo = tl.cast(lo, tl.float32)
+    hi = tl.cast(hi, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

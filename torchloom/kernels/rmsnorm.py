@@ -66,6 +66,8 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,  # the row fits one block: load it once
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)  # int64: row · n may pass 2³¹
     x_row, y_row = x_ptr + row * n_cols, y_ptr + row * n_cols
     cols = tl.arange(0, BLOCK)

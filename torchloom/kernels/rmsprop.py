@@ -110,6 +110,13 @@ def _rmsprop_kernel(
     CENTERED: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    alpha = tl.cast(alpha, tl.float32)
+    one_minus_alpha = tl.cast(one_minus_alpha, tl.float32)
+    eps = tl.cast(eps, tl.float32)
+    weight_decay = tl.cast(weight_decay, tl.float32)
+    momentum = tl.cast(momentum, tl.float32)
+    clip_value = tl.cast(clip_value, tl.float32)
     offs, mask = update_block(n, found_inf_ptr, BLOCK, HAS_FOUND_INF)
     lr_v = scalar_value(lr, LR_ON_DEVICE)
 

@@ -97,6 +97,11 @@ def _sgd_kernel(
     FIRST_STEP: tl.constexpr,
     NESTEROV: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    momentum = tl.cast(momentum, tl.float32)
+    one_minus_dampening = tl.cast(one_minus_dampening, tl.float32)
+    weight_decay = tl.cast(weight_decay, tl.float32)
+    clip_value = tl.cast(clip_value, tl.float32)
     offs, mask = update_block(n, found_inf_ptr, BLOCK, HAS_FOUND_INF)
     lr_v = scalar_value(lr, LR_ON_DEVICE)
 

@@ -63,6 +63,8 @@ def _softmax_kernel(
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,  # the row fits one block
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_temperature = tl.cast(inv_temperature, tl.float32)
     row = tl.program_id(0).to(tl.int64)  # int64: row · C may pass 2³¹
     x_row = x_ptr + row * n_cols
     out_row = out_ptr + row * n_cols
@@ -105,6 +107,8 @@ def _softmax_backward_kernel(
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,  # the row fits one block
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_temperature = tl.cast(inv_temperature, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     g_row, p_row, dx_row = g_ptr + row * n_cols, p_ptr + row * n_cols, dx_ptr + row * n_cols
     cols = tl.arange(0, BLOCK)

@@ -53,6 +53,8 @@ def _softmax_ce_kernel(
     BLOCK: tl.constexpr,
     LABELS: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    inv_rows = tl.cast(inv_rows, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * n_cols
     cols = tl.arange(0, BLOCK)

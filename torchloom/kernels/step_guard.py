@@ -70,6 +70,8 @@ def _step_guard_kernel(
     CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64: fp32 here, as Triton's own launcher passes it.
+    max_norm = tl.cast(max_norm, tl.float32)
     cols = tl.arange(0, BLOCK)
     acc_loss = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_loss, BLOCK):

@@ -314,7 +314,14 @@ def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_
     b_qkv = None if q_bias is None else torch.cat((q_bias, k_bias, v_bias))
     qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
     heads = qkv.view(b, s, h + 2 * kv, hd)
-    if spec.rope:
+    if spec.rope and torch.compiler.is_compiling():
+        # Traced: RoPE as fresh tensors (float32 math, as the kernel), which Inductor fuses; no kernel
+        # writes into a view of ``qkv`` (Inductor would have to functionalise that write).
+        cos, sin = (t[:, None] for t in _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32))
+        rotated = rope_rotate(heads[:, :, : h + kv].float(), cos, sin).to(qkv.dtype)
+        heads = torch.cat((rotated, heads[:, :, h + kv :]), dim=2)
+        qkv = heads.view(b * s, (h + 2 * kv) * hd)
+    elif spec.rope:
         cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
         _flash().rope_(heads[:, :, : h + kv], cos, sin, inverse=False, backend=spec.backend)
     q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
@@ -335,14 +342,23 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     d_o = torch.mm(gy, o_weight).view(b, s, h, hd)
     heads = qkv.view(b, s, h + 2 * kv, hd)
     q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
-    d_qkv = torch.empty_like(qkv)
-    d_heads = d_qkv.view(b, s, h + 2 * kv, hd)
-    _flash().flash_attention_backward(
-        d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend,
-        out=(d_heads[:, :, :h], d_heads[:, :, h : h + kv], d_heads[:, :, h + kv :]),
-    )
-    del d_o, q, k, v, heads
-    if spec.rope:
+    if torch.compiler.is_compiling():  # traced: fresh gradients, joined (no kernel writes into views)
+        dq, dk, dv = _flash().flash_attention_backward(d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend)
+        d_qk = torch.cat((dq, dk), dim=2)
+        if spec.rope:
+            cos, sin = (t[:, None] for t in _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32))
+            d_qk = rope_rotate_inverse(d_qk.float(), cos, sin).to(qkv.dtype)
+        d_qkv = torch.cat((d_qk, dv), dim=2).view(b * s, (h + 2 * kv) * hd)
+        del d_o, q, k, v, heads, dq, dk, dv, d_qk
+    else:
+        d_qkv = torch.empty_like(qkv)
+        d_heads = d_qkv.view(b, s, h + 2 * kv, hd)
+        _flash().flash_attention_backward(
+            d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend,
+            out=(d_heads[:, :, :h], d_heads[:, :, h : h + kv], d_heads[:, :, h + kv :]),
+        )
+        del d_o, q, k, v, heads
+    if spec.rope and not torch.compiler.is_compiling():
         cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
         _flash().rope_(d_heads[:, :, : h + kv], cos, sin, inverse=True, backend=spec.backend)
     d_w = torch.mm(d_qkv.t(), x2)  # [(H+2K)·D, d]: dW_q | dW_k | dW_v

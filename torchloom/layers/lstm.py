@@ -87,7 +87,10 @@ def lstm_forward(
     step_backend = _step_backend(x, backend)
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
-    if step_backend == "triton" and K.graphs_usable(x):
+    if torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step (kernels/recurrent.py)
+        proj = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
+        pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh)
+    elif step_backend == "triton" and K.graphs_usable(x):
         entry = _graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
         graph = K.ensure_graph(entry, "forward", lambda: _forward_loop(K, buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
@@ -155,7 +158,9 @@ def lstm_backward(
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = grad_out.to(x.dtype).contiguous()
-    if step_backend == "triton" and K.graphs_usable(x):
+    if torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step (kernels/recurrent.py)
+        g_pre = K.lstm_backward_loop_traced(grad_out, pre, cell, weight_hh)
+    elif step_backend == "triton" and K.graphs_usable(x):
         entry = _graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
         graph = K.ensure_graph(entry, "backward", lambda: _backward_loop(
