@@ -7,13 +7,30 @@ engine's device step guards it (``step_guard.py``, ``weight_guard.py``): a non-f
 update (status 1) and every later update of the window (status 3), a non-finite squared gradient
 norm skips it (status 2), an update that would make a weight non-finite is not written (status 4).
 
-One program runs the whole window: a net of this size (adaptv2's Dense 8→32→64→64→64→32→4, 15k
+One program runs the whole window: a net of this size (adaptv2's Dense 8→32→64→64→64→32→4, 12.9k
 weights) is a few thousand multiply-adds per layer, where the per-sample cost of the captured loop
-of torch ops is its ~25 tiny kernels. Layers are at most ``BLOCK`` (≤ 128) wide; each layer's
-``[n_out, n_in]`` weight and bias are read from one flat parameter buffer (offsets in ``meta``); the
-layer outputs, the gradients and the new weights go through scratch buffers, and a CTA barrier
-separates each phase. Products run in float32 with tree sums (not cuBLAS's order), so the numbers
-match the torch path to rounding.
+of torch ops is its ~25 tiny kernels. Two kernels, the launcher picking (``kernel_settings``):
+
+* **registers** (``_live_window_regs_kernel``): every layer's weight ``[n_out, n_in]`` and bias,
+  padded to powers of two, are loaded into registers once per window and stored once at its end; a
+  sample touches memory only for its input, target, prediction and status. The weight gradient is the
+  outer product of the layer's output gradient and its input, never stored: the update recomputes
+  it. The guard costs one reduction per sample, not one per check: wherever an element could make
+  the loss, the squared gradient norm or a new weight non-finite (a square above ``BIG`` = 2^126 / the
+  number of squares, so no sum of squares below it overflows; a non-finite ``w − lr·g``), a NaN joins
+  the gradient flowing to the layer below (0 elsewhere, which changes no value), and one sum at the
+  first layer carries it. Only when that sum is not 0 (a NaN sample, an overflow, or a gradient
+  element above the bound) are the loss, the squared norm and the new weights checked in full, in
+  the reference's order. For chains of at most ``MAX_REGISTER_LAYERS`` layers whose padded weights
+  fit ``REGISTER_BUDGET``. Against the global kernel on an H200 (adaptv2, K = 64): see
+  ``bench/RESULTS.md`` §8.
+* **global** (``_live_window_kernel``): any chain up to ``MAX_WIDTH`` wide. Each layer's weight and
+  bias are read from the flat parameter buffer every sample (offsets in ``meta``); the layer outputs,
+  the gradients and the new weights go through scratch buffers, and a CTA barrier separates each
+  phase.
+
+Products run in float32 with tree sums (not cuBLAS's order), so the numbers match the torch path to
+rounding.
 
 ``live_window_ref`` is the same computation in torch ops (the tests' reference, and the path off CUDA
 without Triton's interpreter).
