@@ -451,3 +451,22 @@ def test_stream_window_corrects_the_count_when_it_reads_a_refused_update():
     bad = int((live._stream.statuses() != 0).sum())
     assert bad >= 1 and live.statuses["NAN_GRAD"] == bad
     assert live.version == live.statuses["OK"] == 16 - bad
+
+
+def test_stream_window_logs_each_read_window_once():
+    """An observer's report during a window's read (``log_every``) reads no further window, and each
+    window is logged once: epochs 0..3 for 4 windows of 8 at ``log_every=8``."""
+    seen = []
+
+    class Watch:
+        def on_epoch_end(self, trainer, epoch, logs):
+            seen.append((epoch, len(trainer.record)))
+
+    x, y = stream(32, seed=9)
+    live = LiveTrainer(small_net(3), method="backprop", observers=[Watch()], log_every=8)
+    _eager_cuda(live)
+    for k in range(0, 32, 8):
+        live.stream_window(x[k : k + 8], y[k : k + 8])
+    assert seen == [(0, 8), (1, 16), (2, 24)]
+    live.report()
+    assert seen == [(0, 8), (1, 16), (2, 24), (3, 32)]

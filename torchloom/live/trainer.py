@@ -340,12 +340,13 @@ class LiveTrainer:
         self.statuses["OK"] += n
         self.serve_version = self.version
         window = (host_preds, status, ready, t, wall0, self.phase, labels, frac)
-        previous, self._window = self._window, window
-        if previous is not None:
+        previous, self._window = self._window, None
+        if previous is not None:  # (an observer's report there reads no further: this one is not queued yet)
             self._finish_window(previous)
         if ready is None:  # computed in line (no device queue): read now
-            self._window = None
             self._finish_window(window)
+        else:
+            self._window = window
         return preds
 
     def _finish_window(self, window: tuple) -> None:
