@@ -13,7 +13,9 @@ device-resident stream.
   kernel over the window (``kernels/live_window.py``); otherwise, for each sample, the method's device
   step, its pre-update forward written into a prediction row (a first eager window ran the serve
   forward and checked the step hands its output over), all K recorded in one CUDA graph;
-  predictions read once per window. It runs eagerly on CPU tensors (the same steps, the engine's
+  predictions read once per window. Host windows arrive by one copy from a staging buffer, and a
+  window's predictions and statuses leave by copies into host buffers queued behind it (``load``,
+  ``read_back``: two slots each), so the host need not wait for the window it just queued. It runs eagerly on CPU tensors (the same steps, the engine's
   runner falls back to the kernels' references), which the tests use.
 * ``CudaOps`` / ``EagerOps``: the CUDA primitives the two use (streams, events, graph capture, pinned
   buffers), and a CPU stand-in whose "graphs" run their function again at each replay, so the tests
