@@ -186,6 +186,9 @@ def sweep(args: argparse.Namespace) -> None:
         meta.append((layer.in_features, layer.out_features, off, off + layer.weight.numel(), ACT_CODES[layer.activation.name]))
         off += layer.weight.numel() + layer.out_features
     flat = torch.cat(parts)
+    # the global kernel's scratch and device layout, made once (as _FusedWindow makes them)
+    scratch = torch.zeros(2 * flat.numel() + (len(meta) + 1) * 64, device=args.device)
+    meta_dev = torch.tensor([v for r in meta for v in r], dtype=torch.int32, device=args.device)
     print(f"fused window kernel alone (adaptv2, default: {kernel_settings(meta)}), GPU us per sample:")
     for k in args.stream_k:
         xs, ys = task.draw(k)
@@ -196,7 +199,8 @@ def sweep(args: argparse.Namespace) -> None:
             row = []
             for train in (True, False):
                 w = flat.clone()
-                run = lambda: live_window_(xs, ts, w, meta, 1e-6, preds, status, train=train, kernel=kernel, num_warps=warps)  # noqa: E731
+                run = lambda: live_window_(xs, ts, w, meta, 1e-6, preds, status, train=train, kernel=kernel,  # noqa: E731
+                                           scratch=scratch, meta_dev=meta_dev, num_warps=warps)
                 run()
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
