@@ -216,3 +216,12 @@ def test_kernel_compiles_for_hopper():
     if "no ptxas" in out.stdout:
         pytest.skip("no ptxas beside this Triton")
     assert "compiled" in out.stdout, out.stdout
+
+
+def test_unknown_kernel_is_refused_before_anything_runs():
+    flat, meta = layout((6, 10, 4), ("tanh", "linear"))
+    xs, ts = samples(2, 6, 4)
+    f = flat.clone()
+    with pytest.raises(ValueError, match=r"^live_window_: kernel must be 'registers', 'global' or None, got 'fast'$"):
+        live_window_(xs, ts, f, meta, 0.1, torch.empty(2, 4), torch.zeros(2, dtype=torch.int32), kernel="fast")
+    assert torch.equal(f, flat)

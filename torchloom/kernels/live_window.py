@@ -38,6 +38,7 @@ without Triton's interpreter).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -421,6 +422,14 @@ def kernel_settings(meta: Sequence[tuple[int, int, int, int, int]], kernel: str 
     return kernel, warps
 
 
+@functools.lru_cache(maxsize=64)
+def _plan(meta: tuple, kernel: str | None, train: bool) -> tuple[str, int, dict]:
+    """(kernel, warps, the register kernel's constexprs) for a layout, worked out once per layout (a
+    window's launch is on the live loop's host path)."""
+    kernel, warps = kernel_settings(meta, kernel)
+    return kernel, warps, register_constexprs(meta, train) if kernel == "registers" else {}
+
+
 def live_window_(
     xs: Tensor, targets: Tensor, flat: Tensor, meta: Sequence[tuple[int, int, int, int, int]], lr: float,
     preds: Tensor, status: Tensor, *, train: bool = True, kernel: str | None = None,
@@ -435,12 +444,11 @@ def live_window_(
     wide), None: the first where it fits (``kernel_settings``). The global kernel's ``scratch`` (float32,
     at least ``2 P + (L + 1) · BLOCK`` elements) and ``meta_dev`` (``meta`` as int32 on the device)
     are made when not given. ``num_warps``: the launch's warps instead of ``kernel_settings``' (a sweep)."""
-    kernel, warps = kernel_settings(meta, kernel)
+    kernel, warps, constexprs = _plan(tuple(map(tuple, meta)), kernel, train)
     warps = num_warps or warps
     n_layers, k = len(meta), xs.shape[0]
     if kernel == "registers":
-        _live_window_regs_kernel[(1,)](xs, targets, flat, preds, status, float(lr), k, **register_constexprs(meta, train),
-                                       num_warps=warps)
+        _live_window_regs_kernel[(1,)](xs, targets, flat, preds, status, float(lr), k, **constexprs, num_warps=warps)
         return
     p = flat.numel()
     block = max(16, _pow2(max(max(row[0], row[1]) for row in meta)))
