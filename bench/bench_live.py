@@ -120,11 +120,10 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
     total_s = args.seconds
     phase_s = total_s / 3
     chunk = args.stream_k if mode == "stream" else 1024
-    # per-sample modes take each sample from the host (the serve copies it to the device); the
-    # device-resident stream has its windows on the device
-    where = args.device if mode == "stream" else "cpu"
+    # every mode takes its samples from the host, as they are drawn: the serve copies one sample to the
+    # device; the device-resident stream stages a window and its labels by one copy, without waiting
+    # for the window before (stream_window)
     xs, ys = task.draw(chunk)
-    xs, ys = xs.to(where), ys.to(where)
     k = 0
     n = 0
     start = time.perf_counter()
@@ -145,7 +144,6 @@ def run(task_name: str, method: str, schedule: str, mode: str, args: argparse.Na
             live.stream_window(xs, labels)
             n += chunk
             xs, ys = task.draw(chunk)
-            xs, ys = xs.to(where), ys.to(where)
             continue
         if k == chunk:
             xs, ys = task.draw(chunk)

@@ -2,6 +2,7 @@
 
     python bench/profile_live.py                       # CUDA: serial and overlap, then the stream (< 2 min)
     python bench/profile_live.py --device cpu          # the same CUDA logic on the CPU (EagerOps): a self-check
+    python bench/profile_live.py --stream-only --stream-k 64,128,256 --sweep   # the stream, and the kernel's variants
 
 Prints, per mode:
 
@@ -14,9 +15,10 @@ Prints, per mode:
    **bookkeeping** = the end-to-end host CPU per sample minus the host cost of those pieces (the
    LiveTrainer's Python: tickets, scoring, the report's rows, the schedule);
 3. GPU time of one serve-graph and one update-graph replay (CUDA events, mean of 200);
-4. the device-resident stream (``--stream-k`` samples per launch), as the fused window kernel and as
-   one CUDA graph of the method's device steps: samples/s, window GPU ms and the serving share
-   (docs/live.md's availability);
+4. the device-resident stream (``--stream-k`` samples per launch, a comma list), as the fused window
+   kernel and as one CUDA graph of the method's device steps: samples/s, wall and host CPU ms per
+   window, window GPU ms and the serving share (docs/live.md's availability); ``--sweep``: the fused
+   kernel alone, GPU µs per sample, weights in registers at 4, 8 and 16 warps and in memory;
 5. the top host functions of the serial loop by own time (cProfile, thread CPU).
 """
 
@@ -143,30 +145,73 @@ def split(args: argparse.Namespace, r: dict) -> None:
             print(f"  GPU time of one {name} replay: {1000 * start.elapsed_time(end) / 200:.1f} us")
 
 
-def stream(args: argparse.Namespace, kernel: bool) -> None:
+def stream(args: argparse.Namespace, kernel: bool, k: int) -> None:
+    """End to end through ``LiveTrainer.stream_window``, host windows as the bench draws them."""
     live, task = make(args, False)
     if not kernel:  # the method's device steps in one CUDA graph (the fused window kernel off)
         live.engine.kernel_backend = "reference"
-    k = args.stream_k
     windows = max(4, args.samples // k)
     batches = [task.draw(k) for _ in range(windows + 3)]
-    dev = "cpu" if args.device == "cpu" else args.device
-    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
     for x, y in batches[:3]:  # eager, capture, timed window
         live.stream_window(x, y)
+    live.flush()
     sync(args)
-    w0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.thread_time()
     for x, y in batches[3:]:
         live.stream_window(x, y)
+    live.flush()
     sync(args)
-    wall = time.perf_counter() - w0
+    wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
     s = live._stream
     rep = live.report(window_samples=k * 4)
     gpu = f"{s.window_ms:.3f} ms" if s.window_ms is not None else "n/a"
-    print(f"  K={k}: {windows * k / wall:,.0f} samples/s, {1e3 * wall / windows:.3f} ms per window (wall), window GPU {gpu}, "
-          f"serving share {live._frac if live._frac is not None else float('nan'):.3f}, fused window kernel: {s.fused is not None}, "
-          f"one forward per sample: {s.fused is not None or s.reuse_forward}, "
-          f"acc {rep.lucy.avg_accuracy:.1f} %")
+    how = f"fused window kernel ({s.fused.kernel})" if s.fused is not None else "graph of the method's steps"
+    print(f"  K={k}: {windows * k / wall:,.0f} samples/s, {1e3 * wall / windows:.3f} ms per window (wall), "
+          f"host CPU {1e3 * cpu / windows:.3f} ms per window, window GPU {gpu}, "
+          f"serving share {live._frac if live._frac is not None else float('nan'):.3f}, {how}, "
+          f"one forward per sample: {s.fused is not None or s.reuse_forward}, acc {rep.lucy.avg_accuracy:.1f} %")
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """GPU time of one window of the fused kernel alone (CUDA events, mean of 20 after a compile), per
+    kernel (weights in registers / in memory) and warps, training and forwards alone."""
+    from torchloom.kernels.live_window import ACT_CODES, kernel_settings, live_window_
+
+    gen = torch.Generator().manual_seed(1)
+    task = Adaptv2Task(gen)
+    net = dense_net(task.widths, gen, args.device)
+    parts, meta, off = [], [], 0
+    for layer in net.layers:
+        parts += [layer.weight.detach().reshape(-1), layer.bias.detach()]
+        meta.append((layer.in_features, layer.out_features, off, off + layer.weight.numel(), ACT_CODES[layer.activation.name]))
+        off += layer.weight.numel() + layer.out_features
+    flat = torch.cat(parts)
+    # the global kernel's scratch and device layout, made once (as _FusedWindow makes them)
+    scratch = torch.zeros(2 * flat.numel() + (len(meta) + 1) * 64, device=args.device)
+    meta_dev = torch.tensor([v for r in meta for v in r], dtype=torch.int32, device=args.device)
+    print(f"fused window kernel alone (adaptv2, default: {kernel_settings(meta)}), GPU us per sample:")
+    for k in args.stream_k:
+        xs, ys = task.draw(k)
+        xs, ts = xs.to(args.device), torch.eye(4)[ys].to(args.device)
+        preds = torch.empty(k, 4, device=args.device)
+        status = torch.zeros(k, dtype=torch.int32, device=args.device)
+        for kernel, warps in [("registers", w) for w in (4, 8, 16)] + [("global", 8)]:
+            row = []
+            for train in (True, False):
+                w = flat.clone()
+                run = lambda: live_window_(xs, ts, w, meta, 1e-6, preds, status, train=train, kernel=kernel,  # noqa: E731
+                                           scratch=scratch, meta_dev=meta_dev, num_warps=warps)
+                run()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    run()
+                end.record()
+                end.synchronize()
+                row.append(1000 * start.elapsed_time(end) / 20 / k)
+            print(f"  K={k:4d} {kernel:9} {warps:2d} warps: window {row[0]:6.2f} us/sample "
+                  f"({1e6 / row[0]:,.0f} samples/s), forwards alone {row[1]:6.2f} us/sample")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--stream-k", type=int, default=64)
+    ap.add_argument("--stream-k", default="64", help="comma list: samples per stream window")
+    ap.add_argument("--sweep", action="store_true", help="CUDA: the fused kernel alone per kernel and warps (compiles 8 variants, ~1 min)")
+    ap.add_argument("--stream-only", action="store_true", help="skip the serial and overlap sections")
     args = ap.parse_args(argv)
+    args.stream_k = [int(v) for v in str(args.stream_k).split(",")]
     card = torch.cuda.get_device_name() if args.device != "cpu" else "CPU (EagerOps: the CUDA logic, no GPU)"
     print(f"# profile_live on {card}; torch {torch.__version__}")
-    for mode in ("serial", "overlap"):
+    for mode in () if args.stream_only else ("serial", "overlap"):
         r = end_to_end(args, mode == "overlap")
         print(f"{mode}: {r['thru']:,.0f} samples/s, availability {r['avail']:.1f} %, staleness {r['stale']:.2f}; per sample "
               f"serve {r['serve_wall']:.1f} us wall / {r['serve_cpu']:.1f} us CPU (p50 {r['p50']:.1f}, p99 {r['p99']:.1f}), "
@@ -200,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             for ln in lines[start : start + 13]:
                 print("   ", ln)
     print("stream (the fused window kernel where it applies, then the CUDA graph of the method's steps):")
-    stream(args, kernel=True)
-    stream(args, kernel=False)
+    for k in args.stream_k:
+        stream(args, kernel=True, k=k)
+    stream(args, kernel=False, k=args.stream_k[0])
+    if args.sweep and args.device != "cpu":
+        sweep(args)
     return 0
 
 

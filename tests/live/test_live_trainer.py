@@ -405,3 +405,68 @@ def test_stream_window_captured_logic_on_the_cpu_takes_predictions_from_the_step
     for a, b in zip(live.model.parameters(), serial.model.parameters()):
         assert_close(a, b, name="stream weights", rtol=1e-5, atol=1e-6)
     assert live.version == 32
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_stream_window_reads_each_window_during_the_next(fused):
+    """With a device queue (EagerOps standing in for CUDA on the CPU), ``stream_window`` does not wait
+    for the window it queues: host windows go through the two staging buffers, a window's rows are
+    read during the next call, ``report`` reads the last; the predictions, weights and scores are serve
+    + learn's. ``fused``: the window kernel (Triton's interpreter), else the captured method's steps."""
+    x, y = stream(32, seed=9)
+    serial = LiveTrainer(small_net(3), method="backprop")
+    preds = torch.cat(_run(serial, x, y))
+    live = LiveTrainer(small_net(3), method="backprop")
+    if fused:
+        pytest.importorskip("triton")
+        live.engine.kernel_backend = "triton"
+    _eager_cuda(live)
+    got, rows = [], []
+    for k in range(0, 32, 8):
+        got.append(live.stream_window(x[k : k + 8], y[k : k + 8]).clone())
+        rows.append(len(live.record))
+    assert (live._stream.fused is not None) == fused
+    assert rows == [0, 8, 16, 24] and live._window is not None
+    assert len(live._stream._stages) == 2 and len(live._stream._host) == 2
+    rep = live.report(window_samples=8)
+    assert live._window is None and rep.samples == 32 and rep.trained_fraction == 1.0
+    assert rep.lucy.total_correct == serial.report().lucy.total_correct
+    assert live.version == 32 and live.statuses["OK"] == 32
+    assert_close(torch.cat(got), preds, name="stream predictions", rtol=1e-5, atol=1e-6)
+    for a, b in zip(live.model.parameters(), serial.model.parameters()):
+        assert_close(a, b, name="stream weights", rtol=1e-5, atol=1e-6)
+
+
+def test_stream_window_corrects_the_count_when_it_reads_a_refused_update():
+    """A window's updates count as applied when it is queued; reading its statuses takes back the
+    ones the device refused (a NaN sample), in the version and the step counts."""
+    x, y = stream(16, seed=9)
+    x[11] = float("nan")
+    live = LiveTrainer(small_net(3), method="backprop")
+    _eager_cuda(live)
+    live.stream_window(x[:8], y[:8])
+    live.stream_window(x[8:], y[8:])
+    assert live.version == 16 and live.statuses["OK"] == 16  # the second window is not read yet
+    live.flush()
+    bad = int((live._stream.statuses() != 0).sum())
+    assert bad >= 1 and live.statuses["NAN_GRAD"] == bad
+    assert live.version == live.statuses["OK"] == 16 - bad
+
+
+def test_stream_window_logs_each_read_window_once():
+    """An observer's report during a window's read (``log_every``) reads no further window, and each
+    window is logged once: epochs 0..3 for 4 windows of 8 at ``log_every=8``."""
+    seen = []
+
+    class Watch:
+        def on_epoch_end(self, trainer, epoch, logs):
+            seen.append((epoch, len(trainer.record)))
+
+    x, y = stream(32, seed=9)
+    live = LiveTrainer(small_net(3), method="backprop", observers=[Watch()], log_every=8)
+    _eager_cuda(live)
+    for k in range(0, 32, 8):
+        live.stream_window(x[k : k + 8], y[k : k + 8])
+    assert seen == [(0, 8), (1, 16), (2, 24)]
+    live.report()
+    assert seen == [(0, 8), (1, 16), (2, 24), (3, 32)]

@@ -13,7 +13,9 @@ device-resident stream.
   kernel over the window (``kernels/live_window.py``); otherwise, for each sample, the method's device
   step, its pre-update forward written into a prediction row (a first eager window ran the serve
   forward and checked the step hands its output over), all K recorded in one CUDA graph;
-  predictions read once per window. It runs eagerly on CPU tensors (the same steps, the engine's
+  predictions read once per window. Host windows arrive by one copy from a staging buffer, and a
+  window's predictions and statuses leave by copies into host buffers queued behind it (``load``,
+  ``read_back``: two slots each), so the host need not wait for the window it just queued. It runs eagerly on CPU tensors (the same steps, the engine's
   runner falls back to the kernels' references), which the tests use.
 * ``CudaOps`` / ``EagerOps``: the CUDA primitives the two use (streams, events, graph capture, pinned
   buffers), and a CPU stand-in whose "graphs" run their function again at each replay, so the tests
@@ -401,25 +403,29 @@ class _FusedWindow:
     ``MAX_WIDTH`` wide."""
 
     def __init__(self, lean: Any, xs: Tensor, out_width: int) -> None:
-        from ..kernels.live_window import ACT_CODES
+        from ..kernels.live_window import ACT_CODES, kernel_settings
 
         self.lean = lean
         flat = lean.flat
         size = flat.element_size()
-        rows = []
+        self.meta = []
         for layer, w, b in zip(lean.layers, lean.weights, lean.biases):
             wo = (w.data_ptr() - flat.data_ptr()) // size
             bo = (b.data_ptr() - flat.data_ptr()) // size if b is not None else -1
-            rows += [layer.in_features, layer.out_features, wo, bo, ACT_CODES[layer.activation.name]]
-        self.meta = torch.tensor(rows, dtype=torch.int32, device=flat.device)
-        self.layers = len(lean.layers)
-        widest = max(max(layer.in_features, layer.out_features) for layer in lean.layers)
-        self.block = max(16, 1 << (widest - 1).bit_length())
+            self.meta.append((layer.in_features, layer.out_features, wo, bo, ACT_CODES[layer.activation.name]))
+        # the weights in registers through the window where they fit, else read and written in memory
+        # every sample (that kernel's scratch and device copy of the layout made once here)
+        self.kernel = kernel_settings(self.meta)[0]
+        self.scratch = self.meta_dev = None
+        if self.kernel == "global":
+            block = max(16, 1 << (max(max(r[0], r[1]) for r in self.meta) - 1).bit_length())
+            self.scratch = torch.zeros(2 * flat.numel() + (len(self.meta) + 1) * block, dtype=flat.dtype, device=flat.device)
+            self.meta_dev = torch.tensor([v for r in self.meta for v in r], dtype=torch.int32, device=flat.device)
         k = xs.shape[0]
-        self.scratch = torch.zeros(2 * flat.numel() + (self.layers + 1) * self.block, dtype=flat.dtype, device=flat.device)
         self.preds = torch.zeros(k, out_width, dtype=flat.dtype, device=flat.device)
         self.spare = torch.zeros_like(self.preds)  # the forwards-only launches (serve_fraction) write here
         self.status = torch.zeros(k, dtype=torch.int32, device=flat.device)
+        self.num_warps: int | None = None  # None: the kernel's own choice (profile_live.py sweeps it)
 
     @classmethod
     def build(cls, live: Any, xs: Tensor, ys: Tensor) -> "_FusedWindow | None":
@@ -451,7 +457,8 @@ class _FusedWindow:
         lr = self.lean.optimizer.param_groups[0]["lr"]
         status = self.status if flat is None else torch.zeros_like(self.status)
         live_window_(xs, ys, self.lean.flat if flat is None else flat, self.meta, lr, self.preds if train else self.spare,
-                     status, self.scratch, self.layers, self.block, train=train)
+                     status, train=train, kernel=self.kernel, scratch=self.scratch, meta_dev=self.meta_dev,
+                     num_warps=self.num_warps)
 
     def warm(self, xs: Tensor, ys: Tensor) -> None:
         """Compile both variants of the kernel (a window on a copy of the weights, and the forwards
@@ -470,7 +477,20 @@ class DeviceStream:
             raise ValueError(f"DeviceStream: method {type(live.method).__name__} has no device step (device_ready() is False)")
         self.live = live
         self.k = xs.shape[0]
-        self.xs, self.ys = xs.clone(), ys.clone()
+        dev = live.device
+        # a window's inputs and targets of one dtype sit in one device buffer: host windows arrive by
+        # one copy from a staging buffer (pinned on CUDA), the host never waiting (``load``)
+        self.xy: Tensor | None = None
+        if xs.dtype == ys.dtype:
+            self.xy = torch.empty(xs.numel() + ys.numel(), dtype=xs.dtype, device=dev)
+            self.xs, self.ys = self.xy[: xs.numel()].view(xs.shape), self.xy[xs.numel() :].view(ys.shape)
+            self.xs.copy_(xs)
+            self.ys.copy_(ys)
+        else:
+            self.xs = torch.empty(xs.shape, dtype=xs.dtype, device=dev).copy_(xs)
+            self.ys = torch.empty(ys.shape, dtype=ys.dtype, device=dev).copy_(ys)
+        self._stages: list[tuple[Tensor, Any]] = []  # (staging buffer, its copy's event) per slot
+        self._host: list[tuple[Tensor, Tensor, Any]] = []  # (predictions, statuses, ready event) per slot
         # backprop's plain SGD on a Dense chain: the window is one kernel; else the method's device steps
         self.fused = _FusedWindow.build(live, self.xs, self.ys)
         self.runner: CudaRunner | None = None
@@ -496,12 +516,46 @@ class DeviceStream:
         self.runner = CudaRunner(self.live.engine)
         self.runner._prepare_arrays(self.k)
 
-    def window(self, xs: Tensor, ys: Tensor) -> Tensor:
+    def load(self, xs: Tensor, ys: Tensor) -> None:
+        """The window's inputs and targets into the static buffers: host tensors (with ``ops``) through
+        a staging buffer by one copy, without a host wait (two slots alternate; a slot is refilled once
+        its last copy has run, which the window after it has already waited for); otherwise device
+        copies."""
         if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
             raise ValueError(f"DeviceStream: a window must have the first window's shapes {list(self.xs.shape)} / "
                              f"{list(self.ys.shape)}, got {list(xs.shape)} / {list(ys.shape)}")
-        self.xs.copy_(xs, non_blocking=True)
-        self.ys.copy_(ys, non_blocking=True)
+        host = xs.device.type == "cpu" and ys.device.type == "cpu" and ys.dtype == xs.dtype
+        if self.xy is None or self.ops is None or not host:
+            self.xs.copy_(xs, non_blocking=True)
+            self.ys.copy_(ys, non_blocking=True)
+            return
+        slot = self.calls % 2
+        if len(self._stages) <= slot:
+            self._stages.append((self.ops.host_buffer(self.xy), self.ops.event()))
+        stage, copied = self._stages[slot]
+        copied.synchronize()
+        torch.cat((xs.reshape(-1), ys.reshape(-1)), out=stage)
+        self.xy.copy_(stage, non_blocking=True)
+        copied.record()
+
+    def read_back(self) -> tuple[Tensor, Tensor, Any]:
+        """``(predictions [K, ...], statuses [K], ready)`` of the window just queued: with ``ops``, copies
+        into host buffers (pinned on CUDA) queued behind it and an event recorded after them (two slots
+        alternate: a window's copies stay until the one after next is read back); without, the
+        window's own tensors (already computed) and None."""
+        if self.ops is None:
+            return self.preds, self.statuses(), None
+        slot = (self.calls - 1) % 2
+        if len(self._host) <= slot:
+            self._host.append((self.ops.host_buffer(self.preds), self.ops.host_buffer(self.statuses()), self.ops.event()))
+        preds, status, ready = self._host[slot]
+        preds.copy_(self.preds, non_blocking=True)
+        status.copy_(self.statuses(), non_blocking=True)
+        ready.record()
+        return preds, status, ready
+
+    def window(self, xs: Tensor, ys: Tensor) -> Tensor:
+        self.load(xs, ys)
         fused = self.fused
         if fused is not None and not fused.lean.ready():  # the optimizer's settings changed: the method's steps
             self.fused = fused = None

@@ -143,6 +143,23 @@ class LiveRecord:
             self.add_serve(t, phase, serve_s / n, latency_s, staleness)
         return first
 
+    def add_window(self, n: int, t: float, phase: str, serve_s: float, train_s: float, latency_s: float) -> int:
+        """``n`` samples served and trained one by one in one window (the device-resident stream), each
+        with ``serve_s`` / ``train_s`` / ``latency_s``; returns the first's index. One ``extend`` per
+        column."""
+        first = len(self.t)
+        self.t.extend([t] * n)
+        self.phase.extend([phase] * n)
+        self.correct.extend([-1] * n)
+        self.soft.extend([0.0] * n)
+        self.serve_s.extend([serve_s] * n)
+        self.train_s.extend([train_s] * n)
+        self.latency_s.extend([latency_s] * n)
+        self.staleness.extend([0] * n)
+        self.trained.extend([True] * n)
+        self.train_steps.extend([1] * n)
+        return first
+
     # ------------------------------------------------------------------------------ report
     def report(
         self, *, window_s: float | None = 1.0, n_windows: int | None = None, window_samples: int | None = None,

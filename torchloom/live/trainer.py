@@ -197,6 +197,8 @@ class LiveTrainer:
         self._cpu_start = 0.0
         self._logged = 0
         self._stream: Any = None  # the device-resident stream (stream_window)
+        self._window: tuple | None = None  # its queued window, not yet read (stream_window)
+        self._window_read = 0.0  # perf_counter when the last window was read
         self._frac: float | None = None
         self.cuda = None
         if self.device.type == "cuda":
@@ -271,6 +273,17 @@ class LiveTrainer:
         """Hard accuracy and Lucy's SoftAcc (softmax p(true label) against 1, scale 1) of the served
         predictions ``out`` for ``labels``, into the record (one host read; plain Python for the
         few values of a sample, cheaper than a chain of tensor ops)."""
+        if len(rows) >= 16:  # a window: a few tensor ops beat a Python loop over its samples
+            p = out.reshape(out.shape[0], -1).to("cpu", torch.float64)
+            lab = torch.tensor(labels)
+            best = p.argmax(-1)
+            top = p.gather(1, best[:, None])
+            e = (p - top).exp()
+            soft = (100.0 * e.gather(1, lab[:, None]) / e.sum(1, keepdim=True)).clamp_(0.0, 100.0)
+            soft = torch.where(torch.isfinite(top), soft, 0.0)
+            self.record.correct[rows.start : rows.stop] = (best == lab).int().tolist()
+            self.record.soft[rows.start : rows.stop] = soft.reshape(-1).tolist()
+            return
         preds = out.reshape(out.shape[0], -1).tolist()
         for row, pred, label in zip(rows, preds, labels):
             top = max(pred)
@@ -281,7 +294,9 @@ class LiveTrainer:
 
     @torch.no_grad()
     def flush(self) -> int:
-        """Train on every labelled sample still waiting (the end of a stream); returns the updates run."""
+        """Train on every labelled sample still waiting (the end of a stream), and read the device
+        stream's queued window; returns the updates run."""
+        self._drain_window()
         cpu0 = time.thread_time()
         steps = self._run_schedule(force=True)
         if steps and len(self.record):
@@ -294,41 +309,73 @@ class LiveTrainer:
         """The device-resident stream: serve and train on ``K`` samples in one launch (``xs[K, ...]``,
         labels ``[K]`` or targets), each sample served then trained in order (as ``serve`` + ``learn``
         with the ``"sample"`` schedule), predictions read back once per window. Needs a method with a
-        device step (``Method.device_ready()``); on CUDA the window is one CUDA graph (same K each
-        call), elsewhere it runs eagerly. Returns the predictions ``[K, ...]``."""
+        device step (``Method.device_ready()``); on CUDA the window is one kernel or one CUDA graph
+        (same K each call), elsewhere it runs eagerly. Returns the predictions ``[K, ...]`` (on the
+        device; the next window but one overwrites them).
+
+        On CUDA the host does not wait for the window it queues: a window's predictions and statuses
+        are copied to the host behind it, and read (scored, counted in the report) during the next
+        call, while that window runs; ``flush`` and ``report`` read the last one. Host inputs and
+        class labels keep the host from waiting at all (they reach the device by one staged copy);
+        labels in a device tensor are read to the host first, which waits for the window before."""
         from .device import DeviceStream
 
-        xs = self._as_input(xs)
+        xs = self._as_input(xs, host=True)  # a host window stays on the host: DeviceStream.load stages it
         if self._stream is None:  # set-up (a fused kernel compiles here), before the run's clock starts
-            out_shape = self.engine.output_shape(xs[:1])
-            target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape, device=self.device))
-            target = target.to(self.device)
+            out_shape = self.engine.output_shape(xs[:1].to(self.device))
+            target, labels = self._as_target(y, torch.empty(xs.shape[0], *out_shape), where=xs.device)
             self._stream = DeviceStream(self, xs, target, ops=self.cuda.ops if self.cuda is not None else None)
         else:
-            target, labels = self._as_target(y, self._stream.preds)
-            target = target.to(self.device)
+            target, labels = self._as_target(y, self._stream.preds, where=xs.device)
         if self._start is None:
             self._begin()
-        wall0 = time.perf_counter()
+        t, wall0 = self.clock() - self._start, time.perf_counter()
         preds = self._stream.window(xs, target)
-        bad = int((self._stream.statuses() != 0).sum())
-        wall = time.perf_counter() - wall0
         frac = self._serve_fraction() if self.device.type == "cuda" else self._stream.serve_fraction()
-        n, t = preds.shape[0], self.clock() - self._start
-        first = len(self.record)
-        for k in range(n):
-            row = self.record.add_serve(t, self.phase, wall * frac / n, wall / n, 0)
-            self.record.train_s[row] = wall * (1 - frac) / n
-            self.record.trained[row] = True
-            self.record.train_steps[row] = 1
-        self._score(range(first, first + n), preds, labels)  # the window's one read
-        self.statuses["OK"] += n - bad
-        self.statuses["NAN_GRAD"] += bad
-        self.version += n - bad
-        self.serve_version = self.version
         self._stream.serve_s = self._stream.train_s = 0.0
-        self._maybe_log()
+        host_preds, status, ready = self._stream.read_back()
+        n = preds.shape[0]
+        # counted as applied now, corrected when the window's statuses are read
+        self.version += n
+        self.statuses["OK"] += n
+        self.serve_version = self.version
+        window = (host_preds, status, ready, t, wall0, self.phase, labels, frac)
+        previous, self._window = self._window, None
+        if previous is not None:  # (an observer's report there reads no further: this one is not queued yet)
+            self._finish_window(previous)
+        if ready is None:  # computed in line (no device queue): read now
+            self._finish_window(window)
+        else:
+            self._window = window
         return preds
+
+    def _finish_window(self, window: tuple) -> None:
+        """Wait for a queued window's read-back, then its rows: the report's rows (each sample's share
+        of the window's wall time, split by the serving share ``frac``), scores, statuses. A window's
+        wall time runs from its launch, or from the read of the window before when that came later
+        (queued windows: the time between reads)."""
+        preds, status, ready, t, wall0, phase, labels, frac = window
+        if ready is not None:
+            ready.synchronize()
+        now = time.perf_counter()
+        wall = now - max(wall0, self._window_read)
+        self._window_read = now
+        n = preds.shape[0]
+        first = self.record.add_window(n, t, phase, wall * frac / n, wall * (1 - frac) / n, wall / n)
+        self._score(range(first, first + n), preds, labels)  # the window's one read
+        bad = int((status != 0).sum())
+        if bad:
+            self.statuses["OK"] -= bad
+            self.statuses["NAN_GRAD"] += bad
+            self.version -= bad
+            self.serve_version = self.version
+        self._maybe_log()
+
+    def _drain_window(self) -> None:
+        """Read the queued window, if any (``stream_window``)."""
+        if self._window is not None:
+            window, self._window = self._window, None
+            self._finish_window(window)
 
     def _serve_fraction(self) -> float:
         """CUDA: the serving share of a captured window's GPU time, measured once (``DeviceStream.
@@ -343,6 +390,7 @@ class LiveTrainer:
     def report(self, **options: Any) -> LiveReport:
         """The run's ``LiveReport`` so far (``LiveRecord.report``'s options: ``window_s``,
         ``n_windows``, ``window_samples``, ``window``, ``pre_samples``, ``adapt_windows``)."""
+        self._drain_window()
         if self.cuda is not None:
             self.cuda.synchronize()
         self.record.duration_s = (self.clock() - self._start) if self._start is not None else 0.0
@@ -491,11 +539,13 @@ class LiveTrainer:
         row = eye[label : label + 1]
         return row if self._lean is not None or self.cuda is not None else row.clone()
 
-    def _as_target(self, y: Any, out: Tensor) -> tuple[Tensor, list[int]]:
+    def _as_target(self, y: Any, out: Tensor, where: Any = None) -> tuple[Tensor, list[int]]:
         """``(target the method trains on, class labels to score against)`` for the prediction ``out``
         ``[batch, ..., classes]``: class labels (an int, a list of ints or an integer tensor
         ``[batch]``) are one-hot encoded unless the loss takes labels; a float target must have the
-        prediction's shape (its argmax is the label scored against)."""
+        prediction's shape (its argmax is the label scored against). The target is made on ``where``
+        (None: the training device)."""
+        where = self.device if where is None else where
         n, classes = out.shape[0], out.shape[-1]
         if type(y) is list and len(y) == 1 and n == 1:
             y = y[0]
@@ -519,7 +569,7 @@ class LiveTrainer:
                     y = y.unsqueeze(0)
                 if tuple(y.shape) != tuple(out.shape):
                     raise ValueError(f"learn: a target must have the prediction's shape {list(out.shape)}, got {list(y.shape)}")
-                y = y.to(self.device, self.dtype)
+                y = y.to(where, self.dtype)
                 return y, y.reshape(n, -1).argmax(-1).tolist()
             if y.dim() != 1:
                 raise ValueError(f"learn: class labels must have shape [{n}] for a prediction of shape {list(out.shape)}, got {list(y.shape)}")
@@ -528,8 +578,8 @@ class LiveTrainer:
             raise ValueError(f"learn: class labels must have shape [{n}] for a prediction of shape {list(out.shape)}, got [{len(labels)}]")
         if min(labels) < 0 or max(labels) >= classes:
             raise ValueError(f"learn: class labels must lie in [0, {classes}), got {labels}")
-        index = torch.tensor(labels, dtype=torch.long).to(self.device, non_blocking=True)
+        index = torch.tensor(labels, dtype=torch.long).to(where, non_blocking=True)
         if self._labels:
             return index, labels
-        hot = torch.zeros(n, classes, dtype=self.dtype, device=self.device)
+        hot = torch.zeros(n, classes, dtype=self.dtype, device=where)
         return hot.scatter_(-1, index.unsqueeze(-1), 1.0), labels
