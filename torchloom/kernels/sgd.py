@@ -12,6 +12,14 @@ Per element, in this order (``torch.optim.SGD``'s order, so its numbers are the 
 The kernel reads ``w``, ``g`` (and ``v``) once and writes ``w`` (and ``v``) once: 12 bytes per float32
 element without momentum, 20 with. One launch per tensor; ``lr`` may be a 0-d device tensor and
 ``found_inf`` (nonzero: nothing is written) guards the whole update, so a CUDA graph can replay it.
+Whole blocks are read and written without a mask (vector accesses whatever the length), only the
+last block of a tensor is masked.
+
+``sgd_probe_`` is the guarded CUDA step's look ahead: one read of ``w``, ``g`` (and ``v``) that
+writes the partial sums of ``g²`` (the step guard's NaN/Inf-gradient test and norm) and raises a
+flag when the update with these arguments would write a NaN/±Inf weight or momentum value, computed
+by the same Triton function as the update. The step is refused before anything changes, so the
+guard needs no backup copy of the weights and no restore pass (``engine/cuda_path.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._update_jit import scaled_clipped, scalar_value, update_block
+from ._update_jit import scaled_clipped, scalar_value
 from ._triton import elementwise_settings
 from ._update import (
     check_guards,
@@ -36,7 +44,7 @@ from ._update import (
     scalar_arg,
 )
 
-__all__ = ["sgd_ref", "sgd_update_"]
+__all__ = ["sgd_ref", "sgd_update_", "sgd_probe_ref", "sgd_probe_"]
 
 
 @torch.no_grad()
@@ -75,6 +83,69 @@ def sgd_ref(
 
 
 @jit
+def _sgd_new(
+    w, g, v, lr_v, scale_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+    HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+):
+    """The new weight and momentum of a block (float32 values in, float32 out). Both the update and
+    the probe compute them here, so the probe sees the very values the update would write."""
+    g = scaled_clipped(g, scale_ptr, clip_value, HAS_SCALE, HAS_CLIP)
+    if HAS_WD:
+        g = g + weight_decay * w
+    if HAS_MOMENTUM:
+        if FIRST_STEP:
+            v = g
+        else:
+            v = v * momentum + one_minus_dampening * g
+        if NESTEROV:
+            g = g + momentum * v
+        else:
+            g = v
+    return w - lr_v * g, v
+
+
+@jit
+def _load(ptr, offs, n, MASKED: tl.constexpr):
+    """A block as float32: unmasked for a whole block (vector loads, whatever ``n``), else masked
+    with 0 beyond ``n``."""
+    if MASKED:
+        x = tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(ptr + offs)
+    return x.to(tl.float32)
+
+
+@jit
+def _store(ptr, offs, x, n, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=offs < n)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty))
+
+
+@jit
+def _sgd_block(
+    w_ptr, g_ptr, v_ptr, offs, n, lr_v, scale_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+    MASKED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+):
+    w = _load(w_ptr, offs, n, MASKED)
+    g = _load(g_ptr, offs, n, MASKED)
+    v = g
+    if HAS_MOMENTUM:
+        if not FIRST_STEP:
+            v = _load(v_ptr, offs, n, MASKED)
+    w, v = _sgd_new(
+        w, g, v, lr_v, scale_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+        HAS_SCALE, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+    )
+    if HAS_MOMENTUM:
+        _store(v_ptr, offs, v, n, MASKED)
+    _store(w_ptr, offs, w, n, MASKED)
+
+
+@jit
 def _sgd_kernel(
     w_ptr,  # [N] in/out
     g_ptr,  # [N]
@@ -97,26 +168,88 @@ def _sgd_kernel(
     FIRST_STEP: tl.constexpr,
     NESTEROV: tl.constexpr,
 ):
-    offs, mask = update_block(n, found_inf_ptr, BLOCK, HAS_FOUND_INF)
-    lr_v = scalar_value(lr, LR_ON_DEVICE)
+    # Whole blocks load and store without a mask: a mask ``offs < n`` with ``n`` not a multiple of 16
+    # (the 20,037,642 weights of 784-4096-4096-10) keeps Triton from vectorising any access; only the
+    # last block is masked. A nonzero ``found_inf`` skips the program before any load.
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    go = True
+    if HAS_FOUND_INF:
+        go = tl.load(found_inf_ptr) == 0
+    if go:
+        lr_v = scalar_value(lr, LR_ON_DEVICE)
+        if pid * BLOCK + BLOCK <= n:
+            _sgd_block(
+                w_ptr, g_ptr, v_ptr, offs, n, lr_v, scale_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+                False, HAS_SCALE, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+            )
+        else:
+            _sgd_block(
+                w_ptr, g_ptr, v_ptr, offs, n, lr_v, scale_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+                True, HAS_SCALE, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+            )
 
-    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    g = scaled_clipped(g, scale_ptr, clip_value, HAS_SCALE, HAS_CLIP)
-    if HAS_WD:
-        g = g + weight_decay * w
+
+@jit
+def _probe_block(
+    w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+    MASKED: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+):
+    """``(Σ g², 1 if a new weight or momentum value is NaN/±Inf else 0)`` of a block; lanes past
+    ``n`` load 0 and stay finite."""
+    w = _load(w_ptr, offs, n, MASKED)
+    g = _load(g_ptr, offs, n, MASKED)
+    v = g
     if HAS_MOMENTUM:
-        if FIRST_STEP:
-            v = g
-        else:
-            v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-            v = v * momentum + one_minus_dampening * g
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-        if NESTEROV:
-            g = g + momentum * v
-        else:
-            g = v
-    tl.store(w_ptr + offs, (w - lr_v * g).to(w_ptr.dtype.element_ty), mask=mask)
+        if not FIRST_STEP:
+            v = _load(v_ptr, offs, n, MASKED)
+    sq = tl.sum(g * g, axis=0)
+    w, v = _sgd_new(
+        w, g, v, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+        False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+    )
+    bad = tl.where(tl.abs(w) < float("inf"), 0, 1)  # NaN and ±Inf fail "< inf"
+    if HAS_MOMENTUM:
+        bad = tl.maximum(bad, tl.where(tl.abs(v) < float("inf"), 0, 1))
+    return sq, tl.max(bad, axis=0)
+
+
+@jit
+def _sgd_probe_kernel(
+    partial_ptr,  # [programs] out, float32: Σ_block g²
+    flag_ptr,  # 0-d int32, raised (atomic max) when the update would write a NaN/±Inf
+    w_ptr, g_ptr, v_ptr,  # read only
+    lr,
+    n,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    clip_value,
+    BLOCK: tl.constexpr,
+    LR_ON_DEVICE: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    FIRST_STEP: tl.constexpr,
+    NESTEROV: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    lr_v = scalar_value(lr, LR_ON_DEVICE)
+    if pid * BLOCK + BLOCK <= n:
+        sq, bad = _probe_block(
+            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+            False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+        )
+    else:
+        sq, bad = _probe_block(
+            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+            True, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+        )
+    tl.store(partial_ptr + pid, sq)
+    if bad != 0:
+        tl.atomic_max(flag_ptr, 1)
 
 
 @torch.no_grad()
@@ -194,3 +327,102 @@ def sgd_update_(
             HAS_CLIP=clip_value > 0, HAS_WD=weight_decay != 0, HAS_MOMENTUM=momentum != 0,
             FIRST_STEP=first, NESTEROV=bool(nesterov), num_warps=num_warps,
         )
+
+
+# ------------------------------------------------------------------------------------------- probe
+@torch.no_grad()
+def sgd_probe_ref(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    flag: Tensor,
+    *,
+    lr: float | Tensor,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    clip_value: float = 0.0,
+) -> Tensor:
+    """Reference of ``sgd_probe_``: ``sgd_ref``'s arithmetic on copies (nothing given is changed).
+    Returns the one-element ``Σ g²`` of ``grads`` (``grad_norm_ref``'s accumulation) and raises the
+    0-d int32 ``flag`` to 1 when a new weight or momentum value would be NaN/±Inf."""
+    from .grad_norm import grad_norm_ref
+
+    ws = [p.clone() for p in params]
+    bufs = [None if b is None else b.clone() for b in momentum_buffers]
+    sgd_ref(ws, list(grads), bufs, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+            weight_decay=weight_decay, clip_value=clip_value)
+    # min and max propagate NaN, ±Inf show in them: both finite exactly when every element is
+    extremes = [v for t in [*ws, *(b for b in bufs if b is not None and momentum != 0)] if t.numel() for v in torch.aminmax(t)]
+    bad = ~torch.isfinite(torch.stack(extremes)).all() if extremes else torch.zeros((), dtype=torch.bool)
+    flag.copy_(torch.maximum(flag, bad.to(device=flag.device, dtype=flag.dtype)))
+    return grad_norm_ref(list(grads)).square().reshape(1)
+
+
+@torch.no_grad()
+def sgd_probe_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None] | None,
+    flag: Tensor,
+    *,
+    lr: float | Tensor,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    clip_value: float = 0.0,
+    backend: str | None = None,
+) -> Tensor:
+    """The step guard's pass over the gradients, fused with the weight check of the update to come.
+
+    Reads ``params``, ``grads`` (and the momentum buffers) once, writes nothing of theirs, and
+    returns the partial sums of ``g²`` (1-D float32, the input ``grad_sq_partials`` gives the step
+    guard: NaN/Inf when a gradient is). It also computes, in the update kernel's own arithmetic
+    (``_sgd_new``), the new weights and momentum values ``sgd_update_`` with the same arguments would
+    write, and raises the 0-d int32 ``flag`` to 1 (never lowers it) when one of them is NaN/±Inf. The
+    step guard then refuses that update before it happens, so a guarded step needs no backup copy of
+    the weights and no restore. ``grad_scale`` (clip by norm) is not known before this pass, so a
+    step that clips by norm cannot use it. One launch per tensor (one for the flat layout); no host
+    read. ``None`` momentum buffers stand for the first step (``v = g``)."""
+    op = "sgd_probe_"
+    if momentum != 0 and momentum_buffers is None:
+        raise ValueError(f"{op}: momentum={momentum} needs momentum_buffers (a list, None entries for new buffers)")
+    bufs_in = momentum_buffers if momentum != 0 else None
+    check_update_lists(op, params, grads, momentum_buffers=bufs_in)
+    if not params:
+        raise ValueError(f"{op}: params is empty; the probe needs at least one parameter")
+    device = params[0].device
+    check_scalar(op, "lr", lr, device)
+    if not isinstance(flag, Tensor) or flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
+        raise ValueError(f"{op}: flag must be a one-element int32 tensor on {device}, got {flag!r}")
+    if not on_kernel_path(op, params, backend, momentum_buffers=bufs_in) or not all(g.is_contiguous() for g in grads):
+        return sgd_probe_ref(
+            params, grads, momentum_buffers if momentum != 0 else [None] * len(params), flag, lr=lr,
+            momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, clip_value=clip_value,
+        )
+    from .grad_norm import _layout
+
+    bufs = list(momentum_buffers) if momentum != 0 else [None] * len(params)
+    if momentum == 0 or all(b is not None for b in bufs):
+        flat = coalesce(params, grads, bufs if momentum != 0 else None)
+        if flat is not None:
+            params, grads, flat_bufs = flat
+            bufs = flat_bufs if momentum != 0 else [None]
+    layout, total = _layout(tuple(p.numel() for p in params), params[0].is_cuda)
+    partials = torch.empty(max(total, 1), device=device, dtype=torch.float32)
+    if total == 0:  # only empty tensors: the norm is 0
+        partials.zero_()
+    lr_arg, lr_on_device = scalar_arg(lr)
+    for p, g, buf, (offset, programs, block, num_warps) in zip(params, grads, bufs, layout):
+        if p.numel() == 0:
+            continue
+        _sgd_probe_kernel[(programs,)](
+            partials[offset:], flag, p, g, buf if buf is not None else p, lr_arg, p.numel(),
+            float(momentum), 1.0 - float(dampening), float(weight_decay), float(clip_value),
+            BLOCK=block, LR_ON_DEVICE=lr_on_device, HAS_CLIP=clip_value > 0, HAS_WD=weight_decay != 0,
+            HAS_MOMENTUM=momentum != 0, FIRST_STEP=momentum != 0 and buf is None, NESTEROV=bool(nesterov),
+            num_warps=num_warps,
+        )
+    return partials

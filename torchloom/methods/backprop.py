@@ -46,7 +46,7 @@ from ..engine.method import Method, all_finite, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..observers.base import ObserverList
 from ..kernels._update import coalesce
-from ..optim.optimizers import AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
+from ..optim.optimizers import SGD, AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
 
 __all__ = ["Backprop", "LossScaler"]
 
@@ -270,6 +270,7 @@ class Backprop(Method):
         in_groups = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         norm_inputs.extend(p.grad for p in self.params if id(p) not in in_groups)
         self.norm_inputs = norm_inputs
+        self._all_in_groups = all(id(p) in in_groups for p in self.params)
 
     def device_epoch_begin(self, runner: Any, epoch: int) -> None:
         if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
@@ -346,6 +347,13 @@ class Backprop(Method):
             self.dist.all_reduce_([loss_parts], "mean")
         if scaler is not None:
             scaler.unscale_(self.grad_views)
+        if self._can_probe():  # one pass: the gradients' squares and the update's values checked ahead
+            runner.decide(slot, loss_parts, self.optimizer.probe(runner.update_flag), 0.0, update_flag=runner.update_flag)
+            if scaler is not None:  # an overflow in the scaled backward (status 2) halves the scale
+                scaler.update_(runner.step_status[slot, 0] == 2)
+            with runner.guard_update(slot, checked=True):
+                self.optimizer_update(found_inf=runner.found_inf)
+            return
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_parts, grad_sq_partials(self.norm_inputs), clip_norm)
         if scaler is not None:  # an overflow in the scaled backward (status 2) halves the scale
@@ -355,6 +363,21 @@ class Backprop(Method):
             torch._foreach_clamp_max_(self.grad_views, self.clip)
         with runner.guard_update(slot):
             self.optimizer_update(grad_scale=runner.grad_scale if clip_norm > 0 else None, found_inf=runner.found_inf)
+
+    def _can_probe(self) -> bool:
+        """Whether the device step can check its update ahead (``SGD.probe``) instead of backing the
+        weights up and checking them after: torchloom's ``SGD`` (its own ``update`` and ``step``, no
+        step hooks, which could change what the update reads), no clip by norm (its scale needs the
+        gradients' norm before the look-ahead) nor a value clip outside the optimizer, and every
+        trainable parameter in its groups (the probe's squares then cover every gradient)."""
+        opt = self.optimizer
+        if type(opt) is not SGD and (type(opt).update is not SGD.update or type(opt).step is not FusedOptimizer.step):
+            return False
+        if self.clip > 0 and (self.clip_mode != "value" or not self._value_clip_in_optimizer):
+            return False
+        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks():
+            return False
+        return self.__dict__.get("_all_in_groups", False)
 
     def _grad_out(self) -> list[Tensor | None] | None:
         """``out=`` buffers for the backward, aligned with ``model.parameters()`` (None for frozen ones)."""
