@@ -152,3 +152,16 @@ def test_step_guard_update_flag_turns_only_an_ok_step_into_nan_weights(backend, 
     assert float(found_inf) == float(want != OK)
     assert float(step_loss) == (loss if want == OK else 0.0)
     assert int(flag) == 0  # zeroed for the next step's probe
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probe_checks_the_value_as_stored_in_float16(backend):
+    # 60000 - 10·(-1000) = 70000: finite in float32, past float16's largest value (65504)
+    w = torch.full((5,), 60000.0, dtype=torch.float16, device=DEVICE)
+    g = torch.tensor([-1.0, -1000.0, 0.0, 1.0, 2.0], dtype=torch.float16, device=DEVICE)
+    flag = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    sgd_probe_([w], [g], None, flag, lr=10.0, backend=backend)
+    updated = [w.clone()]
+    sgd_update_(updated, [g], None, lr=10.0, backend=backend)
+    assert not bool(torch.isfinite(updated[0]).all())  # the update would write an Inf ...
+    assert int(flag) == 1  # ... and the probe says so

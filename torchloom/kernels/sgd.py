@@ -209,8 +209,11 @@ def _probe_block(
         w, g, v, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
         False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
     )
+    # checked as stored: a float32 value past float16's range is an Inf in a float16 tensor
+    w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
     bad = tl.where(tl.abs(w) < float("inf"), 0, 1)  # NaN and ±Inf fail "< inf"
     if HAS_MOMENTUM:
+        v = v.to(v_ptr.dtype.element_ty).to(tl.float32)
         bad = tl.maximum(bad, tl.where(tl.abs(v) < float("inf"), 0, 1))
     return sq, tl.max(bad, axis=0)
 
