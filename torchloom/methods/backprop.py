@@ -14,7 +14,9 @@ One host step (``Backprop.step``), as Loom ``poly.Train``'s CPU path:
 The device step (``Backprop.device_step``, run by the engine's CUDA runner, graph-captured) is the same rule
 with every decision in device tensors: the fused loss writes per-block partial sums, the gradients
 land in the optimizer's flat ``.grad`` views, the step guard decides NaN/Inf and the clip scale on the
-device, and the fused update obeys its ``found_inf``.
+device, and the fused update obeys its ``found_inf``. With torchloom's SGD and no clip by norm the
+gradient pass is ``SGD.probe``: it also computes the values the update would write, so an update
+that would overflow is refused before it happens (no backup of the weights, no check after it).
 
 Compiled (``TrainingConfig(compile=True)``, or a mapping of ``torch.compile`` options): steps 1 and 4
 run through ``torch.compile`` of the model instead: its forward under autograd (each layer's
@@ -315,7 +317,8 @@ class Backprop(Method):
         forward; fused loss (per-block partial sums) and output gradient; the hand-written backward
         into the flat ``.grad`` views; their partial sums of squares; the step guard (NaN/Inf loss or
         gradient, clip scale) on the device; the fused update masked by ``found_inf``; the weight
-        check after it (``runner.guard_update``)."""
+        check after it (``runner.guard_update``), or, with SGD (``_can_probe``), before it: the
+        squares and the check of the update's values in one pass (``SGD.probe``)."""
         from ..kernels.grad_norm import grad_sq_partials  # (imported on first use: it imports Triton)
 
         out, saved = self.model.forward_saved(x)
