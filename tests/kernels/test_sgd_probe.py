@@ -165,3 +165,28 @@ def test_probe_checks_the_value_as_stored_in_float16(backend):
     sgd_update_(updated, [g], None, lr=10.0, backend=backend)
     assert not bool(torch.isfinite(updated[0]).all())  # the update would write an Inf ...
     assert int(flag) == 1  # ... and the probe says so
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", [None, 5, 65536 + 9, 2 * 65536 + 2])  # whole blocks (unmasked) and the tail
+def test_whole_blocks_and_the_tail_are_all_seen(backend, where):
+    # 2·65,536 + 3 elements: two whole blocks and a masked tail, on the GPU and in the interpreter
+    from torchloom.kernels.weight_guard import nonfinite_flag_
+
+    n = 2 * 65536 + 3
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(n, generator=g).to(DEVICE)
+    grad = torch.randn(n, generator=g).to(DEVICE)
+    buf = torch.randn(n, generator=g).to(DEVICE)
+    if where is not None:  # there the weight overflows: 3.3e38 + 1e19 · 1e19 > 3.4e38
+        w[where], grad[where], buf[where] = 3.3e38, -1e19, 0.0  # a finite gradient, a finite square (1e38)
+    flag = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    partials = sgd_probe_([w], [grad], [buf], flag, lr=1e19, momentum=0.9, backend=backend)
+    assert float(partials.double().sum()) == pytest.approx(float((grad.double() ** 2).sum()), rel=1e-5)
+    assert int(flag) == int(_torch_sgd_nonfinite(w, grad, buf, 1e19, dict(momentum=0.9))) == (where is not None)
+    ones = torch.ones(n, device=DEVICE)
+    if where is not None:
+        ones[where] = float("nan")
+    flag.zero_()
+    nonfinite_flag_([ones], flag, backend=backend)
+    assert int(flag) == (where is not None)
