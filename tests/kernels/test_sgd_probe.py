@@ -190,3 +190,24 @@ def test_whole_blocks_and_the_tail_are_all_seen(backend, where):
     flag.zero_()
     nonfinite_flag_([ones], flag, backend=backend)
     assert int(flag) == (where is not None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", [dict(), dict(momentum=0.5, dampening=0.5), dict(momentum=0.5, nesterov=True)])
+def test_a_small_step_on_the_largest_weights_stays_finite_and_a_larger_one_is_caught(backend, cfg):
+    # float32's largest value plus a step: finite up to half its spacing (2^103), Inf past it. Below
+    # 2^102 the kernel does not read the weights at all (a step that small cannot overflow a finite
+    # weight); above, it computes them. Either way its verdict is the update's.
+    big = torch.finfo(torch.float32).max
+    w = torch.tensor([big, -big, big, 1.0], device=DEVICE)
+    g = torch.tensor([-1.0, 1.0, 1.0, 0.5], device=DEVICE)
+    seen = set()
+    for lr in (1e29, 1e30, 5e30, 6e30, 1.1e31, 2e31, 1e32):
+        bufs = [torch.zeros(4, device=DEVICE)] if cfg.get("momentum") else None
+        flag = torch.zeros((), dtype=torch.int32, device=DEVICE)
+        sgd_probe_([w], [g], bufs and [bufs[0].clone()], flag, lr=lr, backend=backend, **cfg)
+        updated = [w.clone()]
+        sgd_update_(updated, [g], bufs, lr=lr, backend=backend, **cfg)
+        assert int(flag) == int(not bool(torch.isfinite(updated[0]).all())), lr
+        seen.add(int(flag))
+    assert seen == {0, 1}

@@ -15,14 +15,17 @@ element without momentum, 20 with. One launch per tensor; ``lr`` may be a 0-d de
 Whole blocks are read and written without a mask (vector accesses whatever the length), only the
 last block of a tensor is masked.
 
-``sgd_probe_`` is the guarded CUDA step's look ahead: one read of ``w``, ``g`` (and ``v``) that
-writes the partial sums of ``g²`` (the step guard's NaN/Inf-gradient test and norm) and raises a
+``sgd_probe_`` is the guarded CUDA step's look ahead: one read of ``g`` (and ``v``; ``w`` only with
+weight decay or where a step is large enough to overflow a finite weight) that writes the partial
+sums of ``g²`` (the step guard's NaN/Inf-gradient test and norm) and raises a
 flag when the update with these arguments would write a NaN/±Inf weight or momentum value, computed
 by the same Triton function as the update. The step is refused before anything changes, so the
 guard needs no backup copy of the weights and no restore pass (``engine/cuda_path.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -192,30 +195,53 @@ def _sgd_kernel(
 
 @jit
 def _probe_block(
-    w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+    w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value, safe_step,
     MASKED: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
     FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
 ):
     """``(Σ g², 1 if a new weight or momentum value is NaN/±Inf else 0)`` of a block; lanes past
-    ``n`` load 0 and stay finite."""
-    w = _load(w_ptr, offs, n, MASKED)
+    ``n`` load 0 and stay finite.
+
+    Without weight decay the step ``lr·g'`` (and the momentum) does not depend on the weights: when
+    every ``|lr·g'|`` of the block is below ``safe_step`` (a quarter of the weight dtype's spacing at
+    its largest value, at most float32's: 2¹⁰² for float32 and bfloat16, 8 for float16), ``w − lr·g'``
+    rounds to a finite value for every finite ``w``, so the weights are not read at all. Otherwise
+    (and always with weight decay) the block's new weights are computed from the weights and checked."""
     g = _load(g_ptr, offs, n, MASKED)
+    sq = tl.sum(g * g, axis=0)
     v = g
     if HAS_MOMENTUM:
         if not FIRST_STEP:
             v = _load(v_ptr, offs, n, MASKED)
-    sq = tl.sum(g * g, axis=0)
-    w, v = _sgd_new(
-        w, g, v, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
-        False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
-    )
-    # checked as stored: a float32 value past float16's range is an Inf in a float16 tensor
-    w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
-    bad = tl.where(tl.abs(w) < float("inf"), 0, 1)  # NaN and ±Inf fail "< inf"
+    if HAS_WD:
+        w = _load(w_ptr, offs, n, MASKED)
+        w, v = _sgd_new(
+            w, g, v, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+            False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+        )
+        w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # checked as stored (float16's range)
+        bad = tl.max(tl.where(tl.abs(w) < float("inf"), 0, 1), axis=0)  # NaN and ±Inf fail "< inf"
+    else:
+        # the step alone: the update's arithmetic from w = 0 gives -lr·g' (and the exact new momentum)
+        v_old = v
+        step, v = _sgd_new(
+            tl.zeros_like(g), g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+            False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+        )
+        need_w = tl.max(tl.where(tl.abs(step) < safe_step, 0, 1), axis=0)  # NaN fails "< safe_step" too
+        bad = need_w * 0
+        if need_w != 0:  # a step large enough to overflow some weight: the update's new weights
+            w = _load(w_ptr, offs, n, MASKED)
+            w, _ = _sgd_new(
+                w, g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+                False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+            )
+            w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
+            bad = tl.max(tl.where(tl.abs(w) < float("inf"), 0, 1), axis=0)
     if HAS_MOMENTUM:
         v = v.to(v_ptr.dtype.element_ty).to(tl.float32)
-        bad = tl.maximum(bad, tl.where(tl.abs(v) < float("inf"), 0, 1))
-    return sq, tl.max(bad, axis=0)
+        bad = tl.maximum(bad, tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), axis=0))
+    return sq, bad
 
 
 @jit
@@ -229,6 +255,7 @@ def _sgd_probe_kernel(
     one_minus_dampening,
     weight_decay,
     clip_value,
+    safe_step,
     BLOCK: tl.constexpr,
     LR_ON_DEVICE: tl.constexpr,
     HAS_CLIP: tl.constexpr,
@@ -242,17 +269,28 @@ def _sgd_probe_kernel(
     lr_v = scalar_value(lr, LR_ON_DEVICE)
     if pid * BLOCK + BLOCK <= n:
         sq, bad = _probe_block(
-            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value, safe_step,
             False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
         )
     else:
         sq, bad = _probe_block(
-            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value,
+            w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value, safe_step,
             True, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
         )
     tl.store(partial_ptr + pid, sq)
     if bad != 0:
         tl.atomic_max(flag_ptr, 1)
+
+
+def _safe_step(dtype: torch.dtype) -> float:
+    """A step size below which ``w − step`` is finite for every finite ``w`` of ``dtype`` (computed in
+    float32, stored in ``dtype``): a quarter of the spacing of ``dtype``'s (or float32's, if smaller)
+    numbers at their largest value, well inside the half spacing past which the sum rounds to Inf."""
+    def spacing(dt: torch.dtype) -> float:
+        info = torch.finfo(dt)
+        return 2.0 ** (math.floor(math.log2(info.max)) - round(-math.log2(info.eps)))
+
+    return min(spacing(dtype), spacing(torch.float32)) / 4
 
 
 @torch.no_grad()
@@ -386,7 +424,11 @@ def sgd_probe_(
     (``_sgd_new``), the new weights and momentum values ``sgd_update_`` with the same arguments would
     write, and raises the 0-d int32 ``flag`` to 1 (never lowers it) when one of them is NaN/±Inf. The
     step guard then refuses that update before it happens, so a guarded step needs no backup copy of
-    the weights and no restore. ``grad_scale`` (clip by norm) is not known before this pass, so a
+    the weights and no restore. Without weight decay a block reads its weights only when one of its
+    steps ``|lr·g'|`` is at least ``_safe_step`` (2¹⁰² for float32: a smaller step cannot make a finite
+    weight non-finite), so a plain SGD probe reads the gradients alone: as many bytes as the
+    gradient-norm pass it replaces. A weight that is already NaN/±Inf before the step is not looked at
+    then (the update leaves it as non-finite as it was). ``grad_scale`` (clip by norm) is not known before this pass, so a
     step that clips by norm cannot use it. One launch per tensor (one for the flat layout); no host
     read. ``None`` momentum buffers stand for the first step (``v = g``)."""
     op = "sgd_probe_"
@@ -423,7 +465,7 @@ def sgd_probe_(
             continue
         _sgd_probe_kernel[(programs,)](
             partials[offset:], flag, p, g, buf if buf is not None else p, lr_arg, p.numel(),
-            float(momentum), 1.0 - float(dampening), float(weight_decay), float(clip_value),
+            float(momentum), 1.0 - float(dampening), float(weight_decay), float(clip_value), _safe_step(p.dtype),
             BLOCK=block, LR_ON_DEVICE=lr_on_device, HAS_CLIP=clip_value > 0, HAS_WD=weight_decay != 0,
             HAS_MOMENTUM=momentum != 0, FIRST_STEP=momentum != 0 and buf is None, NESTEROV=bool(nesterov),
             num_warps=num_warps,
