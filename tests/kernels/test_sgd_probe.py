@@ -211,3 +211,18 @@ def test_a_small_step_on_the_largest_weights_stays_finite_and_a_larger_one_is_ca
         assert int(flag) == int(not bool(torch.isfinite(updated[0]).all())), lr
         seen.add(int(flag))
     assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lr", [0.1, 1e31])  # a small step (weights not read) and a large one (read)
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_a_weight_already_non_finite_is_not_counted_but_a_new_one_is(backend, lr, wd):
+    w = torch.tensor([float("nan"), float("inf"), 3.3e38, 2.0], device=DEVICE)
+    g = torch.tensor([1.0, 1.0, -1e7, -1e-3], device=DEVICE)  # lr 1e31: 3.3e38 + 1e38 overflows
+    flag = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    sgd_probe_([w], [g], None, flag, lr=lr, weight_decay=wd, backend=backend)
+    updated = [w.clone()]
+    sgd_update_(updated, [g], None, lr=lr, weight_decay=wd, backend=backend)
+    made = bool((~torch.isfinite(updated[0]) & torch.isfinite(w)).any())  # a finite weight became non-finite
+    assert made == (lr > 1)
+    assert int(flag) == int(made)

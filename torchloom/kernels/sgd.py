@@ -18,7 +18,7 @@ last block of a tensor is masked.
 ``sgd_probe_`` is the guarded CUDA step's look ahead: one read of ``g`` (and ``v``; ``w`` only with
 weight decay or where a step is large enough to overflow a finite weight) that writes the partial
 sums of ``g²`` (the step guard's NaN/Inf-gradient test and norm) and raises a
-flag when the update with these arguments would write a NaN/±Inf weight or momentum value, computed
+flag when the update with these arguments would make a finite weight or momentum value NaN/±Inf, computed
 by the same Triton function as the update. The step is refused before anything changes, so the
 guard needs no backup copy of the weights and no restore pass (``engine/cuda_path.py``).
 """
@@ -194,6 +194,16 @@ def _sgd_kernel(
 
 
 @jit
+def _made_nonfinite(old, new, ptr):
+    """1 when some value of ``new``, stored in ``ptr``'s dtype (a float32 value past float16's range
+    is an Inf there), is NaN/±Inf where ``old`` was finite, else 0 (a value already non-finite is
+    left as it was)."""
+    new = new.to(ptr.dtype.element_ty).to(tl.float32)
+    # NaN and ±Inf fail "< inf"
+    return tl.max(tl.where((tl.abs(new) < float("inf")) | (tl.abs(old) >= float("inf")) | (old != old), 0, 1), axis=0)
+
+
+@jit
 def _probe_block(
     w_ptr, g_ptr, v_ptr, offs, n, lr_v, momentum, one_minus_dampening, weight_decay, clip_value, safe_step,
     MASKED: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
@@ -213,17 +223,16 @@ def _probe_block(
     if HAS_MOMENTUM:
         if not FIRST_STEP:
             v = _load(v_ptr, offs, n, MASKED)
+    v_old = v
     if HAS_WD:
-        w = _load(w_ptr, offs, n, MASKED)
+        w_old = _load(w_ptr, offs, n, MASKED)
         w, v = _sgd_new(
-            w, g, v, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+            w_old, g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
             False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
         )
-        w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # checked as stored (float16's range)
-        bad = tl.max(tl.where(tl.abs(w) < float("inf"), 0, 1), axis=0)  # NaN and ±Inf fail "< inf"
+        bad = _made_nonfinite(w_old, w, w_ptr)
     else:
         # the step alone: the update's arithmetic from w = 0 gives -lr·g' (and the exact new momentum)
-        v_old = v
         step, v = _sgd_new(
             tl.zeros_like(g), g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
             False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
@@ -231,23 +240,24 @@ def _probe_block(
         need_w = tl.max(tl.where(tl.abs(step) < safe_step, 0, 1), axis=0)  # NaN fails "< safe_step" too
         bad = need_w * 0
         if need_w != 0:  # a step large enough to overflow some weight: the update's new weights
-            w = _load(w_ptr, offs, n, MASKED)
+            w_old = _load(w_ptr, offs, n, MASKED)
             w, _ = _sgd_new(
-                w, g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
+                w_old, g, v_old, lr_v, w_ptr, momentum, one_minus_dampening, weight_decay, clip_value,
                 False, HAS_CLIP, HAS_WD, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
             )
-            w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
-            bad = tl.max(tl.where(tl.abs(w) < float("inf"), 0, 1), axis=0)
+            bad = _made_nonfinite(w_old, w, w_ptr)
     if HAS_MOMENTUM:
-        v = v.to(v_ptr.dtype.element_ty).to(tl.float32)
-        bad = tl.maximum(bad, tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), axis=0))
+        if FIRST_STEP:  # no old momentum: a NaN/Inf gradient shows in the squares
+            bad = tl.maximum(bad, _made_nonfinite(tl.zeros_like(v), v, v_ptr))
+        else:
+            bad = tl.maximum(bad, _made_nonfinite(v_old, v, v_ptr))
     return sq, bad
 
 
 @jit
 def _sgd_probe_kernel(
     partial_ptr,  # [programs] out, float32: Σ_block g²
-    flag_ptr,  # 0-d int32, raised (atomic max) when the update would write a NaN/±Inf
+    flag_ptr,  # 0-d int32, raised (atomic max) when the update would make a finite value NaN/±Inf
     w_ptr, g_ptr, v_ptr,  # read only
     lr,
     n,
@@ -387,16 +397,19 @@ def sgd_probe_ref(
 ) -> Tensor:
     """Reference of ``sgd_probe_``: ``sgd_ref``'s arithmetic on copies (nothing given is changed).
     Returns the one-element ``Σ g²`` of ``grads`` (``grad_norm_ref``'s accumulation) and raises the
-    0-d int32 ``flag`` to 1 when a new weight or momentum value would be NaN/±Inf."""
+    0-d int32 ``flag`` to 1 when a finite weight or momentum value would become NaN/±Inf."""
     from .grad_norm import grad_norm_ref
 
     ws = [p.clone() for p in params]
     bufs = [None if b is None else b.clone() for b in momentum_buffers]
     sgd_ref(ws, list(grads), bufs, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
             weight_decay=weight_decay, clip_value=clip_value)
-    # min and max propagate NaN, ±Inf show in them: both finite exactly when every element is
-    extremes = [v for t in [*ws, *(b for b in bufs if b is not None and momentum != 0)] if t.numel() for v in torch.aminmax(t)]
-    bad = ~torch.isfinite(torch.stack(extremes)).all() if extremes else torch.zeros((), dtype=torch.bool)
+    pairs = list(zip(params, ws))
+    if momentum != 0:  # a first step's buffer had no old value: counted as finite
+        pairs += [(old if old is not None else torch.zeros_like(new), new) for old, new in zip(momentum_buffers, bufs)]
+    bad = torch.zeros((), dtype=torch.bool, device=flag.device)
+    for old, new in pairs:  # device ops only: no host read
+        bad = bad | (~torch.isfinite(new) & torch.isfinite(old)).any()
     flag.copy_(torch.maximum(flag, bad.to(device=flag.device, dtype=flag.dtype)))
     return grad_norm_ref(list(grads)).square().reshape(1)
 
@@ -418,19 +431,20 @@ def sgd_probe_(
 ) -> Tensor:
     """The step guard's pass over the gradients, fused with the weight check of the update to come.
 
-    Reads ``params``, ``grads`` (and the momentum buffers) once, writes nothing of theirs, and
-    returns the partial sums of ``g²`` (1-D float32, the input ``grad_sq_partials`` gives the step
-    guard: NaN/Inf when a gradient is). It also computes, in the update kernel's own arithmetic
-    (``_sgd_new``), the new weights and momentum values ``sgd_update_`` with the same arguments would
-    write, and raises the 0-d int32 ``flag`` to 1 (never lowers it) when one of them is NaN/±Inf. The
-    step guard then refuses that update before it happens, so a guarded step needs no backup copy of
-    the weights and no restore. Without weight decay a block reads its weights only when one of its
-    steps ``|lr·g'|`` is at least ``_safe_step`` (2¹⁰² for float32: a smaller step cannot make a finite
-    weight non-finite), so a plain SGD probe reads the gradients alone: as many bytes as the
-    gradient-norm pass it replaces. A weight that is already NaN/±Inf before the step is not looked at
-    then (the update leaves it as non-finite as it was). ``grad_scale`` (clip by norm) is not known before this pass, so a
-    step that clips by norm cannot use it. One launch per tensor (one for the flat layout); no host
-    read. ``None`` momentum buffers stand for the first step (``v = g``)."""
+    Returns the partial sums of ``g²`` (1-D float32, the input ``grad_sq_partials`` gives the step
+    guard: NaN/Inf when a gradient is) and computes, in the update kernel's own arithmetic
+    (``_sgd_new``), the weights and momentum values ``sgd_update_`` with the same arguments would
+    write; the 0-d int32 ``flag`` is raised to 1 (never lowered) when one of them would be NaN/±Inf
+    where the old value was finite (a value already non-finite is left as it was, not counted).
+    Nothing given is written. The step guard refuses such an update before it happens, so a guarded
+    step needs no backup copy of the weights and no restore.
+
+    Reads the gradients and momentum buffers once; the weights only with weight decay, or in a block
+    with a step ``|lr·g'|`` of at least ``_safe_step`` (2¹⁰² for float32: a smaller step cannot make a
+    finite weight non-finite). So plain SGD's probe reads as many bytes as the gradient-norm pass it
+    replaces. ``grad_scale`` (clip by norm) is not known before this pass: a step that clips by norm
+    cannot use it. One launch per tensor (one for the flat layout); no host read. ``None`` momentum
+    buffers stand for the first step (``v = g``)."""
     op = "sgd_probe_"
     if momentum != 0 and momentum_buffers is None:
         raise ValueError(f"{op}: momentum={momentum} needs momentum_buffers (a list, None entries for new buffers)")
