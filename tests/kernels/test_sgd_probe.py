@@ -226,3 +226,50 @@ def test_a_weight_already_non_finite_is_not_counted_but_a_new_one_is(backend, lr
     made = bool((~torch.isfinite(updated[0]) & torch.isfinite(w)).any())  # a finite weight became non-finite
     assert made == (lr > 1)
     assert int(flag) == int(made)
+
+
+def _ptx_vector_accesses(fn, signature: dict, constexprs: dict, pointers: int) -> tuple[int, int]:
+    """``(128-bit loads, 128-bit stores)`` in the PTX of ``fn`` compiled for an H100 (sm_90), its
+    first ``pointers`` arguments 16-byte aligned and ``n`` of no particular divisibility."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    src = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(pointers)},
+    )
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)), len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx))
+
+
+def _can_compile_for_cuda() -> bool:
+    if interpreter_enabled():  # the kernels are interpreted functions then: nothing to compile
+        return False
+    try:
+        import triton.backends.nvidia  # noqa: F401 - the CUDA backend, with its ptxas
+    except ImportError:
+        return False
+    return triton_available()
+
+
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="needs Triton's CUDA backend, interpreter off")
+def test_update_and_probe_compile_to_vector_accesses_whatever_n():
+    # 784-4096-4096-10 has 20,037,642 weights (not a multiple of 16): a mask "offs < n" on every
+    # access kept the update from vectorising; whole blocks are unmasked now
+    from torchloom.kernels.sgd import _sgd_kernel, _sgd_probe_kernel
+
+    common = {"n": "i32", "momentum": "fp32", "one_minus_dampening": "fp32", "weight_decay": "fp32", "clip_value": "fp32"}
+    flags = dict(BLOCK=1024, LR_ON_DEVICE=True, HAS_CLIP=False, HAS_WD=False, HAS_MOMENTUM=False, FIRST_STEP=False, NESTEROV=False)
+    ptr = "*fp32"
+    sgd_sig = {"w_ptr": ptr, "g_ptr": ptr, "v_ptr": ptr, "lr": ptr, "scale_ptr": ptr, "found_inf_ptr": ptr, **common,
+               **{k: "constexpr" for k in ("BLOCK", "LR_ON_DEVICE", "HAS_SCALE", "HAS_FOUND_INF", *list(flags)[2:])}}
+    loads, stores = _ptx_vector_accesses(_sgd_kernel, sgd_sig, {**flags, "HAS_SCALE": False, "HAS_FOUND_INF": True}, 6)
+    assert loads >= 2 and stores >= 1  # w and g read, w written, 16 bytes at a time
+    probe_sig = {"partial_ptr": ptr, "flag_ptr": "*i32", "w_ptr": ptr, "g_ptr": ptr, "v_ptr": ptr, "lr": ptr, **common,
+                 "safe_step": "fp32", **{k: "constexpr" for k in flags}}
+    loads, _ = _ptx_vector_accesses(_sgd_probe_kernel, probe_sig, flags, 6)
+    assert loads >= 1
