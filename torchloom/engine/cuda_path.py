@@ -14,7 +14,7 @@ records one step with every decision in device tensors, using three services of 
    when it made any of them non-finite (status 4, ``NAN_WEIGHTS``), without a host read. A method
    whose optimizer can look ahead (``SGD.probe``: the values the update would write, checked in the
    same pass as the gradients' squared norm) passes ``update_flag=runner.update_flag`` to ``decide``
-   instead, so a step whose update would write a NaN/±Inf gets status 4 and ``found_inf`` before
+   instead, so a step whose update would make a finite value NaN/±Inf gets status 4 and ``found_inf`` before
    anything changes, and wraps its update in ``guard_update(slot, checked=True)``: no backup copy,
    no check after, no restore (three passes over the weights fewer);
 3. ``runner.log(slot, values)``: the method's per-step logs (``trainer.device_log_names``, e.g. Tween's
@@ -153,7 +153,7 @@ class CudaRunner:
         # the clip scale multiplies the gradients: float64 models keep it in float64
         scale_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
         self.grad_scale = torch.ones((), dtype=scale_dtype, device=dev)
-        # raised by an optimizer's look-ahead (``SGD.probe``) when the update would write a NaN/±Inf;
+        # raised by an optimizer's look-ahead (``SGD.probe``) when the update would make a finite value NaN/±Inf;
         # read and zeroed by the step guard (``decide(update_flag=...)``)
         self.update_flag = torch.zeros((), dtype=torch.int32, device=dev)
         # per-step results, one 16-byte row per step: every slot a kernel writes is 16-byte aligned, so

@@ -13,8 +13,8 @@ status         meaning
 1 NAN_LOSS     loss NaN/Inf: update skipped and the epoch abandoned from here on
 2 NAN_GRAD     a gradient NaN/Inf (loss finite): update skipped, loss not counted
 3 NOT_RUN      an earlier batch of this epoch abandoned it: update skipped, loss not counted
-4 NAN_WEIGHTS  (with ``update_flag``) loss and gradients finite, but the update would write a
-               NaN/±Inf weight or state value (``kernels.sgd.sgd_probe_`` found it): refused
+4 NAN_WEIGHTS  (with ``update_flag``) loss and gradients finite, but the update would make a
+               finite weight or state value NaN/±Inf (``kernels.sgd.sgd_probe_`` found it): refused
 =============  ===============================================================================
 
 ``update_flag`` (optional 0-d int32, raised by ``kernels.sgd.sgd_probe_``) is read and set back to
