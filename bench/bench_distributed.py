@@ -5,6 +5,7 @@ Run on a machine with 2 GPUs (one process per GPU, NCCL):
     PYTHONPATH=. torchrun --nproc_per_node=2 bench/bench_distributed.py            # full table
     PYTHONPATH=. torchrun --nproc_per_node=2 bench/bench_distributed.py --quick    # fewer steps
     PYTHONPATH=. python bench/bench_distributed.py --dry-run   # 2 gloo CPU processes, toy sizes: a smoke test only
+    PYTHONPATH=. python bench/bench_distributed.py --one-gpu-profile   # 1 GPU: backprop step vs PyTorch, kernels per step
 
 For each network (784-4096-4096-10 and 784-256-256-10, ReLU, fp32, cross-entropy, SGD) and per-GPU
 batch (1,024 and 16,384), samples/s over all GPUs:
@@ -168,6 +169,86 @@ def table(rows: list[dict[str, Any]], world: int, device: str) -> str:
     return "\n".join(lines)
 
 
+def _per_step_kernels(run, steps: int, top: int = 12) -> list[tuple[str, int, float]]:
+    """``(kernel name, launches per step, µs per step)`` of the ``top`` kernels by device time in
+    ``run()`` (which runs ``steps`` steps), from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    time_of = (lambda e: getattr(e, "device_time_total", 0)) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    events = sorted((e for e in prof.key_averages() if time_of(e) > 0), key=lambda e: -time_of(e))
+    return [(e.key, round(e.count / steps), time_of(e) / steps) for e in events[:top]]
+
+
+def one_gpu_profile(args: Any) -> int:
+    """``--one-gpu-profile``: on one GPU, the backprop step of torchloom (the single-pass guard), of
+    torchloom with the previous guard (backup copy, check after, restore: ``Backprop._can_probe``
+    off) and of plain PyTorch, timed alternately (best of ``--rounds``), then the kernels of one step
+    of each: what torchloom's step does on the device beyond PyTorch's."""
+    from torchloom.methods.backprop import Backprop
+
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # CPU: a smoke test only
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    sizes = tuple(int(v) for v in args.net.split("-"))
+    batch = args.batch
+    steps = args.steps or (16 if args.quick else 64)
+    probe = Backprop._can_probe
+    backup = lambda self: False  # noqa: E731 - the previous guard, for the comparison only
+
+    def rate(kind: str) -> float:
+        if kind == "pytorch":
+            return ddp_rate(sizes, batch, steps, args.epochs, dev, 0, False)
+        Backprop._can_probe = probe if kind == "torchloom" else backup
+        try:
+            return torchloom_rate("backprop", sizes, batch, steps, args.epochs, dev, 0, False, not args.no_graphs)
+        finally:
+            Backprop._can_probe = probe
+
+    kinds = ("torchloom", "torchloom-backup-guard", "pytorch")
+    best = dict.fromkeys(kinds, 0.0)
+    for _ in range(args.rounds):  # alternated, so a clock or thermal drift hits every kind alike
+        for kind in kinds:
+            best[kind] = max(best[kind], rate(kind))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test: no timings worth reading)"
+    print(f"{name}, net {args.net}, batch {batch:,}, {steps} steps/epoch, best of {args.rounds} rounds")
+    print("| step | samples/s | vs PyTorch |\n|---|---:|---:|")
+    for kind in kinds:
+        print(f"| {kind} | {best[kind]:,.0f} | {best[kind] / best['pytorch']:.3f}× |")
+
+    data = _data(sizes, batch, steps, dev, 0)
+    for kind in ("torchloom", "torchloom-backup-guard"):
+        Backprop._can_probe = probe if kind == "torchloom" else backup
+        try:
+            net = _torchloom_net(sizes, dev)
+            cfg = TrainingConfig(method="backprop", loss_type="cross_entropy", epochs=4, verbose=0, device=dev)
+            # 4 epochs, the first capturing the graphs: the warm-up steps add 2 of 4 × steps
+            table_rows = _per_step_kernels(lambda: torchloom.train(net, data, cfg), 4 * steps)
+        finally:
+            Backprop._can_probe = probe
+        print(f"\n{kind}: kernels per step (4 epochs, graph replays; top by device time)")
+        for name, count, us in table_rows:
+            print(f"  {us:8.1f} µs  ×{count:<3d} {name[:90]}")
+    model = _torch_net(sizes, dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def torch_epoch():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    torch_epoch()
+    print("\npytorch: kernels per step (top by device time)")
+    for name, count, us in _per_step_kernels(torch_epoch, steps):
+        print(f"  {us:8.1f} µs  ×{count:<3d} {name[:90]}")
+    return 0
+
+
 def _run(rank: int, world: int, args: Any, port: int | None = None) -> int:
     use_cuda = torch.cuda.is_available() and not args.dry_run
     if world > 1 and not dist.is_initialized():
@@ -209,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="steps per epoch (default by batch size)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per measurement (the first captures the graphs)")
     parser.add_argument("--no-graphs", action="store_true", help="torchloom without CUDA graphs (cuda_graph=False)")
+    parser.add_argument("--one-gpu-profile", action="store_true",
+                        help="one GPU, no torchrun: torchloom's backprop step (and with its previous guard) vs plain PyTorch, and their kernels per step")
+    parser.add_argument("--net", default="784-4096-4096-10", help="--one-gpu-profile: layer sizes")
+    parser.add_argument("--batch", type=int, default=1024, help="--one-gpu-profile: batch size")
+    parser.add_argument("--rounds", type=int, default=3, help="--one-gpu-profile: alternated timing rounds")
     args = parser.parse_args(argv)
+    if args.one_gpu_profile:
+        return one_gpu_profile(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         return _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     if args.dry_run:  # no launcher: spawn 2 local gloo processes

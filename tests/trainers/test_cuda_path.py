@@ -41,6 +41,7 @@ def _run_forced(net, batches, cfg):
 CONFIGS = {
     "sgd": dict(),
     "momentum-norm-clip": dict(optimizer="momentum", gradient_clip=0.05),
+    "momentum-value-clip": dict(optimizer="momentum", gradient_clip=0.05, clip_mode="value"),  # SGD.probe's path
     "adamw-value-clip": dict(optimizer="adamw", learning_rate=0.01, gradient_clip=0.01, clip_mode="value"),
     "rmsprop-schedule": dict(optimizer="rmsprop", learning_rate=0.01, scheduler=lambda step: 0.01 / (1 + 0.1 * step)),
 }

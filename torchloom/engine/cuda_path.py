@@ -10,8 +10,13 @@ records one step with every decision in device tensors, using three services of 
    NaN/Inf gradient or update direction: no), records the step's loss and status in per-epoch arrays,
    and writes ``found_inf`` (nonzero: update nothing) and the clip-by-norm ``grad_scale``;
 2. ``with runner.guard_update(slot):`` around the update: the tensors the update changes
-   (``trainer.guarded_device_tensors()``) are copied before it and put back in place with
-   ``torch.where`` when it made any of them non-finite (status 4, ``NAN_WEIGHTS``), without a host read;
+   (``trainer.guarded_device_tensors()``) are copied before it and put back in place
+   when it made any of them non-finite (status 4, ``NAN_WEIGHTS``), without a host read. A method
+   whose optimizer can look ahead (``SGD.probe``: the values the update would write, checked in the
+   same pass as the gradients' squared norm) passes ``update_flag=runner.update_flag`` to ``decide``
+   instead, so a step whose update would make a finite value NaN/±Inf gets status 4 and ``found_inf`` before
+   anything changes, and wraps its update in ``guard_update(slot, checked=True)``: no backup copy,
+   no check after, no restore (three passes over the weights fewer);
 3. ``runner.log(slot, values)``: the method's per-step logs (``trainer.device_log_names``, e.g. Tween's
    mean gap), one row per step, averaged into the epoch log at read-back.
 
@@ -154,6 +159,9 @@ class CudaRunner:
         # the clip scale multiplies the gradients: float64 models keep it in float64
         scale_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
         self.grad_scale = torch.ones((), dtype=scale_dtype, device=dev)
+        # raised by an optimizer's look-ahead (``SGD.probe``) when the update would make a finite value NaN/±Inf;
+        # read and zeroed by the step guard (``decide(update_flag=...)``)
+        self.update_flag = torch.zeros((), dtype=torch.int32, device=dev)
         # per-step results, one 16-byte row per step: every slot a kernel writes is 16-byte aligned, so
         # all steps share one compiled kernel specialisation (Triton specialises on pointer alignment,
         # and nothing may compile while a graph is being captured)
@@ -184,19 +192,30 @@ class CudaRunner:
         self.buffer_guard = UpdateGuard(trainer.guarded_buffers) if trainer.guarded_buffers() else None
 
     # ------------------------------------------------------------ services for device steps
-    def decide(self, slot: int, loss_partials: Tensor, sq_partials: Tensor, clip_norm: float = 0.0) -> None:
-        """The step guard for ``slot``: status and loss recorded, ``found_inf`` and ``grad_scale`` written."""
+    def decide(
+        self, slot: int, loss_partials: Tensor, sq_partials: Tensor, clip_norm: float = 0.0, update_flag: Tensor | None = None
+    ) -> None:
+        """The step guard for ``slot``: status and loss recorded, ``found_inf`` and ``grad_scale``
+        written. ``update_flag`` (``runner.update_flag``, raised by a look-ahead of the update): when
+        set on an otherwise OK step, the status is ``NAN_WEIGHTS`` and the update is refused; the
+        flag is zeroed for the next step."""
         from ..kernels.step_guard import step_guard_
 
         step_guard_(
             loss_partials, sq_partials, self.dead, self.step_loss[slot, 0], self.step_status[slot, 0],
-            self.found_inf, self.grad_scale, clip_norm,
+            self.found_inf, self.grad_scale, clip_norm, update_flag=update_flag,
         )
 
     @contextlib.contextmanager
-    def guard_update(self, slot: int) -> Iterator[None]:
+    def guard_update(self, slot: int, checked: bool = False) -> Iterator[None]:
         """Around an update: copy what it changes before, undo it in place when it made anything
-        non-finite (status ``NAN_WEIGHTS`` for ``slot``); device ops only."""
+        non-finite (status ``NAN_WEIGHTS`` for ``slot``); device ops only. ``checked=True``: the
+        step's ``decide`` already had the look-ahead's ``update_flag``, covering everything this
+        update changes, so the update either writes finite values or (``found_inf``) nothing:
+        nothing is copied or checked."""
+        if checked:
+            yield
+            return
         self.update_guard.device_flag(self.t.device)
         self.update_guard.save()
         yield

@@ -44,7 +44,10 @@ def _sum_squares_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if pid * BLOCK + BLOCK <= n:  # a whole block: unmasked, so the loads vectorise whatever n is
+        g = tl.load(g_ptr + offs).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
 
 

@@ -14,7 +14,9 @@ One host step (``Backprop.step``), as Loom ``poly.Train``'s CPU path:
 The device step (``Backprop.device_step``, run by the engine's CUDA runner, graph-captured) is the same rule
 with every decision in device tensors: the fused loss writes per-block partial sums, the gradients
 land in the optimizer's flat ``.grad`` views, the step guard decides NaN/Inf and the clip scale on the
-device, and the fused update obeys its ``found_inf``.
+device, and the fused update obeys its ``found_inf``. With torchloom's SGD and no clip by norm the
+gradient pass is ``SGD.probe``: it also computes the values the update would write, so an update
+that would overflow is refused before it happens (no backup of the weights, no check after it).
 
 Compiled (``TrainingConfig(compile=True)``, or a mapping of ``torch.compile`` options): steps 1 and 4
 run through ``torch.compile`` of the model instead: its forward under autograd (each layer's
@@ -46,7 +48,7 @@ from ..engine.method import Method, all_finite, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..observers.base import ObserverList
 from ..kernels._update import coalesce
-from ..optim.optimizers import AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
+from ..optim.optimizers import SGD, AdamW, FusedOptimizer, flatten_optimizer_, make_optimizer
 
 __all__ = ["Backprop", "LossScaler"]
 
@@ -275,6 +277,7 @@ class Backprop(Method):
         in_groups = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         norm_inputs.extend(p.grad for p in self.params if id(p) not in in_groups)
         self.norm_inputs = norm_inputs
+        self._all_in_groups = all(id(p) in in_groups for p in self.params)
 
     def device_epoch_begin(self, runner: Any, epoch: int) -> None:
         if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
@@ -319,7 +322,8 @@ class Backprop(Method):
         forward; fused loss (per-block partial sums) and output gradient; the hand-written backward
         into the flat ``.grad`` views; their partial sums of squares; the step guard (NaN/Inf loss or
         gradient, clip scale) on the device; the fused update masked by ``found_inf``; the weight
-        check after it (``runner.guard_update``)."""
+        check after it (``runner.guard_update``), or, with SGD (``_can_probe``), before it: the
+        squares and the check of the update's values in one pass (``SGD.probe``)."""
         from ..kernels.grad_norm import grad_sq_partials  # (imported on first use: it imports Triton)
 
         out, saved = self.model.forward_saved(x)
@@ -351,6 +355,13 @@ class Backprop(Method):
             self.dist.all_reduce_([loss_parts], "mean")
         if scaler is not None:
             scaler.unscale_(self.grad_views)
+        if self._can_probe():  # one pass: the gradients' squares and the update's values checked ahead
+            runner.decide(slot, loss_parts, self.optimizer.probe(runner.update_flag), 0.0, update_flag=runner.update_flag)
+            if scaler is not None:  # an overflow in the scaled backward (status 2) halves the scale
+                scaler.update_(runner.step_status[slot, 0] == 2)
+            with runner.guard_update(slot, checked=True):
+                self.optimizer_update(found_inf=runner.found_inf)
+            return
         clip_norm = self.clip if self.clip_mode == "norm" else 0.0
         runner.decide(slot, loss_parts, grad_sq_partials(self.norm_inputs), clip_norm)
         if scaler is not None:  # an overflow in the scaled backward (status 2) halves the scale
@@ -360,6 +371,21 @@ class Backprop(Method):
             torch._foreach_clamp_max_(self.grad_views, self.clip)
         with runner.guard_update(slot):
             self.optimizer_update(grad_scale=runner.grad_scale if clip_norm > 0 else None, found_inf=runner.found_inf)
+
+    def _can_probe(self) -> bool:
+        """Whether the device step can check its update ahead (``SGD.probe``) instead of backing the
+        weights up and checking them after: torchloom's ``SGD`` (its own ``update`` and ``step``, no
+        step hooks, which could change what the update reads), no clip by norm (its scale needs the
+        gradients' norm before the look-ahead) nor a value clip outside the optimizer, and every
+        trainable parameter in its groups (the probe's squares then cover every gradient)."""
+        opt = self.optimizer
+        if type(opt) is not SGD and (type(opt).update is not SGD.update or type(opt).step is not FusedOptimizer.step):
+            return False
+        if self.clip > 0 and (self.clip_mode != "value" or not self._value_clip_in_optimizer):
+            return False
+        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks():
+            return False
+        return self.__dict__.get("_all_in_groups", False)
 
     def _grad_out(self) -> list[Tensor | None] | None:
         """``out=`` buffers for the backward, aligned with ``model.parameters()`` (None for frozen ones)."""

@@ -158,6 +158,31 @@ class SGD(FusedOptimizer):
                     if buf is not None:
                         self.state[p]["momentum_buffer"] = buf
 
+    @torch.no_grad()
+    def probe(self, flag: Tensor) -> Tensor:
+        """Look ahead at the next ``update()`` (no ``grad_scale``) without changing anything: the
+        partial sums of ``g²`` over every gradient (1-D float32; a NaN/Inf sum means a NaN/Inf
+        gradient), and the 0-d int32 ``flag`` raised when the update would write a NaN/±Inf weight or
+        momentum value (``kernels.sgd.sgd_probe_``, one read of the weights and gradients). The
+        engine's CUDA step decides on these before the update, so it needs no backup of the weights."""
+        from ..kernels.sgd import sgd_probe_
+
+        parts = []
+        for group in self.param_groups:
+            params, grads = _params_with_grads(group)
+            if not params:
+                continue
+            uses_momentum = group["momentum"] != 0
+            bufs = [self.state[p].get("momentum_buffer") for p in params] if uses_momentum else None
+            parts.append(sgd_probe_(
+                params, grads, bufs, flag, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                nesterov=group["nesterov"], weight_decay=group["weight_decay"], clip_value=group["clip_value"],
+                backend=self.backend,
+            ))
+        if not parts:
+            raise ValueError("SGD.probe: no parameter has a gradient; there is no update to look ahead at")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
 
 # ---------------------------------------------------------------------------------------- AdamW
 def _split_decay(params: Iterable[Any]) -> list[Any]:
