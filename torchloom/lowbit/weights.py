@@ -13,8 +13,11 @@ forward and backward run on exactly what a Loom file of that dtype serves. Aroun
    resumed run the bits it would have drawn; ``loom_compat`` uses Loom's own encoders and scale
    instead (``loom_compat.py``).
 
-A step the engine's guard undid (non-finite loss, gradients or weights) leaves the master and the
-parameters as they were. A **group** is one module's own parameters (one Loom layer): they share
+A step the engine's guard undid (non-finite loss, gradients or weights) leaves the master, the
+parameters and the scales as they were. On CUDA the grid-dtype groups with one scale per layer take
+one fused update for all of them (``lowbit/fused.py``: four launches a step, the device step's
+status and step counter read on the device); the others, and every group on CPU, the torch ops
+below, which compute the same. A **group** is one module's own parameters (one Loom layer): they share
 one dtype and, with ``scale="per_tensor"`` or ``"fixed"``, one scale, which is what a Loom file
 holds per layer (``to_loom_json`` reads it from the module's ``loom_lowbit`` attribute).
 """
@@ -203,7 +206,10 @@ class LowBitWeights:
 
     def _requantize_grid(self, g: _Group, src: list[Tensor], scales: list[Tensor], step: Any, ok: Tensor | None) -> None:
         """The grid dtypes in one fused launch per parameter (``kernels/requant.py``: Triton on CUDA,
-        its torch reference elsewhere; the same bits either way)."""
+        its torch reference elsewhere; the same bits either way) for the groups ``FusedGrid`` does not
+        take (32- and 64-bit grids; ``backend="reference"``) and, on CPU, all of them. The keys are computed
+        only for stochastic rounding (in int64 torch ops: ~90 small launches per parameter on a
+        device step counter)."""
         from ..kernels.requant import requant_grid_
 
         info = dtype_info(g.dtype)
@@ -212,8 +218,9 @@ class LowBitWeights:
             scales = [torch.where(ok, sc, old) for sc, old in zip(scales, g.scales)]
         flag = ok if ok is not None else torch.ones((), dtype=torch.bool, device=g.params[0].device)
         befores = g.before if g.master is not None else [None] * len(g.params)
+        zero = None if stochastic else torch.zeros((), dtype=torch.int64, device=flag.device)  # keys unused
         for i, t, p, b, sc in zip(g.index, src, g.params, befores, scales):
-            key_a, key_b = stream_key(self.seed, step, i)
+            key_a, key_b = stream_key(self.seed, step, i) if stochastic else (zero, zero)
             requant_grid_(t.detach().reshape(-1).contiguous(), p.data, b, sc, flag, key_a, key_b, info.lo, info.hi, stochastic)
         g.scales = list(scales)
         self._tag(g)
