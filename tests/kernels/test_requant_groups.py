@@ -38,8 +38,6 @@ def _run(fn, layout, bufs, master, step, status, stochastic, advance, **kw):
     m, p, b, s = (t.clone().to(torch.get_default_device()) for t in bufs)
     step = torch.tensor(step, device=p.device)
     st = None if status is None else torch.tensor(status, dtype=torch.int32, device=p.device)
-    if fn is requant_groups_ref and not advance:
-        layout.step_used.copy_(step)
     fn(layout, m if master else None, p, b, s, step, st, stochastic, advance, **kw)
     return m.cpu(), p.cpu(), b.cpu(), s.cpu(), int(step)
 

@@ -193,7 +193,7 @@ class Trainer(WarmStart):
         layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
         own = ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
         if self.lowbit is not None:
-            own.append("torchloom.kernels.requant")
+            own += ["torchloom.kernels.requant", "torchloom.kernels.requant_groups"]
         return [*own, *layers, *self.method.device_kernel_modules()]
 
     def rate_groups(self) -> list[dict[str, Any]]:

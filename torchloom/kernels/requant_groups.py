@@ -25,7 +25,8 @@ Launch 1 (``_reduce_kernel``) updates the master and writes each block's max|x| 
 (``_apply_kernel``) sums its group's block partials into the scale and requantises its block. A
 block never straddles two parameters. Σ|x| (the mean scale) and the clipping errors are summed in
 another order than torch's: bit for bit equal to the reference when those sums are exact (the
-max-scaled dtypes always), else equal up to float32 rounding of the sums.
+max-scaled dtypes always), else equal up to float32 rounding of the sums. The products are rounded
+as torch rounds them (no fused multiply-add).
 """
 
 from __future__ import annotations
@@ -131,10 +132,11 @@ def requant_groups_ref(layout: GridLayout, M: Tensor | None, P: Tensor, B: Tenso
                        status: Tensor | None, stochastic: bool, advance: bool) -> None:
     """The update of the module docstring in torch ops, group by group (the spec of the kernels)."""
     ok = torch.ones((), dtype=torch.bool, device=P.device) if status is None else status == 0
+    used = step
     if advance:
-        layout.step_used.copy_(step)
+        used = layout.step_used
+        used.copy_(step)
         step.add_((status != 3).to(torch.int64))
-    used = layout.step_used
     for g, grp in enumerate(layout.groups):
         sl = slice(grp["start"], grp["start"] + grp["n"])
         if M is not None:
@@ -184,7 +186,7 @@ def _reduce_kernel(
     if HAS_STATUS:
         ok = tl.load(status_ptr) == 0
     else:
-        ok = True
+        ok = pid >= 0  # true, as a tensor
     if HAS_MASTER:
         m = tl.load(M_ptr + flat, mask=mask, other=0.0)
         p = tl.load(P_ptr + flat, mask=mask, other=0.0)
@@ -233,19 +235,21 @@ def _apply_kernel(
     if HAS_STATUS:
         ok = tl.load(status_ptr) == 0
     else:
-        ok = True
+        ok = pid >= 0  # true, as a tensor
     s_old = tl.load(S_ptr + g)
     s = s_old
     if tl.load(grow + 5) == 0:  # not a fixed scale: this step's, from the group's block partials
         plo = tl.load(grow + 2)
         phi = tl.load(grow + 3)
-        mx = tl.zeros((), dtype=tl.float32)
-        sm = tl.zeros((), dtype=tl.float32)
+        mxv = tl.zeros([RBLOCK], dtype=tl.float32)
+        smv = tl.zeros([RBLOCK], dtype=tl.float32)
         for r0 in range(plo, phi, RBLOCK):
             ids = r0 + tl.arange(0, RBLOCK)
             rm = ids < phi
-            mx = tl.maximum(mx, tl.max(tl.load(pmax_ptr + ids, mask=rm, other=0.0), axis=0))
-            sm += tl.sum(tl.load(psum_ptr + ids, mask=rm, other=0.0), axis=0)
+            mxv = tl.maximum(mxv, tl.load(pmax_ptr + ids, mask=rm, other=0.0))
+            smv += tl.load(psum_ptr + ids, mask=rm, other=0.0)
+        mx = tl.max(mxv, axis=0)
+        sm = tl.sum(smv, axis=0)
         gn = tl.load(grow + 1)
         m = tl.where(mode == 1, tl.math.div_rn(sm, gn.to(tl.float32)), mx)
         s_new = tl.math.div_rn(m, qmax)
@@ -254,21 +258,24 @@ def _apply_kernel(
             gstart = tl.load(grow)
             stride = tl.load(grow + 6)
             count = tl.load(grow + 7)
-            best = float("inf")
-            best_c = s_new
             for r in tl.static_range(N_RATIOS):
                 c = s_new * tl.load(ratios_ptr + r)
-                err = tl.zeros((), dtype=tl.float32)
+                errv = tl.zeros([SBLOCK], dtype=tl.float32)
                 for j0 in range(0, count, SBLOCK):
                     j = j0 + tl.arange(0, SBLOCK).to(tl.int64)
                     jm = j < count
                     xs = tl.load(X_ptr + gstart + j * stride, mask=jm, other=0.0)
                     q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(xs, c)), lo), hi)
                     e = q * c - xs
-                    err += tl.sum(tl.where(jm, e * e, 0.0), axis=0)
-                better = err < best
-                best_c = tl.where(better, c, best_c)
-                best = tl.where(better, err, best)
+                    errv += tl.where(jm, e * e, 0.0)
+                err = tl.sum(errv, axis=0)
+                if r == 0:
+                    best = err
+                    best_c = c
+                else:  # the first of equal errors wins, as torch's argmin
+                    better = err < best
+                    best_c = tl.where(better, c, best_c)
+                    best = tl.where(better, err, best)
             s_new = best_c
         s = tl.where(ok, s_new, s_old)
         if ok:
@@ -308,23 +315,21 @@ def requant_groups_(layout: GridLayout, M: Tensor | None, P: Tensor, B: Tensor, 
     if advance and status is None:
         raise ValueError("requant_groups_: advance=True needs the step's status")
     if not use_triton(P, backend, (torch.float32,)):
-        if not advance:
-            layout.step_used.copy_(step)
         requant_groups_ref(layout, M, P, B, S, step, status, stochastic, advance)
         return
-    if not advance:
-        layout.step_used.copy_(step)
+    used = layout.step_used if advance else step  # the step the draws are keyed by
     programs = layout.prog.shape[0]
     has_status = status is not None
     st = status if has_status else layout.step_used  # a placeholder pointer, never read
     warps = 4 if P.is_cuda else 1
     _reduce_kernel[(programs,)](
-        layout.prog, M if M is not None else P, P, B, layout.pmax, layout.psum, st, step, layout.step_used,
+        layout.prog, M if M is not None else P, P, B, layout.pmax, layout.psum, st, step, used,
         BLOCK=layout.block, HAS_MASTER=M is not None, HAS_STATUS=has_status, ADVANCE=advance, num_warps=warps,
     )
     _apply_kernel[(programs,)](
         layout.prog, layout.gi, layout.gf, layout.key, layout.ratios, M if M is not None else P, P, B, S,
-        layout.pmax, layout.psum, st, layout.step_used,
+        layout.pmax, layout.psum, st, used,
         BLOCK=layout.block, RBLOCK=128 if P.is_cuda else 16, SBLOCK=1024 if P.is_cuda else 64,
         N_RATIOS=layout.ratios.numel(), HAS_STATUS=has_status, STOCHASTIC=stochastic, num_warps=warps,
+        enable_fp_fusion=False,  # q·c − x and (q·c − x)² rounded as torch rounds them, no FMA
     )
