@@ -126,3 +126,46 @@ def test_cuda_device_step_equals_the_host_loop(dtype, kw):
         for a, b in zip(host_state[key], dev_state[key]):
             for x, y in zip(a, b):
                 torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,kw", CASES)
+def test_cuda_graphed_update_equals_the_host_update_bit_for_bit(dtype, kw):
+    """The low-bit update alone, same updates in: captured in a CUDA graph (device counter, status
+    read on the device) and replayed, against the host loop's call after each step."""
+    from torchloom.lowbit.weights import LowBitWeights
+
+    nets = [_net(bias=True).cuda(), _net(bias=True).cuda()]
+    host, dev = (LowBitWeights(n, dtype, LowBitConfig(**kw), seed=3) for n in nets)
+    host.start()
+    dev.start()
+    assert host.fused is not None and dev.fused is not None
+    g = torch.Generator().manual_seed(0)
+    deltas = [[(torch.randn(p.shape, generator=g) * 0.05).cuda() for p in nets[0].parameters()] for _ in range(4)]
+    counter = torch.zeros((), dtype=torch.int64, device="cuda")
+    status = torch.full((), 3, dtype=torch.int32, device="cuda")
+    slots = [torch.zeros_like(p) for p in nets[1].parameters()]
+    dev.device_update(counter, status)  # a step that did not run: compiles the kernels, changes nothing
+    status.zero_()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with torch.no_grad():
+            for p, d in zip(nets[1].parameters(), slots):
+                p.add_(d)
+        dev.device_update(counter, status)
+    for step, ds in enumerate(deltas):
+        with torch.no_grad():
+            for p, d in zip(nets[0].parameters(), ds):
+                p.add_(d)
+        host.after_update(step)
+        for s, d in zip(slots, ds):
+            s.copy_(d)
+        graph.replay()
+    assert int(counter) == 4
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    hs, ds_ = host.state_dict(), dev.state_dict()
+    for key in ("master", "scales"):
+        for a, b in zip(hs[key], ds_[key]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), key
