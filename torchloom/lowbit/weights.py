@@ -273,7 +273,8 @@ class LowBitWeights:
         self.fused = None
         if not self.groups or not use_triton(self.groups[0].params[0], backend, (torch.float32,)):
             return
-        chosen = [g for g in self.groups if fusable(g, self.config)]
+        dev = self.groups[0].params[0].device
+        chosen = [g for g in self.groups if fusable(g, self.config) and g.params[0].device == dev]
         if chosen:
             for i, g in enumerate(chosen):
                 g.fused = i
