@@ -63,7 +63,6 @@ from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, S
 __all__ = ["Trainer"]
 
 
-
 class Trainer(WarmStart):
     """The training engine: the one epoch loop every method runs.
 
