@@ -62,8 +62,6 @@ from .types import INT_DTYPES, MESSAGES, batch_rows, EpochOutcome, StepOutput, S
 
 __all__ = ["Trainer"]
 
-_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
-
 
 class Trainer(WarmStart):
     """The training engine: the one epoch loop every method runs.
@@ -169,11 +167,9 @@ class Trainer(WarmStart):
 
     def device_step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         self.method.device_step(x, y, slot, runner)
-        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept
-            status = runner.step_status[slot, 0]
-            self.lowbit.after_update(self._lowbit_step, status == 0)
-            # count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
-            self._lowbit_step.add_((status != _NOT_RUN).to(torch.int64))
+        if self.lowbit is not None:  # after the guarded update: requantise where the step was kept (status 0),
+            # and count the steps that ran (not a masked warm-up, nor a step after a NaN loss), as the host loop does
+            self.lowbit.device_update(self._lowbit_step, runner.step_status[slot, 0])
 
     def guarded_device_tensors(self) -> list[Tensor]:
         own = self.method.guarded_device_tensors()
@@ -196,7 +192,7 @@ class Trainer(WarmStart):
         layers = [m for layer in self.model.modules() for m in getattr(layer, "kernel_modules", ())]
         own = ["torchloom.kernels.step_guard", "torchloom.kernels.weight_guard", "torchloom.kernels.grad_norm"]
         if self.lowbit is not None:
-            own.append("torchloom.kernels.requant")
+            own += ["torchloom.kernels.requant", "torchloom.kernels.requant_groups"]
         return [*own, *layers, *self.method.device_kernel_modules()]
 
     def rate_groups(self) -> list[dict[str, Any]]:
@@ -461,7 +457,7 @@ class Trainer(WarmStart):
         if self.dist is not None:  # data-parallel: every rank starts from rank 0's weights
             self.dist.broadcast_module_(self.model)
         if self.lowbit is not None:  # the weights become the dtype's values (a master keeps them)
-            self.lowbit.start()
+            self.lowbit.start(self.kernel_backend)
 
     def _build_runner(self) -> None:
         """On CUDA, with a method that has a device step: a fresh device runner. ``fit`` builds one per

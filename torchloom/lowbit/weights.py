@@ -13,8 +13,11 @@ forward and backward run on exactly what a Loom file of that dtype serves. Aroun
    resumed run the bits it would have drawn; ``loom_compat`` uses Loom's own encoders and scale
    instead (``loom_compat.py``).
 
-A step the engine's guard undid (non-finite loss, gradients or weights) leaves the master and the
-parameters as they were. A **group** is one module's own parameters (one Loom layer): they share
+A step the engine's guard undid (non-finite loss, gradients or weights) leaves the master, the
+parameters and the scales as they were. On CUDA the grid-dtype groups with one scale per layer take
+one fused update for all of them (``lowbit/fused.py``: four launches a step, the device step's
+status and step counter read on the device); the others, and every group on CPU, the torch ops
+below, which compute the same. A **group** is one module's own parameters (one Loom layer): they share
 one dtype and, with ``scale="per_tensor"`` or ``"fixed"``, one scale, which is what a Loom file
 holds per layer (``to_loom_json`` reads it from the module's ``loom_lowbit`` attribute).
 """
@@ -36,6 +39,7 @@ from .rng import stream_key, uniform
 __all__ = ["LowBitWeights", "resolve_weight_dtypes", "check_weight_dtype"]
 
 INIT_STEP = (1 << 64) - 1  # the key of the first quantisation, before step 0
+_NOT_RUN = 3  # the device step guard's status of a step that did not run (kernels/step_guard.py)
 
 
 def check_weight_dtype(weight_dtype: Any, cfg: LowBitConfig, where: str = "TrainingConfig") -> None:
@@ -132,6 +136,7 @@ class _Group:
     before: list[Tensor] | None = None  # q: what the parameters held before the step
     scales: list[Tensor] = field(default_factory=list)  # the scale of each parameter now
     fixed: list[Tensor] | None = None  # scale="fixed" / loom_compat: set once
+    fused: int | None = None  # its row in the FusedGrid (lowbit/fused.py), when it takes the fused update
 
 
 class LowBitWeights:
@@ -150,6 +155,7 @@ class LowBitWeights:
         self.seed = int(config.seed if config.seed is not None else seed)
         self.groups = [_Group(n, m, d, [i for i, _ in ps], [p for _, p in ps]) for n, m, ps, d in resolve_weight_dtypes(model, weight_dtype)]
         self.started = False
+        self.fused: Any = None  # the FusedGrid of the grid groups on CUDA (lowbit/fused.py), else None
 
     # ------------------------------------------------------------------------------ quantisation
     def _scales(self, g: _Group, src: list[Tensor]) -> list[Tensor]:
@@ -200,7 +206,10 @@ class LowBitWeights:
 
     def _requantize_grid(self, g: _Group, src: list[Tensor], scales: list[Tensor], step: Any, ok: Tensor | None) -> None:
         """The grid dtypes in one fused launch per parameter (``kernels/requant.py``: Triton on CUDA,
-        its torch reference elsewhere; the same bits either way)."""
+        its torch reference elsewhere; the same bits either way) for the groups ``FusedGrid`` does not
+        take (32- and 64-bit grids; ``backend="reference"``) and, on CPU, all of them. The keys are computed
+        only for stochastic rounding (in int64 torch ops: ~90 small launches per parameter on a
+        device step counter)."""
         from ..kernels.requant import requant_grid_
 
         info = dtype_info(g.dtype)
@@ -209,8 +218,9 @@ class LowBitWeights:
             scales = [torch.where(ok, sc, old) for sc, old in zip(scales, g.scales)]
         flag = ok if ok is not None else torch.ones((), dtype=torch.bool, device=g.params[0].device)
         befores = g.before if g.master is not None else [None] * len(g.params)
+        zero = None if stochastic else torch.zeros((), dtype=torch.int64, device=flag.device)  # keys unused
         for i, t, p, b, sc in zip(g.index, src, g.params, befores, scales):
-            key_a, key_b = stream_key(self.seed, step, i)
+            key_a, key_b = stream_key(self.seed, step, i) if stochastic else (zero, zero)
             requant_grid_(t.detach().reshape(-1).contiguous(), p.data, b, sc, flag, key_a, key_b, info.lo, info.hi, stochastic)
         g.scales = list(scales)
         self._tag(g)
@@ -221,13 +231,19 @@ class LowBitWeights:
         g.module.loom_lowbit = {"dtype": g.dtype, "scale": g.scales[0] if shared else None}
 
     @torch.no_grad()
-    def start(self) -> None:
-        """Once, when training starts: the master copies the weights, which become the dtype's values."""
+    def start(self, backend: str | None = None) -> None:
+        """Once, when training starts: the master copies the weights, which become the dtype's values.
+        On CUDA (or ``backend="triton"``) the grid groups then take the fused update (``lowbit/fused.py``);
+        ``backend="reference"`` keeps the torch ops."""
         if self.started:  # a second fit() of the same trainer keeps its master
             for g in self.groups:
-                if g.master is not None and g.master[0].device != g.params[0].device:
-                    g.master = [m.to(g.params[0].device) for m in g.master]
-                    g.before = [b.to(g.params[0].device) for b in g.before]
+                dev = g.params[0].device
+                if g.master is not None and g.master[0].device != dev:
+                    g.master = [m.to(dev) for m in g.master]
+                    g.before = [b.to(dev) for b in g.before]
+                g.scales = [s.to(dev) for s in g.scales]
+                g.fixed = [s.to(dev) for s in g.fixed] if g.fixed is not None else None
+            self._fuse(backend)
             return
         for g in self.groups:
             warm_tables(g.dtype, g.params[0].device)  # no host-to-device copy inside a captured step
@@ -237,6 +253,34 @@ class LowBitWeights:
                 g.before = [torch.empty_like(p) for p in g.params]
             self._requantize(g, g.master if g.master is not None else list(g.params), INIT_STEP)
         self.started = True
+        self._fuse(backend)
+
+    def _fuse(self, backend: str | None) -> None:
+        """Build the ``FusedGrid`` of the groups that can take it, where Triton runs (anew on a
+        device change: its buffers and tables live on the parameters' device)."""
+        from ..kernels._triton import use_triton
+        from .fused import FusedGrid, fusable
+
+        if self.fused is not None and self.fused.device == self.groups[0].params[0].device and self.fused.backend == backend:
+            return
+        for g in self.groups:
+            if g.fused is not None:  # the flat buffers' views become tensors of their own again
+                g.master = [m.clone() for m in g.master] if g.master is not None else None
+                g.before = [b.clone() for b in g.before] if g.before is not None else None
+                g.scales = [s.clone() for s in g.scales]
+                g.fixed = [s.clone() for s in g.fixed] if g.fixed is not None else None
+                g.fused = None
+        self.fused = None
+        if not self.groups or not use_triton(self.groups[0].params[0], backend, (torch.float32,)):
+            return
+        dev = self.groups[0].params[0].device
+        chosen = [g for g in self.groups if fusable(g, self.config) and g.params[0].device == dev]
+        if chosen:
+            for i, g in enumerate(chosen):
+                g.fused = i
+            self.fused = FusedGrid(chosen, self.seed, self.config.effective_rounding == "stochastic", backend)
+        for g in self.groups:
+            self._tag(g)  # the scale tensor to_loom_json reads is now the fused buffer's (or its own again)
 
     @torch.no_grad()
     def after_update(self, step: Any, ok: Tensor | None = None) -> None:
@@ -244,14 +288,39 @@ class LowBitWeights:
         with ``ok`` its 0-d bool verdict (device ops only, no host read: graph-capturable): the master
         takes the update, the weights are requantised with the draws of ``step`` (a Python int, or a
         0-d int64 device tensor counting the steps)."""
+        if self.fused is not None:
+            if ok is not None:
+                raise RuntimeError("LowBitWeights.after_update: a device step with fused groups calls device_update")
+            self.fused.update(step, None)
         for g in self.groups:
-            if g.master is not None:
-                for m, b, p in zip(g.master, g.before, g.params):
-                    delta = p - b
-                    m.add_(delta if ok is None else torch.where(ok, delta, torch.zeros_like(delta)))
-                self._requantize(g, g.master, step, ok)
-            else:
-                self._requantize(g, [p.detach().clone() for p in g.params], step, ok)
+            if g.fused is None:
+                self._update_group(g, step, ok)
+
+    def _update_group(self, g: _Group, step: Any, ok: Tensor | None) -> None:
+        """``after_update`` for one group, in torch ops."""
+        if g.master is not None:
+            for m, b, p in zip(g.master, g.before, g.params):
+                delta = p - b
+                m.add_(delta if ok is None else torch.where(ok, delta, torch.zeros_like(delta)))
+            self._requantize(g, g.master, step, ok)
+        else:
+            self._requantize(g, [p.detach().clone() for p in g.params], step, ok)
+
+    @torch.no_grad()
+    def device_update(self, counter: Tensor, status: Tensor) -> None:
+        """After every device step (device ops only, graph-capturable): ``status`` the step guard's
+        0-d int32 verdict (0: the update was kept; 3: the step did not run), ``counter`` the 0-d int64
+        device count of the steps that ran, which keys the draws and moves on by one unless status
+        is 3. The fused groups take one ``FusedGrid`` update, the others ``after_update``'s torch ops."""
+        if any(g.fused is None for g in self.groups):
+            ok = status == 0
+            for g in self.groups:
+                if g.fused is None:
+                    self._update_group(g, counter, ok)
+        if self.fused is not None:
+            self.fused.update(counter, status)  # the counter moves on inside
+        else:
+            counter.add_((status != _NOT_RUN).to(torch.int64))
 
     # ------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -270,9 +339,12 @@ class LowBitWeights:
                     m.copy_(v)
                 for b, p in zip(g.before, g.params):
                     b.copy_(p)
-            if fixed:
-                g.fixed = [s.to(g.params[0].device) for s in fixed]
-            g.scales = [s.to(g.params[0].device) for s in scales]
+            if g.fused is not None:  # views of the fused buffers: written in place
+                self.fused.load_scale(g.fused, (fixed or scales)[0])
+            else:
+                if fixed:
+                    g.fixed = [s.to(g.params[0].device) for s in fixed]
+                g.scales = [s.to(g.params[0].device) for s in scales]
             self._tag(g)
 
     def masters(self) -> dict[str, list[Tensor]]:
