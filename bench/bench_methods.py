@@ -24,7 +24,8 @@ at every batch size, several seeds; one table per data set:
 * ``<method>-tanh`` (``bp-sgdm``, ``fa``, ``dfa``, ``sign-sym``, ``fast-proxy``, ``fa-adamw``,
   ``dfa-adamw``): the same on a tanh network (784-256-256-10, tanh hidden units, as in Nøkland 2016's
   DFA experiments); ``fa-tanh`` and ``dfa-tanh`` use He-scaled feedback (``scale=1.0``: the default 0.1
-  is for ReLU networks, where 1 diverged), the AdamW rows lr 1e-3. On the ReLU network random feedback
+  is for ReLU networks, where 1 diverged), the AdamW rows lr 1e-3, ``fast-proxy-tanh`` lr 0.01 (its
+  first tanh layer stays stable there; 0.003 left it 1.3 points under DFA at batch 256). On the ReLU network random feedback
   leaves the hidden layers little to learn from (a ReLU unit's derivative is 0 wherever the feedback
   pushed it below zero); on Fashion-MNIST (10 epochs, batch 256, seed 0, CPU) DFA went from 84.8 %
   (AdamW, ReLU) to 87.9 % (AdamW, tanh), FA from 85.5 % to 87.0 % (SGD + momentum, scale 1, tanh).
@@ -174,7 +175,7 @@ RATES = {"bp-sgdm": 0.01, "bp-adamw": 1e-3, "tp-chain": 0.05, "tp-pure": 0.05, "
          "fa": 0.01, "dfa": 0.01, "sign-sym": 0.01, "fast-proxy": 0.003, "fa-adamw": 3e-4, "dfa-adamw": 3e-4,
          # the same rules on a tanh network (784-256-256-10 with tanh hidden units, as Nøkland 2016's DFA
          # networks): random feedback keeps every tanh unit's derivative alive, where it silences ReLU units
-         "bp-sgdm-tanh": 0.01, "fa-tanh": 0.01, "dfa-tanh": 0.01, "sign-sym-tanh": 0.01, "fast-proxy-tanh": 0.003,
+         "bp-sgdm-tanh": 0.01, "fa-tanh": 0.01, "dfa-tanh": 0.01, "sign-sym-tanh": 0.01, "fast-proxy-tanh": 0.01,
          "fa-adamw-tanh": 1e-3, "dfa-adamw-tanh": 1e-3}
 LOSSES = {m: "cross_entropy" for m in RATES}
 FEEDBACK_RULES = {"fa": "feedback_alignment", "dfa": "dfa", "sign-sym": "sign_symmetry", "fast-proxy": "fast_proxy",
