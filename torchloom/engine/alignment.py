@@ -13,10 +13,15 @@ batch's). It compares ``∇`` with the method's **update direction** ``d``:
 
 For each layer with trainable parameters (all of them flattened together), the angle
 ``arccos(⟨d, ∇⟩ / (‖d‖‖∇‖))`` in degrees: 0 = backprop's direction, 90 = orthogonal (no first-order
-progress), above 90 = uphill. The epoch log gets ``alignment_bp/<i>`` (``i``: the layer's index in the
-network) = the mean over the epoch's measured steps (NaN for an epoch with none, or a layer whose
-``d`` or ``∇`` is zero), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line
-at verbose 2. The angles stay device tensors until the epoch's end (one host read per epoch).
+progress), above 90 = uphill. A layer whose ``d`` or ``∇`` is zero has no angle at that step; so has
+a layer whose rule direction is zero up to rounding: its gain ``‖d‖/‖∇‖`` at most ``NOISE_GAIN``
+(2⁻¹³) times that of the nearest layer above with a direction. (Sign symmetry under softmax
+cross-entropy sends back exactly zero through a unit whose outgoing weights share one sign; what is
+left is float32 rounding, whose direction depends on the order of the sums, host, Triton and cuBLAS
+each their own: issue 35.) The epoch log gets ``alignment_bp/<i>`` (``i``: the layer's index in the
+network) = the mean over the epoch's measured steps at which layer ``i`` has an angle (NaN when
+none), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line at verbose 2. The
+angles stay device tensors until the epoch's end (one host read per epoch).
 
 The probe's forwards run under a forked random-number state and the model's buffers (a BatchNorm's
 running statistics) are put back after them, so a run with alignment diagnostics trains exactly as
@@ -24,7 +29,7 @@ one without (shuffling, dropout, running statistics).
 
 On the CUDA device path (``cuda_path.py``) the same measurement is device ops only: ``measure``
 before the step, ``fold`` after it, which adds the angles into device buffers (``dev_sums``,
-``dev_count``) when the step's status (a device tensor) says it counted; nothing is read on the host
+``dev_defined``, ``dev_count``) when the step's status (a device tensor) says it counted; nothing is read on the host
 until ``epoch_logs``, once per epoch. The runner replays the measured steps through a captured
 single-step graph that holds the probe (unmeasured steps keep their graphs), so steps stay captured.
 Inside a captured graph the CUDA random-number state is not forked (a capture cannot read it): a
