@@ -6,6 +6,7 @@ path's numbers. CUDA-only tests (graph capture) skip without a GPU."""
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 from torchloom import Dense, DFAConfig, Network, SignSymmetryConfig, TrainingConfig, train
 from torchloom.engine.cuda_path import CudaRunner
 from torchloom.engine.train import make_trainer
-from torchloom.kernels._triton import triton_available
+from torchloom.kernels._triton import interpreter_enabled, triton_available
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -129,6 +130,46 @@ def test_device_probe_counts_only_steps_that_counted():
     want = ((angles[0] + angles[2]) / 2).tolist()
     assert list(probe.epoch_logs().values()) == pytest.approx(want, rel=1e-15)
     assert float(probe.dev_count) == 0.0 and all(np.isnan(list(probe.epoch_logs().values())))
+
+
+@pytest.mark.skipif(not (triton_available() and interpreter_enabled()), reason="the fused backward through Triton's interpreter")
+@pytest.mark.parametrize("rule", ["sign_symmetry", "dfa", "feedback_alignment", "fast_proxy"])
+def test_fused_device_run_logs_the_host_paths_angles_at_batch_4(rule):
+    """Issue 35: at batch 4 under softmax cross-entropy, sign symmetry's error below a layer whose
+    every unit sends back through one-signed weights cancels exactly (``s · Σ_c ∂loss/∂z_c = 0``),
+    leaving a direction of float32 rounding (~1e-8) whose angle depended on the kernel's sum order
+    (host 60.8° vs fused 62.0°, or NaN vs a number). Such steps measure nothing for those layers;
+    the epoch's angles of the fused device run (Triton's interpreter) then equal the host path's,
+    and the other steps still give each epoch a value."""
+    g = torch.Generator().manual_seed(2)
+    xs, ys = torch.randn(83, 6, generator=g), torch.randint(0, 3, (83,), generator=g)
+    data = [(xs[i : i + 4], ys[i : i + 4]) for i in range(0, 83, 4)]
+    cfg = lambda: TrainingConfig(method=copy.deepcopy(RULES[rule]), loss_type="cross_entropy", epochs=1, verbose=0,  # noqa: E731
+                                 learning_rate=0.1, alignment_every=5)
+    host = train(_net(device="cpu"), data, cfg())
+    trainer = make_trainer(_net(device="cpu"), cfg())
+    trainer.kernel_backend = "triton"
+    trainer._runner = CudaRunner(trainer)
+    dev = trainer.fit(data, 1)
+    for i in range(3):
+        key = f"alignment_bp/{i}"
+        assert np.isfinite(host.history[key]).all(), (key, host.history[key])
+        np.testing.assert_allclose(dev.history[key], host.history[key], rtol=1e-4, atol=1e-3)
+
+
+def test_a_direction_of_rounding_noise_measures_nothing_and_a_small_real_one_does():
+    """The probe's rounding-noise test (``_rounding_noise``) on gains ``‖d‖ / ‖∇‖`` per layer: a
+    deep feedback-alignment-like chain whose gain drops 10× per layer is kept; a gain 1e-7 of the
+    layer above's (and any layer below it whose gain is of the same order) is noise; a zero ∇
+    (infinite or NaN gain) does not reset the reference."""
+    from torchloom.engine.alignment import _rounding_noise
+
+    gains = torch.tensor([1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0], dtype=torch.float64)
+    assert not _rounding_noise(gains).any()
+    gains = torch.tensor([3e-8, 2e-8, 0.3, 1e-7, 0.4, 1.0], dtype=torch.float64)
+    assert _rounding_noise(gains).tolist() == [True, True, False, True, False, False]
+    gains = torch.tensor([1e-9, math.inf, math.nan, 0.5, 1.0], dtype=torch.float64)
+    assert _rounding_noise(gains).tolist() == [True, False, False, False, False]
 
 
 @pytest.mark.skipif(not CUDA, reason="graph capture needs CUDA")

@@ -13,10 +13,15 @@ batch's). It compares ``∇`` with the method's **update direction** ``d``:
 
 For each layer with trainable parameters (all of them flattened together), the angle
 ``arccos(⟨d, ∇⟩ / (‖d‖‖∇‖))`` in degrees: 0 = backprop's direction, 90 = orthogonal (no first-order
-progress), above 90 = uphill. The epoch log gets ``alignment_bp/<i>`` (``i``: the layer's index in the
-network) = the mean over the epoch's measured steps (NaN for an epoch with none, or a layer whose
-``d`` or ``∇`` is zero), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line
-at verbose 2. The angles stay device tensors until the epoch's end (one host read per epoch).
+progress), above 90 = uphill. A layer whose ``d`` or ``∇`` is zero has no angle at that step; so has
+a layer whose rule direction is zero up to rounding: its gain ``‖d‖/‖∇‖`` at most ``NOISE_GAIN``
+(2⁻¹³) times that of the nearest layer above with a direction. (Sign symmetry under softmax
+cross-entropy sends back exactly zero through a unit whose outgoing weights share one sign; what is
+left is float32 rounding, whose direction depends on the order of the sums, host, Triton and cuBLAS
+each their own: issue 35.) The epoch log gets ``alignment_bp/<i>`` (``i``: the layer's index in the
+network) = the mean over the epoch's measured steps at which layer ``i`` has an angle (NaN when
+none), hence ``History``, ``CSVLogger``, ``TensorBoardLogger`` and the epoch line at verbose 2. The
+angles stay device tensors until the epoch's end (one host read per epoch).
 
 The probe's forwards run under a forked random-number state and the model's buffers (a BatchNorm's
 running statistics) are put back after them, so a run with alignment diagnostics trains exactly as
@@ -24,7 +29,7 @@ one without (shuffling, dropout, running statistics).
 
 On the CUDA device path (``cuda_path.py``) the same measurement is device ops only: ``measure``
 before the step, ``fold`` after it, which adds the angles into device buffers (``dev_sums``,
-``dev_count``) when the step's status (a device tensor) says it counted; nothing is read on the host
+``dev_defined``, ``dev_count``) when the step's status (a device tensor) says it counted; nothing is read on the host
 until ``epoch_logs``, once per epoch. The runner replays the measured steps through a captured
 single-step graph that holds the probe (unmeasured steps keep their graphs), so steps stay captured.
 Inside a captured graph the CUDA random-number state is not forked (a capture cannot read it): a
@@ -52,6 +57,30 @@ def angle_degrees(a: Tensor, b: Tensor) -> Tensor:
     return torch.rad2deg(torch.acos(cos.clamp(-1.0, 1.0)))
 
 
+NOISE_GAIN = 2.0**-13
+"""A layer whose gain (``‖d‖ / ‖∇‖``) is at most this times the gain of the nearest layer above it
+that carries a direction has a direction that is zero up to rounding (see ``_rounding_noise``)."""
+
+
+def _rounding_noise(gains: Tensor) -> Tensor:
+    """Which layers' directions are zero up to rounding, from each layer's gain ``‖d‖ / ‖∇‖``
+    (``[layers]``, network order): a gain at most ``NOISE_GAIN`` times that of the nearest layer
+    above with a direction (the top layer: none above). A rule's direction can cancel exactly (sign
+    symmetry under softmax cross-entropy: a unit whose outgoing weights all have one sign sends back
+    ``s · Σ_c ∂loss/∂z_c = 0``), and what is left is float32 rounding (about 1e-7 of a gain), whose
+    direction depends on the order of the sums (host, Triton and cuBLAS differ): its angle is no
+    measurement. A legitimate gain drops by the rule's feedback scale per layer at most (0.1 for
+    feedback alignment's default), far above ``NOISE_GAIN``. Device ops only (no host read)."""
+    noise = torch.zeros_like(gains, dtype=torch.bool)
+    ref = gains[-1]
+    for i in range(gains.numel() - 2, -1, -1):
+        small = gains[i] <= NOISE_GAIN * ref
+        noise[i] = small
+        real = ~small & torch.isfinite(gains[i]) & (gains[i] > 0)  # (a zero ∇ or d: NaN anyway)
+        ref = torch.where(real, gains[i], ref)
+    return noise
+
+
 class AlignmentProbe:
     """Measures, every ``every`` steps, the angle per layer between a trainer's method's update
     direction and the exact gradient (see the module docstring)."""
@@ -72,18 +101,22 @@ class AlignmentProbe:
         self.reset()
 
     def reset(self) -> None:
-        self.sums: Tensor | None = None
+        self.sums: Tensor | None = None  # per layer: the sum of the defined angles and their number
+        self.defined: Tensor | None = None
         self.count = 0
         self._pending: tuple[list[Tensor], list[Tensor] | None, list[Tensor] | None] | None = None
         if self.__dict__.get("dev_sums") is not None:  # in place: captured graphs hold these buffers
             self.dev_sums.zero_()
+            self.dev_defined.zero_()
             self.dev_count.zero_()
 
     def device_buffers(self, device: torch.device) -> None:
         """The device path's accumulators (made once, before any capture): the sums of the counted
-        steps' angles per layer (``dev_sums [layers]``, float64) and their number (``dev_count``)."""
+        steps' defined angles per layer (``dev_sums [layers]``, float64), their number per layer
+        (``dev_defined [layers]``) and the number of counted steps (``dev_count``)."""
         if self.__dict__.get("dev_sums") is None:
             self.dev_sums = torch.zeros(len(self.layers), dtype=torch.float64, device=device)
+            self.dev_defined = torch.zeros(len(self.layers), dtype=torch.float64, device=device)
             self.dev_count = torch.zeros((), dtype=torch.float64, device=device)
 
     def due(self, step: int) -> bool:
@@ -129,20 +162,29 @@ class AlignmentProbe:
         if pending is None or not counted:
             return
         values = self._angles(pending)
+        defined = ~torch.isnan(values)
+        values = torch.where(defined, values, 0.0)
         self.sums = values if self.sums is None else self.sums + values
+        self.defined = defined.double() if self.defined is None else self.defined + defined
         self.count += 1
 
     def _angles(self, pending: tuple[list[Tensor], list[Tensor] | None, list[Tensor] | None]) -> Tensor:
         """The angles per layer ``[layers]`` (float64, on the device) of a measurement after its step."""
         exact, direction, weights = pending
+        rule = direction is not None  # a rule's gradient (update_direction), not an applied change
         if direction is None:
             direction = [w - p.detach() for w, p in zip(weights, self.trainable)]
-        angles = []
+        angles, gains = [], []
         for _, pos in self.layers:
             d = torch.cat([direction[k].reshape(-1) for k in pos])
-            g = torch.cat([exact[k].reshape(-1) for k in pos])
-            angles.append(angle_degrees(d, g.to(d.device)))
-        return torch.stack(angles)
+            g = torch.cat([exact[k].reshape(-1) for k in pos]).to(d.device)
+            angles.append(angle_degrees(d, g))
+            if rule:
+                gains.append(d.double().norm() / g.double().norm())
+        angles = torch.stack(angles)
+        if rule:
+            angles = torch.where(_rounding_noise(torch.stack(gains)), math.nan, angles)
+        return angles
 
     # ------------------------------------------------------------ the device path (cuda_path.py)
     def measure(self, x: Tensor, y: Tensor) -> None:
@@ -152,30 +194,30 @@ class AlignmentProbe:
 
     @torch.no_grad()
     def fold(self, status: Tensor) -> None:
-        """After the device step ``measure`` preceded: its angles added into ``dev_sums`` and one into
-        ``dev_count`` when ``status`` (the step's 0-d device status) is 0, nothing otherwise; no host
-        read."""
+        """After the device step ``measure`` preceded: when ``status`` (the step's 0-d device status) is
+        0, its defined angles added into ``dev_sums`` (one into ``dev_defined`` for each) and one into
+        ``dev_count``; nothing otherwise; no host read."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         ok = status == 0
-        self.dev_sums.add_(torch.where(ok, self._angles(pending), 0.0))
+        angles = self._angles(pending)
+        defined = ok & ~torch.isnan(angles)
+        self.dev_sums.add_(torch.where(defined, angles, 0.0))
+        self.dev_defined.add_(defined)
         self.dev_count.add_(ok)
 
     def epoch_logs(self) -> dict[str, float]:
-        """``{"alignment_bp/<i>": mean angle}`` of the epoch's measured steps (NaN when none), then
-        cleared for the next epoch (the epoch's one host read)."""
-        sums, count = self.sums, float(self.count)
+        """``{"alignment_bp/<i>": mean angle}`` over the epoch's measured steps at which layer ``i``'s
+        angle is defined (NaN when none), then cleared for the next epoch (the epoch's one host read)."""
+        n = len(self.layers)
+        sums = self.sums.cpu() if self.sums is not None else torch.zeros(n, dtype=torch.float64)
+        defined = self.defined.cpu() if self.defined is not None else torch.zeros(n, dtype=torch.float64)
         if self.__dict__.get("dev_sums") is not None:  # the device path's: one read
-            host = torch.cat([self.dev_sums, self.dev_count.reshape(1)]).tolist()
-            if host[-1]:
-                dev = torch.tensor(host[:-1], dtype=torch.float64)
-                sums = dev if sums is None else sums.cpu() + dev
-                count += host[-1]
-        if sums is None or count == 0:
-            values = [math.nan] * len(self.layers)
-        else:
-            values = (sums / count).tolist()
+            host = torch.cat([self.dev_sums, self.dev_defined]).tolist()
+            sums = sums + torch.tensor(host[:n], dtype=torch.float64)
+            defined = defined + torch.tensor(host[n:], dtype=torch.float64)
+        values = torch.where(defined > 0, sums / defined.clamp_min(1.0), math.nan).tolist()
         logs = {key: float(v) for (key, _), v in zip(self.layers, values)}
         self.reset()
         return logs
