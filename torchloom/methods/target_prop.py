@@ -27,6 +27,7 @@ from .target_prop_rules import (
     check_target,
     estimate_input_target,
     layer_sums,
+    mode_output_target,
     output_target,
     target_loss,
     target_prop_backward,
@@ -140,7 +141,7 @@ class TargetProp(Method):
             for i, layer in enumerate(self.model.layers):
                 events.forward(i, layer, state.forward_acts[i + 1])
         labels = y if y.dtype == torch.long else None
-        target = output_target(out, y, self.loss)
+        target = mode_output_target(self.config, out, y, self.loss)
         stats = [target_loss(out, y, self.loss)]
         if labels is not None:
             stats.append((out.argmax(-1) == labels).double().mean())
@@ -276,7 +277,7 @@ class TargetProp(Method):
         out = target_prop_forward(model, st, x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None
-        target = output_target(out, y, self.loss)
+        target = mode_output_target(self.config, out, y, self.loss)
         loss = target_loss(out, y, self.loss)
         _fill_backward(model, st, target, input_target=False)
         directions = [d for ds in st.weight_gradients if ds for d in ds]

@@ -69,7 +69,7 @@ from torch import Tensor
 from ..engine.losses import as_float_target, label_bounds, mse_to_target
 from .._settings import python_numbers, settings
 from ..layers.attention import MultiHeadAttention
-from ..layers.base import Layer
+from ..layers.base import Layer, autocast_off
 from ..layers.dense import Dense
 from ..layers.lstm import LSTM
 from ..layers.network import Network
@@ -394,6 +394,20 @@ def output_target(output: Tensor, target: Tensor, loss_type: str = "mse") -> Ten
     return t
 
 
+def _work(t: Tensor) -> Tensor:
+    """``t`` in pure mode's working precision: a bfloat16 / float16 tensor as float32, any other as it is
+    (the same tensor: float32 and float64 runs are untouched)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def mode_output_target(config: "TargetPropConfig", output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """``output_target`` as ``config``'s mode uses it: pure mode forms it from a float32 copy of a
+    half-precision output (under ``precision="bf16-mixed"`` the output is bfloat16, and its
+    cross-entropy target ``y + p − softmax(y)`` rounded to bfloat16 would lose most of the gap
+    ``t − y``: bfloat16 keeps 8 significant bits); chain-rule mode uses the output as it is."""
+    return output_target(output if config.use_chain_rule else _work(output), target, loss_type)
+
+
 def target_loss(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
     """The loss TargetProp reports, a 0-d float64 tensor: ``mean((y − t)²)`` for ``"mse"`` (the
     ``"mse"`` loss of every method), the mean softmax cross-entropy for ``"cross_entropy"``."""
@@ -419,7 +433,7 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
         raise RuntimeError("target_prop_backward: run target_prop_forward(model, state, x) first")
     acts = state.forward_acts
     check_target(tuple(acts[n].shape), target, "target_prop_backward")
-    _fill_backward(model, state, output_target(acts[n], target, state.config.loss_type or "mse"))
+    _fill_backward(model, state, mode_output_target(state.config, acts[n], target, state.config.loss_type or "mse"))
 
 
 def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input_target: bool = True) -> None:
@@ -443,12 +457,16 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input
             grads[i] = g
             targets[i] = acts[i] + scale * g
     else:
+        # targets, gaps and delta-rule directions in float32 at least, with autocast off: under bf16-mixed
+        # the activations are bfloat16, and a hidden gap (an estimate divided by Σ|W|) rounded to 8 bits,
+        # or a target a + gap rounded before the gap is taken back out of it, loses the step's signal
         difference = state.config.pure_targets == "difference"
-        for i in range(n - 1, -1, -1):
-            layer, t_out = model.layers[i], targets[i + 1]
-            weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
-            if input_target or i > 0:
-                targets[i] = estimate_input_target(layer, t_out, acts[i], acts[i + 1] if difference else None)
+        with autocast_off(target.device.type):
+            for i in range(n - 1, -1, -1):
+                layer, t_out = model.layers[i], targets[i + 1]
+                weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
+                if input_target or i > 0:
+                    targets[i] = estimate_input_target(layer, t_out, acts[i], acts[i + 1] if difference else None)
     state.backward_targets, state.gradients, state.weight_gradients = targets, grads, weight_grads
 
 
@@ -459,6 +477,7 @@ def _weighted_estimate(target: Tensor, weight: Tensor, abs_weight_sum: Tensor) -
     """``est[..., j] = Σ_o weight[o, j]·target[..., o] / abs_weight_sum[j]`` where that sum > 0.01, else 0.
 
     ``target [..., out]``, ``weight [out, in]``, ``abs_weight_sum [in]`` → ``[..., in]``."""
+    weight, abs_weight_sum = weight.to(target.dtype), abs_weight_sum.to(target.dtype)  # no-ops unless a half model
     num = torch.matmul(target, weight)
     connected = abs_weight_sum > _MIN_CONNECTION
     return torch.where(connected, num / torch.where(connected, abs_weight_sum, 1.0), 0.0)
@@ -510,12 +529,14 @@ def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor, lay
     (module docstring): ``est(target)`` (Loom's rule) without ``layer_output``; with it, difference
     target propagation (Lee et al. 2015), ``layer_input + est(target − layer_output)``: ``est`` is
     linear, so the estimate's error on the layer's own output cancels. Any other layer:
-    ``layer_input`` itself (Loom's fallback: no gap below it)."""
+    ``layer_input`` itself (Loom's fallback: no gap below it). Computed in float32 at least: a
+    bfloat16 / float16 input's target is float32 (a float32 or float64 one keeps its dtype)."""
     for cls in type(layer).__mro__:  # subclasses of Dense & co. inherit their estimate
         if cls in _ESTIMATORS:
+            x = _work(layer_input)
             if layer_output is None:
-                return _ESTIMATORS[cls](layer, target).to(layer_input.dtype)
-            return layer_input + _ESTIMATORS[cls](layer, target - layer_output).to(layer_input.dtype)
+                return _ESTIMATORS[cls](layer, _work(target)).to(x.dtype)
+            return x + _ESTIMATORS[cls](layer, _work(target) - _work(layer_output)).to(x.dtype)
     return layer_input
 
 
@@ -527,11 +548,12 @@ def _pure_direction(layer: Layer, x: Tensor, out: Tensor, target: Tensor, saved:
     gap, i.e. the negated gradient of the local loss ½‖target − out‖². No parameters: ``()``."""
     if not any(True for _ in layer.parameters()):
         return ()
-    gap = target - out
-    if isinstance(layer, Dense):
-        g2 = gap.reshape(-1, layer.out_features)
-        delta_w = torch.mm(g2.t(), x.reshape(-1, layer.in_features))
-        return (delta_w,) if layer.bias is None else (delta_w, g2.sum(0))
+    if isinstance(layer, Dense):  # in float32 at least (a half-precision activation is read as float32)
+        g2 = (_work(target) - _work(out)).reshape(-1, layer.out_features)
+        w = layer.weight
+        delta_w = torch.mm(g2.t(), _work(x).reshape(-1, layer.in_features).to(g2.dtype)).to(w.dtype)
+        return (delta_w,) if layer.bias is None else (delta_w, g2.sum(0).to(layer.bias.dtype))
+    gap = (target - out).to(out.dtype)
     _, directions = layer.backward_saved(gap, saved, needs_input_grad=False)
     return tuple(directions)
 
