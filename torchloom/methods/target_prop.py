@@ -28,7 +28,6 @@ from .target_prop_rules import (
     estimate_input_target,
     layer_sums,
     mode_output_target,
-    output_target,
     target_loss,
     target_prop_backward,
     target_prop_forward,
