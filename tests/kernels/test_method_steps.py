@@ -229,7 +229,7 @@ def test_fused_pure_target_prop_without_biases_and_with_a_dead_input_unit():
 
 @pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 17), (16, 33, 70), (17, 33, 5), (300, 65, 40)])  # ≤ 16 rows: product in-kernel
 def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
-    from torchloom.methods import target_prop_rules as tp
+    from torchloom.methods import target_prop_pure as tp
 
     ms = _ms()
     assert ms.MIN_CONNECTION == tp._MIN_CONNECTION
@@ -267,7 +267,7 @@ def test_target_rows_tp_cross_entropy_is_the_softmax_gap():
 
 @pytest.mark.parametrize("shape", [(3, 7, 17), (300, 65, 40)])
 def test_estimate_gap_difference_estimates_the_gap(shape):
-    from torchloom.methods import target_prop_rules as tp
+    from torchloom.methods import target_prop_pure as tp
 
     ms = _ms()
     g = torch.Generator().manual_seed(shape[0])
