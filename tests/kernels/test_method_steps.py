@@ -229,7 +229,7 @@ def test_fused_pure_target_prop_without_biases_and_with_a_dead_input_unit():
 
 @pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 17), (16, 33, 70), (17, 33, 5), (300, 65, 40)])  # ≤ 16 rows: product in-kernel
 def test_estimate_gap_matches_the_trainers_weighted_estimate(shape):
-    from torchloom.methods import target_prop_rules as tp
+    from torchloom.methods import target_prop_pure as tp
 
     ms = _ms()
     assert ms.MIN_CONNECTION == tp._MIN_CONNECTION
@@ -267,7 +267,7 @@ def test_target_rows_tp_cross_entropy_is_the_softmax_gap():
 
 @pytest.mark.parametrize("shape", [(3, 7, 17), (300, 65, 40)])
 def test_estimate_gap_difference_estimates_the_gap(shape):
-    from torchloom.methods import target_prop_rules as tp
+    from torchloom.methods import target_prop_pure as tp
 
     ms = _ms()
     g = torch.Generator().manual_seed(shape[0])
@@ -384,9 +384,10 @@ def test_fused_step_with_a_frozen_parameter_equals_the_torch_op_step():
 
 @pytest.mark.parametrize("pure_targets", ["difference", "loom"])
 def test_fused_pure_target_prop_step_runs_under_bf16_autocast(pure_targets):
-    """Under ``precision="bf16-mixed"`` the activations are bfloat16 and the weights float32: the fused
-    pure step reads them in float32 (a Triton dot of bf16 and fp32 operands does not compile) and
-    stays close to the torch-op step."""
+    """Under ``precision="bf16-mixed"`` the activations are bfloat16 and the weights float32: both steps
+    form the targets, gaps and directions from them in float32 with autocast off (a Triton dot of bf16
+    and fp32 operands does not compile; a bf16 estimate loses the gap), so they agree to float32
+    rounding: the forward's bf16 products are the same on both."""
     cfg = lambda: TrainingConfig(  # noqa: E731
         method=TargetPropConfig(mode="pure", pure_targets=pure_targets, learning_rate=0.02, gate_threshold=0.3),
         epochs=2, verbose=0, loss_type="cross_entropy", precision="bf16-mixed",
@@ -395,10 +396,9 @@ def test_fused_pure_target_prop_step_runs_under_bf16_autocast(pure_targets):
     ra, ta = _run(_net(), data, cfg(), "reference")
     rb, tb = _run(_net(), data, cfg(), "triton" if DEVICE == "cpu" else None)
     assert ta._fused is None and tb._fused is not None
-    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=2e-2)
-    moved = max(float((p - q).abs().max()) for p, q in zip(ta.model.parameters(), _net().parameters()))
-    for p, q in zip(tb.model.parameters(), ta.model.parameters()):  # bf16 rounding, far below the steps taken
-        assert float((p - q).abs().max()) <= 0.05 * moved
+    np.testing.assert_allclose(rb.loss_history, ra.loss_history, rtol=1e-4)
+    for p, q in zip(tb.model.parameters(), ta.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
 def test_stats_into_writes_into_out_and_checks_it():

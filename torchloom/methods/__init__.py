@@ -3,7 +3,7 @@
 | name | module | rule |
 |---|---|---|
 | ``"backprop"`` | ``backprop.py`` | exact gradients through the hand-written backward, any optimizer |
-| ``"target_prop"`` | ``target_prop.py`` (the method), ``target_prop_rules.py`` (settings, state, Loom's functional API) | Loom's target propagation: chain-rule or pure (derivative-free) targets, link budgets, gates, depth-scaled momentum |
+| ``"target_prop"`` | ``target_prop.py`` (the method), ``target_prop_rules.py`` (settings, state, Loom's functional API), ``target_prop_pure.py`` (pure mode's estimates) | Loom's target propagation: chain-rule or pure (derivative-free) targets, link budgets, gates, depth-scaled momentum |
 | ``"tween"`` | ``tween.py`` (the method), ``tween_rules.py`` (settings, ``TweenState``), ``explosion.py`` | Loom's Neural Tweening: gaps, link budgets, alignments, explosion detection and recovery |
 | ``"feedback_alignment"`` | ``feedback_alignment.py`` | fixed random feedback ``B_l`` in place of ``W_lᵀ`` (Lillicrap et al. 2016) |
 | ``"dfa"`` | ``dfa.py`` | the output error sent straight to every hidden layer through fixed random ``B_l`` (Nøkland 2016) |

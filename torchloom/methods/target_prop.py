@@ -14,7 +14,7 @@ from torch import Tensor
 from ..engine.guards import finite_flag
 from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
-from ..layers.base import column_sum
+from ..layers.base import autocast_off, column_sum
 from ._fused import FlatLayout, FusedStep, into_views
 from .target_prop_rules import (
     LOSSES,
@@ -27,7 +27,7 @@ from .target_prop_rules import (
     check_target,
     estimate_input_target,
     layer_sums,
-    output_target,
+    mode_output_target,
     target_loss,
     target_prop_backward,
     target_prop_forward,
@@ -140,7 +140,7 @@ class TargetProp(Method):
             for i, layer in enumerate(self.model.layers):
                 events.forward(i, layer, state.forward_acts[i + 1])
         labels = y if y.dtype == torch.long else None
-        target = output_target(out, y, self.loss)
+        target = mode_output_target(self.config, out, y, self.loss)
         stats = [target_loss(out, y, self.loss)]
         if labels is not None:
             stats.append((out.argmax(-1) == labels).double().mean())
@@ -276,7 +276,7 @@ class TargetProp(Method):
         out = target_prop_forward(model, st, x)
         self.observe_outputs(out, y)  # training metrics, if any (their steps are not graph-captured)
         labels = y if y.dtype == torch.long else None
-        target = output_target(out, y, self.loss)
+        target = mode_output_target(self.config, out, y, self.loss)
         loss = target_loss(out, y, self.loss)
         _fill_backward(model, st, target, input_target=False)
         directions = [d for ds in st.weight_gradients if ds for d in ds]
@@ -353,18 +353,25 @@ class _FusedTargetProp(FusedStep):
         layer's input target (``estimate_gap``: ``est(v) = v W / Σ|W|`` per input unit, of the gap above
         with ``pure_targets="difference"``, of the target above with ``"loom"``). Returns the targets
         at each layer's output ([0] None: the input's target is never used)."""
-        from ..kernels import dense_small
-        from ..kernels.method_steps import estimate_gap
-
-        layers = self.t.model.layers
         difference = self.t.config.pure_targets == "difference"
         # under bf16 autocast the activations are bfloat16: the delta rule and the estimates read them in
-        # float32, like the float32 weights and the flat direction buffer they meet
+        # float32, like the float32 weights and the flat direction buffer they meet, with autocast off
+        # (estimate_gap's product t_out W would otherwise run, and store the targets, in bfloat16)
         gap = gap.float()
         acts = [a if a.dtype == torch.float32 else a.float() for a in acts]
         backend = getattr(self.t, "kernel_backend", None)
         targets: list[Tensor | None] = [None] * (self.n + 1)
         targets[self.n] = target
+        with autocast_off(gap.device.type):
+            self._pure_layers(gap, targets, acts, difference, backend)
+        return targets
+
+    def _pure_layers(self, gap: Tensor, targets: list[Tensor | None], acts: list[Tensor], difference: bool, backend: Any) -> None:
+        """``pure_into_flat``'s loop over the layers, last first (fills ``targets[1:n]``)."""
+        from ..kernels import dense_small
+        from ..kernels.method_steps import estimate_gap
+
+        layers = self.t.model.layers
         for i in range(self.n - 1, -1, -1):
             views, w = self.views[i], layers[i].weight  # w: [out, in]
             if gap.shape[0] <= dense_small.SMALL_BATCH_MAX:  # dW and db in one launch (a linear "activation")
@@ -377,7 +384,6 @@ class _FusedTargetProp(FusedStep):
             self.layer_written(i)
             if i > 0:
                 targets[i], gap = estimate_gap(gap if difference else targets[i + 1], w, acts[i], difference)
-        return targets
 
     def step(self, x: Tensor, y: Tensor, slot: int, runner: Any) -> None:
         from ..kernels.grad_norm import grad_sq_partials
@@ -387,7 +393,8 @@ class _FusedTargetProp(FusedStep):
         backend = getattr(t, "kernel_backend", None)
         out = target_prop_forward(t.model, st, x)
         t.observe_outputs(out, y)
-        loss_rows, g, target, _, correct = target_rows(out, y, TP_CE if t.loss == "cross_entropy" else TP)
+        # pure mode: the output's gap and target from a float32 copy of a bfloat16 output (as the host step)
+        loss_rows, g, target, _, correct = target_rows(out if cfg.use_chain_rule else out.float(), y, TP_CE if t.loss == "cross_entropy" else TP)
         acts = st.forward_acts
         st.weight_gradients = list(self.views)
         if cfg.use_chain_rule:

@@ -50,6 +50,12 @@ The rules, for a ``Network`` of ``L`` layers, activations ``a_0 = x, a_1 … a_L
 With ``momentum=0``, ``gate_threshold=0``, ``depth_scale_factor=1`` and every budget 1, chain-rule mode
 is exactly SGD with rate ``lr`` on ½Σ(y−t)² (the tests check this against autograd).
 
+Pure mode's estimates and delta-rule directions are in ``target_prop_pure.py``. They are formed in
+float32 at least, with autocast off: under ``precision="bf16-mixed"`` the bfloat16 activations (and the
+output, for its target) are read as float32, so a hidden gap, an estimate divided by a column sum of
+``|W|``, is not rounded to 8 bits (that cost 13 points on Fashion-MNIST at batch 32). Float32 and
+float64 runs are unchanged.
+
 Departures from Loom's code (docs/PARITY.md): pure-mode estimates and updates index ``[out, in]``
 weights correctly and use every batch row (Loom reads them as ``[in, out]`` and uses the first
 sample); ``depth_scale_factor`` is applied (Loom never reads it); the gate threshold is a setting
@@ -68,12 +74,9 @@ from torch import Tensor
 
 from ..engine.losses import as_float_target, label_bounds, mse_to_target
 from .._settings import python_numbers, settings
-from ..layers.attention import MultiHeadAttention
-from ..layers.base import Layer
-from ..layers.dense import Dense
-from ..layers.lstm import LSTM
+from ..layers.base import autocast_off
 from ..layers.network import Network
-from ..layers.rnn import RNN
+from .target_prop_pure import _pure_direction, _work, estimate_input_target
 
 __all__ = [
     "MODES",
@@ -96,10 +99,6 @@ MODES = ("chain_rule", "pure")
 REDUCTIONS = ("mean", "sum")
 PURE_TARGETS = ("difference", "loom")  # pure mode's input targets: a_i + est(gap) (default) | est(t) (Loom's)
 LOSSES = ("mse", "cross_entropy")  # the losses TargetProp can train on (the output target of each: output_target)
-
-# Below this total |weight| into an input unit, the pure-mode estimate leaves that unit's target at 0
-# (Loom: "only assign target if enough weight connects this neuron").
-_MIN_CONNECTION = 0.01
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -394,6 +393,14 @@ def output_target(output: Tensor, target: Tensor, loss_type: str = "mse") -> Ten
     return t
 
 
+def mode_output_target(config: "TargetPropConfig", output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
+    """``output_target`` as ``config``'s mode uses it: pure mode forms it from a float32 copy of a
+    half-precision output (under ``precision="bf16-mixed"`` the output is bfloat16, and its
+    cross-entropy target ``y + p − softmax(y)`` rounded to bfloat16 would lose most of the gap
+    ``t − y``: bfloat16 keeps 8 significant bits); chain-rule mode uses the output as it is."""
+    return output_target(output if config.use_chain_rule else _work(output), target, loss_type)
+
+
 def target_loss(output: Tensor, target: Tensor, loss_type: str = "mse") -> Tensor:
     """The loss TargetProp reports, a 0-d float64 tensor: ``mean((y − t)²)`` for ``"mse"`` (the
     ``"mse"`` loss of every method), the mean softmax cross-entropy for ``"cross_entropy"``."""
@@ -419,7 +426,7 @@ def target_prop_backward(model: Network, state: TargetPropState, target: Tensor)
         raise RuntimeError("target_prop_backward: run target_prop_forward(model, state, x) first")
     acts = state.forward_acts
     check_target(tuple(acts[n].shape), target, "target_prop_backward")
-    _fill_backward(model, state, output_target(acts[n], target, state.config.loss_type or "mse"))
+    _fill_backward(model, state, mode_output_target(state.config, acts[n], target, state.config.loss_type or "mse"))
 
 
 def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input_target: bool = True) -> None:
@@ -443,97 +450,17 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input
             grads[i] = g
             targets[i] = acts[i] + scale * g
     else:
+        # targets, gaps and delta-rule directions in float32 at least, with autocast off: under bf16-mixed
+        # the activations are bfloat16, and a hidden gap (an estimate divided by Σ|W|) rounded to 8 bits,
+        # or a target a + gap rounded before the gap is taken back out of it, loses the step's signal
         difference = state.config.pure_targets == "difference"
-        for i in range(n - 1, -1, -1):
-            layer, t_out = model.layers[i], targets[i + 1]
-            weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
-            if input_target or i > 0:
-                targets[i] = estimate_input_target(layer, t_out, acts[i], acts[i + 1] if difference else None)
+        with autocast_off(target.device.type):
+            for i in range(n - 1, -1, -1):
+                layer, t_out = model.layers[i], targets[i + 1]
+                weight_grads[i] = _pure_direction(layer, acts[i], acts[i + 1], t_out, state.saved[i])
+                if input_target or i > 0:
+                    targets[i] = estimate_input_target(layer, t_out, acts[i], acts[i + 1] if difference else None)
     state.backward_targets, state.gradients, state.weight_gradients = targets, grads, weight_grads
-
-
-# ---- pure mode: weight-based estimates --------------------------------------------------------
-
-
-def _weighted_estimate(target: Tensor, weight: Tensor, abs_weight_sum: Tensor) -> Tensor:
-    """``est[..., j] = Σ_o weight[o, j]·target[..., o] / abs_weight_sum[j]`` where that sum > 0.01, else 0.
-
-    ``target [..., out]``, ``weight [out, in]``, ``abs_weight_sum [in]`` → ``[..., in]``."""
-    num = torch.matmul(target, weight)
-    connected = abs_weight_sum > _MIN_CONNECTION
-    return torch.where(connected, num / torch.where(connected, abs_weight_sum, 1.0), 0.0)
-
-
-def _dense_estimate(layer: Dense, target: Tensor) -> Tensor:
-    w = layer.weight  # [out, in]
-    return _weighted_estimate(target, w, w.abs().sum(0))
-
-
-def _rnn_estimate(layer: RNN, target: Tensor) -> Tensor:
-    w = layer.weight_ih  # [H, I]; target [B, T, H] → [B, T, I], each time step on its own
-    return _weighted_estimate(target, w, w.abs().sum(0))
-
-
-def _lstm_estimate(layer: LSTM, target: Tensor) -> Tensor:
-    # weight_ih [4H, I]: each gate's block maps the input to H units; all four are read against the
-    # same hidden target, so numerator and denominator sum over gates and units.
-    w = layer.weight_ih.view(4, layer.hidden_size, layer.input_size)
-    return _weighted_estimate(target, w.sum(0), w.abs().sum((0, 1)))
-
-
-def _mha_estimate(layer: MultiHeadAttention, target: Tensor) -> Tensor:
-    # Back through the output projection to the attention context [B, S, d], then through the value
-    # projection as the query heads see it: kv head k serves query heads k·g … k·g+g−1, so its rows
-    # are repeated g times (the effective [d, d] map from the input to the context).
-    o_w = layer.o_weight  # [d, d]
-    context = _weighted_estimate(target, o_w, o_w.abs().sum(0))
-    v_w = layer.v_weight  # [kv_dim, d]
-    group = layer.num_heads // layer.num_kv_heads
-    if group > 1:
-        head_dim = v_w.shape[0] // layer.num_kv_heads
-        v_w = v_w.view(layer.num_kv_heads, head_dim, -1).repeat_interleave(group, dim=0).reshape(-1, v_w.shape[1])
-    return _weighted_estimate(context, v_w, v_w.abs().sum(0))
-
-
-_ESTIMATORS: dict[type, Callable[[Any, Tensor], Tensor]] = {
-    Dense: _dense_estimate,
-    RNN: _rnn_estimate,
-    LSTM: _lstm_estimate,
-    MultiHeadAttention: _mha_estimate,
-}
-
-
-@torch.no_grad()
-def estimate_input_target(layer: Layer, target: Tensor, layer_input: Tensor, layer_output: Tensor | None = None) -> Tensor:
-    """Pure-mode target for ``layer``'s input ``[B, ..., in]`` from the ``target`` of its output
-    ``[B, ..., out]``, with ``est`` the weight-based estimate of Dense / RNN / LSTM / MultiHeadAttention
-    (module docstring): ``est(target)`` (Loom's rule) without ``layer_output``; with it, difference
-    target propagation (Lee et al. 2015), ``layer_input + est(target − layer_output)``: ``est`` is
-    linear, so the estimate's error on the layer's own output cancels. Any other layer:
-    ``layer_input`` itself (Loom's fallback: no gap below it)."""
-    for cls in type(layer).__mro__:  # subclasses of Dense & co. inherit their estimate
-        if cls in _ESTIMATORS:
-            if layer_output is None:
-                return _ESTIMATORS[cls](layer, target).to(layer_input.dtype)
-            return layer_input + _ESTIMATORS[cls](layer, target - layer_output).to(layer_input.dtype)
-    return layer_input
-
-
-def _pure_direction(layer: Layer, x: Tensor, out: Tensor, target: Tensor, saved: Any) -> tuple[Tensor, ...]:
-    """Pure-mode update direction of one layer (before the rate), aligned with ``layer.parameters()``.
-
-    Dense: ``gapᵀ x`` summed over every leading dimension, bias ``Σ gap`` (``gap = target − out``, no
-    ``f'``: Loom's delta rule). Other layers with parameters: their hand-written backward fed with the
-    gap, i.e. the negated gradient of the local loss ½‖target − out‖². No parameters: ``()``."""
-    if not any(True for _ in layer.parameters()):
-        return ()
-    gap = target - out
-    if isinstance(layer, Dense):
-        g2 = gap.reshape(-1, layer.out_features)
-        delta_w = torch.mm(g2.t(), x.reshape(-1, layer.in_features))
-        return (delta_w,) if layer.bias is None else (delta_w, g2.sum(0))
-    _, directions = layer.backward_saved(gap, saved, needs_input_grad=False)
-    return tuple(directions)
 
 
 # ================================================================================================
