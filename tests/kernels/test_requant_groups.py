@@ -28,10 +28,10 @@ def _buffers(n, seed, dyadic=True):
     sums are exact in any order, so the kernels' block sums equal torch's bit for bit."""
     g = torch.Generator().manual_seed(seed)
     if dyadic:
-        m, p, b = (torch.randint(-256, 256, (n,), generator=g) / 64.0 for _ in range(3))
+        m, p, b = (torch.randint(-256, 256, (n,), generator=g, device="cpu") / 64.0 for _ in range(3))
     else:
-        m, p, b = (torch.randn(n, generator=g) for _ in range(3))
-    return m, p, b, torch.tensor([0.5, 0.25, 0.125, 0.0625])
+        m, p, b = (torch.randn(n, generator=g, device="cpu") for _ in range(3))
+    return m, p, b, torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cpu")
 
 
 def _run(fn, layout, bufs, master, step, status, stochastic, advance, **kw):
