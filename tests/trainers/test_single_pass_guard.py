@@ -91,3 +91,37 @@ def test_a_clip_by_norm_keeps_the_backup_guard():
     runner = trainer._runner = CudaRunner(trainer)
     trainer.fit([_good(1), _good(2)], 1)
     assert runner.update_guard._backup != []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_non_finite_from_the_start_refuses_every_step_as_on_the_host_path(backend):
+    """A NaN in an embedding row no batch looks up: its gradient is 0, so the update leaves it NaN and
+    the look-ahead (which flags values an update makes non-finite) would let every step through. The
+    device step then keeps the backed-up guard, which refuses every step (``NAN_WEIGHTS``) as the host
+    loop does, and the weights stay as they were."""
+    from torchloom import Embedding
+
+    def run(host):
+        torch.manual_seed(0)
+        net = Network(Embedding(5, 3), Dense(3, 1))
+        with torch.no_grad():
+            net[0].weight[4, 0] = float("nan")
+        start = [p.detach().clone() for p in net.parameters()]
+        opt = SGD(net.parameters(), lr=0.1, momentum=0.9, backend=backend)
+        trainer = BackpropTrainer(net, TrainingConfig(epochs=1, verbose=0, optimizer=opt))
+        if not host:
+            trainer._runner = CudaRunner(trainer)
+        g = torch.Generator().manual_seed(4)
+        batches = [(torch.randint(0, 4, (2, 3), generator=g), torch.randn(2, 3, 1, generator=g)) for _ in range(3)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DivergenceWarning)
+            result = trainer.fit(batches, 1)
+        return net, start, result, trainer
+
+    host_net, host_start, host_result, _ = run(host=True)
+    net, start, result, trainer = run(host=False)
+    assert host_result.skipped_batches == 3  # the host loop's verdict
+    assert result.skipped_batches == 3
+    assert not trainer.method._can_probe()
+    for p, q in zip(net.parameters(), start):
+        assert torch.equal(torch.nan_to_num(p.detach(), nan=7.0), torch.nan_to_num(q, nan=7.0))

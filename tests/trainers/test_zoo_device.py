@@ -242,3 +242,13 @@ def test_replay_runs_the_chunks_that_hold_a_measured_step_through_the_one_step_g
     log.clear()
     runner._replay(source, 22)  # 28 (step 6)
     assert log == [("chunk", [0, 1, 2, 3]), ("plain", 4), ("plain", 5), ("probe", 6), ("plain", 7), ("tail", 0)]
+
+
+def test_a_top_layer_without_a_finite_gain_is_no_reference_for_the_noise_rule():
+    """A user rule whose top layer has an exact gradient of 0 (gain Inf) or none: the layers below are
+    judged against the nearest real gain, not flagged as noise against Inf."""
+    from torchloom.engine.alignment import _rounding_noise
+
+    for top in (math.inf, math.nan, 0.0):
+        gains = torch.tensor([1e-9, 0.5, 0.3, top], dtype=torch.float64)
+        assert _rounding_noise(gains).tolist() == [True, False, False, False]

@@ -70,9 +70,13 @@ def _rounding_noise(gains: Tensor) -> Tensor:
     ``s · Σ_c ∂loss/∂z_c = 0``), and what is left is float32 rounding (about 1e-7 of a gain), whose
     direction depends on the order of the sums (host, Triton and cuBLAS differ): its angle is no
     measurement. A legitimate gain drops by the rule's feedback scale per layer at most (0.1 for
-    feedback alignment's default), far above ``NOISE_GAIN``. Device ops only (no host read)."""
+    feedback alignment's default), far above ``NOISE_GAIN``: a rule configured with a feedback scale
+    near ``NOISE_GAIN`` (1e-4) would have its angles dropped as noise. A top layer without a finite,
+    positive gain is no reference (the layers below are then judged by the next real one). Device
+    ops only (no host read)."""
     noise = torch.zeros_like(gains, dtype=torch.bool)
-    ref = gains[-1]
+    top = gains[-1]
+    ref = torch.where(torch.isfinite(top) & (top > 0), top, torch.full_like(top, math.nan))  # NaN: compares False
     for i in range(gains.numel() - 2, -1, -1):
         small = gains[i] <= NOISE_GAIN * ref
         noise[i] = small

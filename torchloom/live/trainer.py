@@ -311,7 +311,7 @@ class LiveTrainer:
         with the ``"sample"`` schedule), predictions read back once per window. Needs a method with a
         device step (``Method.device_ready()``); on CUDA the window is one kernel or one CUDA graph
         (same K each call), elsewhere it runs eagerly. Returns the predictions ``[K, ...]`` (on the
-        device; the next window but one overwrites them).
+        device; the next window overwrites them: copy them to keep them).
 
         On CUDA the host does not wait for the window it queues: a window's predictions and statuses
         are copied to the host behind it, and read (scored, counted in the report) during the next
@@ -335,14 +335,14 @@ class LiveTrainer:
         self._stream.serve_s = self._stream.train_s = 0.0
         host_preds, status, ready = self._stream.read_back()
         n = preds.shape[0]
-        # counted as applied now, corrected when the window's statuses are read
+        window = (host_preds, status, ready, t, wall0, self.phase, labels, frac)
+        previous, self._window = self._window, None
+        if previous is not None:  # first: an observer's report there counts only windows already read
+            self._finish_window(previous)
+        # this window's updates counted as applied now, corrected when its statuses are read
         self.version += n
         self.statuses["OK"] += n
         self.serve_version = self.version
-        window = (host_preds, status, ready, t, wall0, self.phase, labels, frac)
-        previous, self._window = self._window, None
-        if previous is not None:  # (an observer's report there reads no further: this one is not queued yet)
-            self._finish_window(previous)
         if ready is None:  # computed in line (no device queue): read now
             self._finish_window(window)
         else:

@@ -278,6 +278,11 @@ class Backprop(Method):
         norm_inputs.extend(p.grad for p in self.params if id(p) not in in_groups)
         self.norm_inputs = norm_inputs
         self._all_in_groups = all(id(p) in in_groups for p in self.params)
+        # the look-ahead flags values an update would make non-finite, which covers every non-finite
+        # value only while all start finite (each update it lets through keeps them so): checked once
+        # here (one host read, before any capture; every rank holds the same weights and state)
+        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, Tensor) and t.is_floating_point()]
+        self._start_finite = bool(torch.stack([torch.isfinite(t).all() for t in [*self.params, *state]]).all())
 
     def device_epoch_begin(self, runner: Any, epoch: int) -> None:
         if epoch == 1:  # state the first epoch created lazily (momentum, moments) joins the layout
@@ -377,8 +382,12 @@ class Backprop(Method):
         weights up and checking them after: torchloom's ``SGD`` (its own ``update`` and ``step``, no
         step hooks, which could change what the update reads), no clip by norm (its scale needs the
         gradients' norm before the look-ahead) nor a value clip outside the optimizer, and every
-        trainable parameter in its groups (the probe's squares then cover every gradient)."""
+        trainable parameter in its groups (the probe's squares then cover every gradient), and every
+        weight and state value finite when the run's device step was set up (a weight already NaN/Inf
+        makes every step ``NAN_WEIGHTS``, as on the host path: the backed-up guard sees it)."""
         opt = self.optimizer
+        if not self.__dict__.get("_start_finite", False):
+            return False
         if type(opt) is not SGD and (type(opt).update is not SGD.update or type(opt).step is not FusedOptimizer.step):
             return False
         if self.clip > 0 and (self.clip_mode != "value" or not self._value_clip_in_optimizer):
