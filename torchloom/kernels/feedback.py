@@ -40,9 +40,10 @@ MAX_GRAD_JOBS = 3  # gradient jobs per launch
 _BLOCK_M = 16
 _BLOCK_N, _BLOCK_K = 32, 64
 
-# one gradient job: (g [M, N] (any row stride), pre [M, N], x [M, K], activation name, has_bias,
-# dW buffer [N, K] or None, db buffer [N] or None)
 GradJob = tuple[Tensor, Tensor, Tensor, str, bool, "Tensor | None", "Tensor | None"]
+"""One gradient job of a launch: ``(g [M, N]`` (any row stride), ``pre [M, N]``, ``x [M, K]``, the
+activation's name, whether the layer has a bias, the ``dW [N, K]`` buffer or ``None``, the ``db [N]``
+buffer or ``None``)."""
 
 
 def fits(x2: Tensor, activation_name: str, backend: str | None = None) -> bool:
