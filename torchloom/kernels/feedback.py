@@ -32,7 +32,7 @@ from ._triton import use_triton
 from .dense_small import ACT_CODES, SMALL_BATCH_MAX, _act_grad, _act_grad_ref
 
 __all__ = [
-    "GradJob", "MAX_GRAD_JOBS", "dense_backward_fb", "dense_grads", "dense_grads_ref", "feedback_product",
+    "MAX_GRAD_JOBS", "dense_backward_fb", "dense_grads", "dense_grads_ref", "feedback_product",
     "feedback_product_ref", "fits",
 ]
 
