@@ -63,16 +63,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker, world: int, tmp: str, timeout_s: float) -> list:
-    """Run ``worker(rank, port, tmp)`` in ``world`` spawned processes (one process group on a free
-    port), wait at most ``timeout_s`` (then kill what is left and raise ``TimeoutError``), and return
-    what each rank saved to ``tmp/rank{r}.pt``; a rank that saved ``{"error": traceback}`` fails the test."""
+def _rank_main(rank: int, port: int, tmp: str, world: int, scenarios, pg_timeout_s: float | None) -> None:
+    """One spawned rank of ``spawn_ranks``: a gloo group on 127.0.0.1, ``scenarios(rank, tmp)``, a
+    barrier (every rank done before any tears down: gloo aborts a peer mid-receive), and the result (or
+    ``{"error": traceback}``) saved to ``tmp/rank{rank}.pt``."""
+    import datetime
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    kw = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
+    try:
+        result = scenarios(rank, tmp)
+        dist.barrier()
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    finally:
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's C++ destructors sometimes aborted a finished rank's exit
+
+
+def spawn_ranks(scenarios, world: int, tmp: str, timeout_s: float, pg_timeout_s: float | None = None) -> list:
+    """Run ``scenarios(rank, tmp)`` (a module-level function) in ``world`` spawned processes, one
+    gloo process group on a free port (``pg_timeout_s``: its collectives' timeout), wait at most
+    ``timeout_s`` (then kill what is left and raise ``TimeoutError``), and return what each rank's
+    ``scenarios`` returned; a rank that raised fails the test with its traceback."""
     import os
     import time
 
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(worker, args=(free_port(), str(tmp)), nprocs=world, join=False, start_method="spawn")
+    args = (free_port(), str(tmp), world, scenarios, pg_timeout_s)
+    ctx = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):

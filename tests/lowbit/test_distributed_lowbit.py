@@ -4,12 +4,8 @@ bit, and they lie on the dtype's grid."""
 
 from __future__ import annotations
 
-import os
-import traceback
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from torchloom import Dense, LowBitConfig, Network, TrainingConfig, train
 from torchloom.lowbit import decode, encode
@@ -19,7 +15,7 @@ WORLD = 2
 SCENARIOS = {"int8-none": ("int8", dict(master="none")), "int4-fp32-stochastic": ("int4", dict(rounding="stochastic"))}
 
 
-def _scenarios(rank):
+def _scenarios(rank, tmp):
     out = {}
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randint(0, 4, (64,), generator=g)
@@ -32,22 +28,8 @@ def _scenarios(rank):
     return out
 
 
-def _worker(rank, port, tmp):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        result = _scenarios(rank)
-        dist.barrier()
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    os._exit(0)
-
-
 def test_every_rank_holds_the_same_bits(tmp_path):
-    res = spawn_ranks(_worker, WORLD, tmp_path, 120)
+    res = spawn_ranks(_scenarios, WORLD, tmp_path, 120)
     for name, (dtype, _) in SCENARIOS.items():
         (w0, s0), (w1, s1) = res[0][name], res[1][name]
         for a, b in zip(w0, w1):

@@ -17,10 +17,7 @@ The classes:
 
 from __future__ import annotations
 
-import datetime
-import os
 import time
-import traceback
 import warnings
 
 import numpy as np
@@ -98,7 +95,7 @@ def _outcome(fn):
         return {"error": (type(e).__name__, str(e)), "s": time.monotonic() - start}
 
 
-def _scenarios(rank):
+def _scenarios(rank, tmp):
     out = {}
     # a batch that fails to load on rank 1 (row 9: a DistributedSampler gives rank 1 rows 1, 3, 5, ...: its batch 1)
     loader = DataLoader(_Rows(rank=1, bad=9), batch_size=4)
@@ -147,24 +144,9 @@ class _StepRows(Observer):
         self.rows.append(int(logs["batch_size"]))
 
 
-def _worker(rank, port, tmp):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
-        result = _scenarios(rank)
-        dist.barrier()
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    os._exit(0)  # no interpreter teardown (gloo's destructors sometimes aborted a finished rank's exit)
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("dist-fail")), TIMEOUT_S)
+    return spawn_ranks(_scenarios, WORLD, str(tmp_path_factory.mktemp("dist-fail")), TIMEOUT_S, pg_timeout_s=90)
 
 
 def _other(where):

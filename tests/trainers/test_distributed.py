@@ -21,7 +21,6 @@ import copy
 import io
 import os
 import time
-import traceback
 import warnings
 
 import numpy as np
@@ -301,24 +300,10 @@ def _forced(net, data, cfg):
     return trainer.fit(data, cfg.epochs), trainer
 
 
-def _worker(rank, port, tmp):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        result = _scenarios(rank, tmp)
-        dist.barrier()  # both ranks done before either tears down (gloo aborts a peer mid-receive)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    os._exit(0)  # no interpreter teardown: gloo's C++ destructors sometimes aborted a finished rank's exit
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("dist"))
-    return spawn_ranks(_worker, WORLD, tmp, TIMEOUT_S), tmp
+    return spawn_ranks(_scenarios, WORLD, tmp, TIMEOUT_S), tmp
 
 
 def _check(weights, losses, ref_net, ref_result, tol):
