@@ -20,7 +20,7 @@ The kernel modules are imported inside ``step``, so importing this file never im
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -142,21 +142,23 @@ class SGD(FusedOptimizer):
         torch wraps around ``step``), for trainers that own the optimizer and call it every batch."""
         from ..kernels.sgd import sgd_update_
 
+        for params, grads, bufs, settings in self._groups():
+            sgd_update_(params, grads, bufs, **settings, grad_scale=grad_scale, found_inf=found_inf, backend=self.backend)
+            if bufs is not None:
+                for p, buf in zip(params, bufs):
+                    if buf is not None:
+                        self.state[p]["momentum_buffer"] = buf
+
+    def _groups(self) -> Iterator[tuple[list[Tensor], list[Tensor], list[Tensor | None] | None, dict[str, Any]]]:
+        """Per param group with gradients: its parameters, their gradients, their momentum buffers
+        (``None`` entries for new ones; ``None`` without momentum) and the group's update settings."""
         for group in self.param_groups:
             params, grads = _params_with_grads(group)
             if not params:
                 continue
-            uses_momentum = group["momentum"] != 0
-            bufs = [self.state[p].get("momentum_buffer") for p in params] if uses_momentum else None
-            sgd_update_(
-                params, grads, bufs, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                nesterov=group["nesterov"], weight_decay=group["weight_decay"], clip_value=group["clip_value"],
-                grad_scale=grad_scale, found_inf=found_inf, backend=self.backend,
-            )
-            if uses_momentum:
-                for p, buf in zip(params, bufs):
-                    if buf is not None:
-                        self.state[p]["momentum_buffer"] = buf
+            bufs = [self.state[p].get("momentum_buffer") for p in params] if group["momentum"] != 0 else None
+            settings = {k: group[k] for k in ("lr", "momentum", "dampening", "nesterov", "weight_decay", "clip_value")}
+            yield params, grads, bufs, settings
 
     @torch.no_grad()
     def probe(self, flag: Tensor) -> Tensor:
@@ -167,18 +169,8 @@ class SGD(FusedOptimizer):
         engine's CUDA step decides on these before the update, so it needs no backup of the weights."""
         from ..kernels.sgd import sgd_probe_
 
-        parts = []
-        for group in self.param_groups:
-            params, grads = _params_with_grads(group)
-            if not params:
-                continue
-            uses_momentum = group["momentum"] != 0
-            bufs = [self.state[p].get("momentum_buffer") for p in params] if uses_momentum else None
-            parts.append(sgd_probe_(
-                params, grads, bufs, flag, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                nesterov=group["nesterov"], weight_decay=group["weight_decay"], clip_value=group["clip_value"],
-                backend=self.backend,
-            ))
+        parts = [sgd_probe_(params, grads, bufs, flag, **settings, backend=self.backend)
+                 for params, grads, bufs, settings in self._groups()]
         if not parts:
             raise ValueError("SGD.probe: no parameter has a gradient; there is no update to look ahead at")
         return parts[0] if len(parts) == 1 else torch.cat(parts)
