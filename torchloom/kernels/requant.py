@@ -21,27 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._counter import U_BITS, draw_bits
 from ._tl import jit, tl
 from ._triton import elementwise_settings, use_triton
 
 __all__ = ["requant_grid_ref", "requant_grid_"]
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(a, c: int):
-    """``a · c mod 2^32`` in int64 without overflow (16-bit halves)."""
-    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def mix32(x):
-    """Wellons' ``lowbias32`` on 32-bit values held in int64 (``lowbit/rng.py``'s mixer)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
 
 @torch.no_grad()
 def requant_grid_ref(x: Tensor, param: Tensor, before: Tensor | None, scale: Tensor, ok: Tensor, key_a: Tensor,
@@ -51,8 +35,7 @@ def requant_grid_ref(x: Tensor, param: Tensor, before: Tensor | None, scale: Ten
     y = x.reshape(-1).to(torch.float32) / scale
     if stochastic:
         i = torch.arange(y.numel(), dtype=torch.int64, device=y.device)
-        h = mix32(((i & _M32) + key_a) & _M32)
-        u = (mix32(h ^ key_b ^ (i >> 32)) >> 8).to(torch.float32) * (2.0 ** -24)
+        u = draw_bits(i, key_a, key_b).to(torch.float32) * (2.0 ** -U_BITS)
         f = torch.floor(y)
         q = f + (u < (y - f)).to(torch.float32)
     else:

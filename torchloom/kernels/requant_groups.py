@@ -36,14 +36,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._counter import U_BITS, draw_bits, seed_key, stream_key
 from ._tl import jit, tl
 from ._triton import use_triton
-from .requant import _mix32, mix32
+from .requant import _mix32
 
 __all__ = ["GridLayout", "grid_layout", "requant_groups_ref", "requant_groups_", "MODE_MAX", "MODE_MEAN", "MODE_CLIP"]
 
 MODE_MAX, MODE_MEAN, MODE_CLIP = 0, 1, 2  # how a group's scale is found
-_M32 = 0xFFFFFFFF
 _CUDA_BLOCK = 1024
 _INTERPRETER_BLOCK = 64  # small blocks: the tests' small layers still span several programs
 
@@ -70,11 +70,6 @@ class GridLayout:
     pmax: Tensor
     psum: Tensor
     step_used: Tensor
-
-
-def _seed_key(seed: int) -> int:
-    s = seed & ((1 << 64) - 1)
-    return mix32(mix32((s & _M32) ^ 0x9E3779B9) ^ (s >> 32))
 
 
 def grid_layout(groups: list[dict], seed: int, ratios: Tensor, device: torch.device, block: int | None = None) -> GridLayout:
@@ -105,21 +100,13 @@ def grid_layout(groups: list[dict], seed: int, ratios: Tensor, device: torch.dev
     i64 = dict(dtype=torch.int64, device=device)
     return GridLayout(
         out, at, block, seed, torch.tensor(prog, **i64).reshape(-1, 8), torch.tensor(gi, **i64).reshape(-1, 8),
-        torch.tensor(gf, dtype=torch.float32, device=device).reshape(-1, 4), torch.tensor([_seed_key(seed)], **i64),
+        torch.tensor(gf, dtype=torch.float32, device=device).reshape(-1, 4), torch.tensor([seed_key(seed)], **i64),
         ratios.to(device=device, dtype=torch.float32), torch.zeros(len(prog), dtype=torch.float32, device=device),
         torch.zeros(len(prog), dtype=torch.float32, device=device), torch.zeros((), **i64),
     )
 
 
 # ------------------------------------------------------------------------------------ reference
-def _keys(seed: int, step: Tensor, index: int) -> tuple[Tensor, Tensor]:
-    """``lowbit.rng.stream_key`` for a 0-d int64 step tensor (written out: kernels import no lowbit)."""
-    k = mix32((step & _M32) ^ _seed_key(seed))
-    k = mix32(((step >> 32) & _M32) ^ k)
-    a = mix32(k ^ (index & _M32))
-    return a, mix32(a ^ 0x85EBCA6B)
-
-
 def _round(y: Tensor, u: Tensor | None) -> Tensor:
     if u is None:
         return torch.round(y)
@@ -160,9 +147,9 @@ def requant_groups_ref(layout: GridLayout, M: Tensor | None, P: Tensor, B: Tenso
             xp = x[off - grp["start"]: off - grp["start"] + numel]
             u = None
             if stochastic:
-                ka, kb = _keys(layout.seed, used, index)
+                ka, kb = stream_key(layout.seed, used, index)
                 i = torch.arange(numel, dtype=torch.int64, device=P.device)
-                u = (mix32(mix32(((i & _M32) + ka) & _M32) ^ kb ^ (i >> 32)) >> 8).to(torch.float32) * (2.0 ** -24)
+                u = draw_bits(i, ka, kb).to(torch.float32) * (2.0 ** -U_BITS)
             q = _round(xp / s, u).clamp(grp["lo"], grp["hi"]).to(torch.int64)  # an integer code: no −0
             out.append(q.to(torch.float32) * s)
         B[sl].copy_(torch.where(ok, torch.cat(out), P[sl]))

@@ -17,50 +17,14 @@ from torch import Tensor
 
 __all__ = ["mix32", "stream_key", "uniform_bits", "uniform"]
 
-_M32 = 0xFFFFFFFF
-U_BITS = 24  # bits per draw: u is exact in float32, and P(u < p) = ceil(p·2²⁴)/2²⁴ (bias < 6e-8)
-
-
-def _mul32(a, c: int):
-    """``a · c mod 2³²`` for ``a`` in [0, 2³²) (a Python int or an int64 tensor) and a constant
-    ``c`` < 2³²; the product is split in 16-bit halves so that an int64 never overflows."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _M32
-
-
-def mix32(x):
-    """Wellons' ``lowbias32`` of 32-bit values (Python int or int64 tensor)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def stream_key(seed: int, step, index: int):
-    """The two 32-bit keys ``(a, b)`` of parameter ``index`` at ``step`` (``step`` a Python int or
-    a 0-d int64 tensor, for a step counter that lives on the device)."""
-    s = seed & ((1 << 64) - 1)
-    k = mix32(mix32((s & _M32) ^ 0x9E3779B9) ^ (s >> 32))
-    if isinstance(step, Tensor):
-        k = mix32((step & _M32) ^ k)
-        k = mix32(((step >> 32) & _M32) ^ k)
-    else:
-        k = mix32(((step & _M32) ^ k))
-        k = mix32((((step >> 32) & _M32) ^ k))
-    a = mix32(k ^ (index & _M32))
-    b = mix32(a ^ 0x85EBCA6B)
-    return a, b
+from ..kernels._counter import U_BITS, draw_bits, mix32, stream_key
 
 
 def uniform_bits(numel: int, seed: int, step, index: int, device: torch.device | str | None = None) -> Tensor:
     """``numel`` draws of 24 uniform bits (int64 tensor in [0, 2²⁴)) for parameter ``index`` at
     ``step``; element ``i``'s draw depends only on ``(seed, step, index, i)``."""
     a, b = stream_key(seed, step, index)
-    i = torch.arange(numel, dtype=torch.int64, device=device)
-    h = mix32(((i & _M32) + a) & _M32)
-    h = mix32(h ^ b ^ (i >> 32))
-    return h >> (32 - U_BITS)
+    return draw_bits(torch.arange(numel, dtype=torch.int64, device=device), a, b)
 
 
 def uniform(numel: int, seed: int, step, index: int, device: torch.device | str | None = None) -> Tensor:
