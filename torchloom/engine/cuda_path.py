@@ -498,10 +498,7 @@ class CudaRunner:
             if self.lr_table is not None:
                 one["lr"].copy_(self.lr_table[k : k + 1])
             one["probe" if measured else "plain"].replay()
-            self.step_loss[k : k + 1].copy_(one["loss"])
-            self.step_status[k : k + 1].copy_(one["status"])
-            if self.n_logs:
-                self.step_logs[k : k + 1].copy_(one["logs"])
+            self._take_rows(k, k + 1, one)
             return
         groups = self.t.rate_groups()
         host_lrs = [g["lr"] for g in groups]
@@ -535,10 +532,7 @@ class CudaRunner:
                     c["lr"].copy_(self.lr_table[lo:hi])
                 c["graph"].replay()
                 self._mark_progress()
-                self.step_loss[lo:hi].copy_(c["loss"])
-                self.step_status[lo:hi].copy_(c["status"])
-                if self.n_logs:
-                    self.step_logs[lo:hi].copy_(c["logs"])
+                self._take_rows(lo, hi, c)
         tail = range(self._tail_start, len(items))
         if measured and any(k in measured for k in tail):
             for k in tail:
@@ -546,6 +540,13 @@ class CudaRunner:
             return
         for graph in self.graphs:
             graph.replay()
+
+    def _take_rows(self, lo: int, hi: int, slots: dict[str, Any]) -> None:
+        """Steps ``lo:hi`` of the epoch's losses, statuses and logs from a replayed graph's ``slots``."""
+        self.step_loss[lo:hi].copy_(slots["loss"])
+        self.step_status[lo:hi].copy_(slots["status"])
+        if self.n_logs:
+            self.step_logs[lo:hi].copy_(slots["logs"])
 
     def _mark_progress(self) -> None:
         """Data-parallel on CUDA: note (a CUDA event) that the steps queued so far are done once it
