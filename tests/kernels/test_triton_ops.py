@@ -239,17 +239,26 @@ def test_compile_sees_the_kernel():
     ("layernorm", ("_norm_forward_kernel", "_norm_backward_kernel")),
     ("softmax", ("_softmax_kernel", "_softmax_backward_kernel")),
 ])
-def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels):
+@pytest.mark.parametrize("policy", ["kernels", "reference"])
+def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels, policy, monkeypatch):
     """A float32 Dense of a small batch, a SwiGLU, an RMSNorm, a LayerNorm, a Softmax on CUDA under
-    ``torch.compile(fullgraph=True)``
-    (Inductor): no graph break, Inductor's code launches the registered kernels, forward and gradients
-    equal eager (which launches the same kernels directly); ``dynamic=True`` over two batch sizes, one
-    compile."""
+    ``torch.compile(fullgraph=True)`` (Inductor): no graph break, forward and gradients equal eager
+    (which launches the kernels directly); ``dynamic=True`` over two batch sizes, one compile.
+    ``policy="kernels"`` (``COMPILED_AS_REFERENCE`` emptied): Inductor's code launches the registered
+    kernels. ``policy="reference"`` (the default set): the ops named there hand Inductor their
+    reference, so its code launches none of their kernels (Dense's small-batch kernel is not in the
+    set and is still launched)."""
     import torch._dynamo
     import torch._dynamo.testing
     from torch._inductor.utils import run_and_get_code
 
     from torchloom import Dense, LayerNorm, RMSNorm, Softmax, SwiGLU
+    from torchloom.kernels import _triton
+
+    if policy == "kernels":
+        monkeypatch.setattr(_triton, "COMPILED_AS_REFERENCE", set())
+    as_reference = policy == "reference" and name != "dense"
+    assert name == "dense" or name in _triton.COMPILED_AS_REFERENCE or policy == "kernels"
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -277,7 +286,8 @@ def test_compiled_layer_on_cuda_launches_the_registered_kernels(name, kernels):
     forward = torch.compile(layer, fullgraph=True)
     y, codes = run_and_get_code(step, x)
     for kernel in kernels:
-        assert any(kernel in c for c in codes), f"Inductor's code does not launch {kernel}"
+        launched = any(kernel in c for c in codes)
+        assert launched != as_reference, f"{kernel}: launched={launched} with policy {policy!r}"
     assert_close(y, y_ref, name="output", rtol=1e-5, atol=1e-5)
     for got, ref in zip([x.grad, *(p.grad for p in layer.parameters())], refs):
         assert_close(got, ref, name="gradient", rtol=1e-5, atol=1e-5)

@@ -405,3 +405,25 @@ def test_a_compiled_cpu_rmsnorm_refuses_loudly_where_torch_computes_it_wrong(mon
     ((x * torch.rsqrt(x.square().mean(-1, keepdim=True) + layer.eps)) * w).pow(2).sum().backward()
     torch.testing.assert_close(layer.weight.grad, w.grad)
     torch._dynamo.reset()
+
+
+def test_traced_as_reference_only_while_compiling(monkeypatch):
+    """``traced_as_reference``: True only while Dynamo traces, for an op in ``COMPILED_AS_REFERENCE``
+    and the default backend (an explicit ``backend="triton"`` keeps the kernel); the set is read at
+    call time, so emptying it sends every op back to its registered kernel."""
+    from torchloom.kernels import _triton
+
+    def probe(x, op, backend=None):
+        return x + (1.0 if _triton.traced_as_reference(op, backend) else 0.0)
+
+    x = torch.zeros(2)
+    assert probe(x, "rmsnorm").sum().item() == 0.0  # eager
+    torch._dynamo.reset()
+    compiled = torch.compile(probe, backend="aot_eager", fullgraph=True)
+    assert compiled(x, "rmsnorm").sum().item() == 2.0
+    assert compiled(x, "rmsnorm", "triton").sum().item() == 0.0
+    assert compiled(x, "flash_attention").sum().item() == 0.0  # not in the set
+    monkeypatch.setattr(_triton, "COMPILED_AS_REFERENCE", set())
+    torch._dynamo.reset()
+    assert torch.compile(probe, backend="aot_eager", fullgraph=True)(x, "rmsnorm").sum().item() == 0.0
+    torch._dynamo.reset()

@@ -25,6 +25,7 @@ __all__ = [
     "triton_available",
     "interpreter_enabled",
     "use_triton",
+    "traced_as_reference",
     "check_backend",
     "elementwise_settings",
     "row_settings",
@@ -49,6 +50,23 @@ def triton_available() -> bool:
 def interpreter_enabled() -> bool:
     """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Ops that, while ``torch.compile`` traces, hand Inductor their PyTorch reference (the same forward and
+# hand-written backward formulas as torch ops) instead of their registered Triton kernel: Inductor then
+# generates their kernels itself and fuses them with the neighbouring ops (a residual add before a
+# norm, a cast after it, the bias sums of SwiGLU's backward), which an opaque kernel call cannot join,
+# and its generated launches cost less host time than a user kernel's. Measured per op on the GPU
+# (bench/RESULTS.md §10: torchloom compiled vs PyTorch compiled); ``bench_layers.py --compiled
+# --compiled-kernels`` times the registered kernels instead. An explicit ``backend="triton"`` still
+# reaches the kernel under compile. Eager calls and CUDA graphs always run the kernels.
+COMPILED_AS_REFERENCE = {"rmsnorm", "layernorm", "softmax", "swiglu"}
+
+
+def traced_as_reference(op: str, backend: str | None = None) -> bool:
+    """True while ``torch.compile`` traces an op named in ``COMPILED_AS_REFERENCE`` with the default
+    backend: the caller then returns its reference's result."""
+    return backend is None and op in COMPILED_AS_REFERENCE and torch.compiler.is_compiling()
 
 
 def check_backend(backend: str | None) -> None:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, use_triton
+from ._triton import KERNEL_DTYPES, traced_as_reference, use_triton
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
 
@@ -357,7 +357,10 @@ def layernorm(
     """``(y, mean, rstd)`` of LayerNorm over the last dimension of ``x [..., n]``: the Triton kernel on
     CUDA for float32/float16/bfloat16 rows up to 8192 (``mean``, ``rstd`` float32), the reference
     elsewhere (``backend`` as ``_triton.use_triton``)."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda):
+    if (
+        not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
+        or traced_as_reference("layernorm", backend)
+    ):
         return layernorm_ref(x, weight, bias, eps)
     y, mean, rstd = tiled_forward(x, weight, bias, eps, rms=False)
     return y, mean, rstd
@@ -367,7 +370,10 @@ def layernorm_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, backend: str | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dw, db)`` of LayerNorm: the Triton kernel on CUDA, the reference elsewhere."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda):
+    if (
+        not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
+        or traced_as_reference("layernorm", backend)
+    ):
         return layernorm_backward_ref(grad_out, x, weight, mean, rstd)
     dx, dw, db = tiled_backward(grad_out, x, weight, mean, rstd, has_bias=True)
     return dx, dw, db

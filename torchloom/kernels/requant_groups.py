@@ -133,8 +133,9 @@ def requant_groups_ref(layout: GridLayout, M: Tensor | None, P: Tensor, B: Tenso
             s = S[g]
         else:
             a = x.abs()
-            m = a.mean() if grp["mode"] == MODE_MEAN else a.amax()
-            s = m / grp["qmax"]
+            # divisions by tensors: IEEE on every device, as the kernel's div_rn (codec.scale_for)
+            m = a.sum() / torch.full_like(a[0], a.numel()) if grp["mode"] == MODE_MEAN else a.amax()
+            s = m / torch.full_like(m, grp["qmax"])
             s = torch.where(s > 0, s, torch.ones_like(s))
             if grp["mode"] == MODE_CLIP:
                 cand = s * layout.ratios

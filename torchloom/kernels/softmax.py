@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, row_settings, use_triton
+from ._triton import KERNEL_DTYPES, row_settings, traced_as_reference, use_triton
 
 __all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward", "OP_NAMES"]
 
@@ -200,7 +200,7 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
     """``softmax(x / T)`` over the last dimension of ``x [..., C]``: the Triton kernel on CUDA for
     float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``); while
     ``torch.compile`` traces, the operator ``torch.ops.torchloom.softmax``."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0:
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("softmax", backend):
         return softmax_ref(x, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax(x, float(temperature))
@@ -211,7 +211,7 @@ def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, back
     """``p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension; ``grad_out`` and ``p`` are ``[..., C]``. The
     Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, the operator
     ``torch.ops.torchloom.softmax_backward``."""
-    if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0:
+    if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0 or traced_as_reference("softmax", backend):
         return softmax_backward_ref(grad_out, p, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax_backward(grad_out, p, float(temperature))

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
+from ._triton import KERNEL_DTYPES, elementwise_settings, traced_as_reference, use_triton
 
 __all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward", "OP_NAMES"]
 
@@ -140,7 +140,7 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) ⊙ up`` (same shapes): the Triton kernel on CUDA for float32/float16/bfloat16, the
     reference elsewhere (``backend`` as ``_triton.use_triton``); while ``torch.compile`` traces, the
     operator ``torch.ops.torchloom.swiglu``."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0:
+    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", backend):
         return swiglu_ref(gate, up)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.swiglu(gate, up)
@@ -162,7 +162,7 @@ def swiglu_backward(
     ``torch.compile`` traces: the operator ``torch.ops.torchloom.swiglu_backward_`` (``d_gate`` over
     ``grad``) when ``out_gate`` is ``grad`` itself and fits, else ``torch.ops.torchloom.swiglu_backward``
     (fresh outputs)."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0:
+    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", backend):
         return swiglu_backward_ref(grad, gate, up)
     if torch.compiler.is_compiling():
         if out_gate is grad and grad.is_contiguous() and grad.shape == gate.shape and grad.dtype == gate.dtype:
