@@ -6,6 +6,7 @@ Run on a machine with 2 GPUs (one process per GPU, NCCL):
     PYTHONPATH=. torchrun --nproc_per_node=2 bench/bench_distributed.py --quick    # fewer steps
     PYTHONPATH=. python bench/bench_distributed.py --dry-run   # 2 gloo CPU processes, toy sizes: a smoke test only
     PYTHONPATH=. python bench/bench_distributed.py --one-gpu-profile   # 1 GPU: backprop step vs PyTorch, kernels per step
+    PYTHONPATH=. python bench/bench_distributed.py --quick --nets 784-4096-4096-10 --batches 1024 --methods tp-pure   # a part of the table
 
 For each network (784-4096-4096-10 and 784-256-256-10, ReLU, fp32, cross-entropy, SGD) and per-GPU
 batch (1,024 and 16,384), samples/s over all GPUs:
