@@ -39,6 +39,43 @@ def test_derivatives_at_zero_follow_loom():
     assert get_activation("relu").grad(torch.ones(1, dtype=torch.float64), z).item() == 0.0
 
 
+def test_relu_grad_is_one_op_with_loom_values_at_the_kink_and_both_dtypes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    relu = get_activation("relu")
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor([-2.0, -0.0, 0.0, 1e-30, 3.0, float("inf"), -float("inf")], dtype=dtype)
+        g = torch.tensor([1.0, 2.0, 3.0, 4.0, float("nan"), 6.0, float("inf")], dtype=dtype)
+        with Ops() as ops:
+            out = relu.grad(g, x)
+        assert ops.names == ["threshold_backward"]  # one kernel on the device (a compare and a where: two)
+        expected = torch.tensor([0.0, 0.0, 0.0, 4.0, float("nan"), 6.0, 0.0], dtype=dtype)  # f'(0) = 0 (Loom)
+        torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
+        assert out.dtype == dtype
+    # a gradient of another dtype than the pre-activation keeps its own dtype (the two-op path)
+    out = relu.grad(torch.ones(3, dtype=torch.float64), torch.tensor([-1.0, 0.0, 2.0]))
+    assert out.dtype == torch.float64 and out.tolist() == [0.0, 0.0, 1.0]
+
+
+def test_relu_grad_is_twice_differentiable_like_the_mask():
+    x = torch.randn(6, 5, dtype=torch.float64)
+    x = torch.where(x.abs() < 1e-3, 0.5, x)  # off the kink
+    g = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    relu = get_activation("relu")
+    torch.autograd.gradcheck(lambda g: relu.grad(g, x), (g,))
+    (second,) = torch.autograd.grad(relu.grad(g, x).square().sum(), g)
+    torch.testing.assert_close(second, 2 * g.detach() * (x > 0), rtol=0, atol=1e-15)
+
+
 def test_gelu_derivative_is_the_documented_formula():
     x = torch.linspace(-4, 4, 101, dtype=torch.float64)
     phi = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5

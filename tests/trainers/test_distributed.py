@@ -517,6 +517,41 @@ def test_bench_dry_run_prints_the_table():
     for method in ("torchloom backprop", "torchloom tween", "torchloom tp-chain", "torchloom tp-pure", "plain PyTorch DDP"):
         assert proc.stdout.count(f"| {method} |") == 2, proc.stdout  # 2 toy networks × 1 batch size
     assert "| 2 GPUs |" in proc.stdout
+    # backprop and DDP side by side: every round's pair printed, on 1 GPU and on 2, per setting
+    rounds = [line for line in proc.stdout.splitlines() if "backprop/DDP per round:" in line]
+    assert len(rounds) == 4 and all(line.count("=") == 3 for line in rounds), proc.stdout
+    assert "⚠" not in proc.stdout  # no run skipped a batch (TargetProp at rates that stay finite)
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_distributed", os.path.join(ROOT, "bench", "bench_distributed.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_marks_a_run_that_skipped_batches():
+    """Runs E and G's 18× low tp-pure figure: pure TargetProp diverged, every later epoch stopped at
+    its first batch, and samples/s counted that batch alone. The table now says so."""
+    bench, cpu = _bench_module(), torch.device("cpu")
+    sizes = (16, 32, 32, 4)
+    diverged = bench.torchloom_rate("tp-pure", sizes, 8, 4, 2, cpu, 0, False, True, {"tp-chain": 0.01, "tp-pure": 1e3})
+    fine = bench.torchloom_rate("tp-pure", sizes, 8, 4, 2, cpu, 0, False, True)
+    assert diverged.skipped > 0 and fine.skipped == 0
+    row = dict(net="16-32-32-4", batch=8, method="tp-pure", one=diverged, many=fine, ddp_many=1.0)
+    text = bench.table([row], 2, "CPU")
+    assert f"⚠ {diverged.skipped} skipped |" in text and text.count("⚠") == 2  # the cell, and the note below
+
+
+def test_bench_alternates_backprop_and_ddp_rounds():
+    bench, calls = _bench_module(), []
+    bp, ddp = bench.side_by_side(4, lambda: calls.append("bp") or 2.0, lambda: calls.append("ddp") or 1.0)
+    assert calls == ["bp", "ddp", "ddp", "bp", "bp", "ddp", "ddp", "bp"]
+    assert bp == [2.0] * 4 and ddp == [1.0] * 4
+    line = bench._round_line("x", [3.0, 4.0], [2.0, 4.0])
+    assert "3/2=1.500, 4/4=1.000; best 1.000×, median 1.167×" in line
 
 
 def test_wait_device_gives_up_after_the_timeout_aborts_and_raises():
