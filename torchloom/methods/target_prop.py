@@ -53,7 +53,8 @@ class TargetProp(Method):
        skips the update (``NAN_GRAD``); with ``gradient_clip`` the update directions are clipped
        (global L2 norm, or per element with ``clip_mode="value"``);
     4. ``apply_target_prop_gaps`` at the current rate (``TargetPropConfig.learning_rate``, driven by
-       the schedule when there is one); the engine checks the weights after it.
+       the schedule when there is one; with ``learning_rate=None`` the mode's rate, 0.1 chain rule or
+       0.05 pure, times ``min(1, B/16)`` for a step of ``B`` rows); the engine checks the weights after it.
 
     The device step (CUDA runner, graph-captured) is the same rule with the gate, the per-layer
     rates, the momentum and the NaN/Inf decisions in device tensors.

@@ -119,7 +119,7 @@ def _is_number(v: Any) -> bool:
 # Config
 
 
-@settings({"lr": "learning_rate", "rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
+@settings({"lr": "learning_rate", "rate": "learning_rate", "base_rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
 @dataclass
 class TargetPropConfig:
     """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).

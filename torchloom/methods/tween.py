@@ -43,6 +43,9 @@ class Tween(Method):
     ``mean_gap``, ``mean_link_budget``, ``explosion`` (1.0 when the step detected one; per epoch, the
     fraction of steps that did), ``adaptive_rate``, ``gap_baseline`` and ``explosion_count`` (the total).
 
+    The rate: ``base_rate``, or with ``base_rate=None`` (the default) 0.03, of which a step of ``B < 16``
+    rows (the global batch) moves ``B/16`` (``rate_scale``); a schedule drives that 0.03.
+
     Args:
         config: a ``TweenConfig`` (defaults when ``None``).
     """

@@ -172,8 +172,8 @@ class TweenState:
       before the first step), ``gap_baseline`` (the running baseline of the mean gap, 0 before the
       first step), ``gap_growth_rate`` (the last step's mean gap / the baseline it was compared with),
       ``explosion_count`` (total explosions detected), ``adaptive_rate`` (the rate in use: starts at
-      ``base_rate`` (0.03 with ``base_rate=None``, capped by each step's ``rate_for(B)``), cut on an
-      explosion, never below 1 % of it), ``steps`` (counted steps);
+      ``base_rate``, cut on an explosion, never below 1 % of it; with ``base_rate=None`` it starts at
+      0.03 and a step of ``B < 16`` rows moves ``B/16`` of it), ``steps`` (counted steps);
     * ``depth_scales`` (per layer, ``None`` for layers without parameters), ``layer_rates`` (the rate
       each layer used in the last step, ``0.0`` where none), ``active`` (``[B]`` bool: samples that
       contributed a gradient), ``last_status`` (a ``StepStatus``);
