@@ -46,8 +46,9 @@ def main() -> dict[str, float]:
     backprop_net = Network(Dense(64, 32, "relu"), Dense(32, 10))
     backprop_net.load_state_dict(tween_net.state_dict())  # the same starting weights
 
-    # Tween: the document's defaults (base_rate 0.01, momentum 0.9, gap threshold 0.1, ...).
-    trainer = TweenTrainer(tween_net, TweenConfig(loss_type="cross_entropy"))  # the document's defaults, softmax cross-entropy
+    # Tween: the document's settings (base_rate 0.01, momentum 0.9, gap threshold 0.1, ...); TweenConfig's own
+    # default rate (base_rate=None) would choose 0.03 at batches of 16 rows or more (docs/tweening.md).
+    trainer = TweenTrainer(tween_net, TweenConfig(base_rate=0.01, loss_type="cross_entropy"))  # softmax cross-entropy
     tween = trainer.fit((x_tr, y_tr), epochs=EPOCHS, batch_size=BATCH)
 
     # Backprop: SGD with momentum 0.9 at the same rate, cross-entropy on the same batches.

@@ -91,7 +91,7 @@ def tween_fault_run() -> dict:
         "baseline": baseline if None not in baseline else None,
         "rate": state.rate_history,
         "explosions": explosions,
-        "base_rate": state.config.base_rate,
+        "base_rate": state.config.rate_for(BATCH),  # the default (None): 0.03 at batches of 32
     }
 
 

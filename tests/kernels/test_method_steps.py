@@ -421,3 +421,27 @@ def test_stats_into_writes_into_out_and_checks_it():
     assert str(info.value) == f"stats_into: out must be a contiguous float32 tensor of shape [2, {p}, 5], got torch.float32 [2, {p + 1}, 5]"
     with pytest.raises(ValueError, match=r"got torch.float64 \[2, "):
         ms.stats_into(pairs, out=torch.zeros(2, p, 5, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize(
+    "auto, explicit",
+    [
+        (TargetPropConfig(gate_threshold=0.3), TargetPropConfig(gate_threshold=0.3, learning_rate=0.1 * 6 / 16)),
+        (TargetPropConfig(mode="pure", gate_threshold=0.3), TargetPropConfig(mode="pure", gate_threshold=0.3, learning_rate=0.05 * 6 / 16)),
+        (TweenConfig(), TweenConfig(base_rate=0.03 * 6 / 16)),
+    ],
+    ids=["tp-chain", "tp-pure", "tween"],
+)
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_device_steps_take_an_automatic_rate_as_its_explicit_rate(auto, explicit, backend):
+    """The default rate (None) at batches of 6 rows is 6/16 of the mode's rate, on the torch-op device
+    step and the fused one, as the same run at that rate given explicitly."""
+    kernels = "reference" if backend == "reference" else ("triton" if DEVICE == "cpu" else None)
+    data = _data()
+    cfg = lambda m: TrainingConfig(method=copy.deepcopy(m), epochs=2, verbose=0, loss_type="mse")  # noqa: E731
+    ra, ta = _run(_net(), data, cfg(auto), kernels)
+    rb, tb = _run(_net(), data, cfg(explicit), kernels)
+    assert (ta._fused is None) == (backend == "reference") and ta.rates.lr == (0.03 if isinstance(auto, TweenConfig) else auto.base_rate)
+    np.testing.assert_allclose(ra.loss_history, rb.loss_history, rtol=1e-6)
+    for p, q in zip(ta.model.parameters(), tb.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

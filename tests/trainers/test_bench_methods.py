@@ -23,11 +23,23 @@ def _bench():
 def test_dry_run_prints_the_table_and_the_targets(capsys):
     assert _bench().main(["--dry-run", "--markdown"]) == 0
     out = capsys.readouterr().out
-    for method in ("bp-sgdm", "tween"):
+    for method, rate in (("bp-sgdm", "0.01"), ("tween", "0.03")):
         for batch in (32, 256):
-            assert f"| {method} | {batch} | 0.01 | cross_entropy | " in out
+            assert f"| {method} | {batch} | {rate} | cross_entropy | " in out
     assert "refused" not in out
     assert "| Tween ≥ backprop SGD+mom − 1 point | " in out
+
+
+def test_the_rates_are_the_methods_documented_defaults_at_its_batch_sizes():
+    """Every method runs at its documented default: the rate TargetPropConfig() / TweenConfig() choose at
+    batch 32 and 256 (their default rate is None: chosen from the batch size)."""
+    from torchloom import TargetPropConfig, TweenConfig
+
+    rates = _bench().RATES
+    for batch in (32, 256):
+        assert rates["tp-chain"] == TargetPropConfig().rate_for(batch) == 0.1
+        assert rates["tp-pure"] == TargetPropConfig(use_chain_rule=False).rate_for(batch) == 0.05
+        assert rates["tween"] == TweenConfig().rate_for(batch) == 0.03
 
 
 def test_a_refused_loss_is_a_row_not_a_crash(capsys):

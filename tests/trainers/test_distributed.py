@@ -56,6 +56,11 @@ METHODS = {
     "sign_symmetry": dict(method="sign_symmetry", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
     "fast_proxy": dict(method="fast_proxy", loss_type="cross_entropy", optimizer="momentum", learning_rate=0.05),
 }
+# the default rates (None): a step of B < 16 rows moves B/16 of the rate, B the global batch
+AUTO = {
+    "tween-auto": dict(method=TweenConfig(), loss_type="cross_entropy"),
+    "tp-chain-auto": dict(method=TargetPropConfig(gate_threshold=0.3)),
+}
 ALIGNED = ("dfa", "tween")  # alignment diagnostics under data-parallel training: a rule's direction, an applied change
 
 
@@ -126,6 +131,12 @@ def _scenarios(rank, tmp):
         net = _net()
         r = train(net, shards, _cfg(name))
         out[f"list-{name}"] = (_weights(net), r.loss_history)
+    # the default rates on global batches of 8 (4 rows per rank): the scale of the global batch, 8/16
+    shards = [(X[j + rank * 4 : j + rank * 4 + 4], Y[j + rank * 4 : j + rank * 4 + 4]) for j in range(0, 64, 8)]
+    for name, method in AUTO.items():
+        net = _net()
+        r = train(net, shards, TrainingConfig(epochs=3, verbose=0, **copy.deepcopy(method)))
+        out[f"auto-{name}"] = (_weights(net), r.loss_history)
     # a DataLoader: a DistributedSampler is put in (8 rows per rank per batch)
     net = _net()
     r = train(net, DataLoader(TensorDataset(X, Y), batch_size=8), _cfg("backprop"))
@@ -359,6 +370,18 @@ def test_caller_sharded_list_equals_one_process(ranks, name):
     r = train(ref, [(X[j : j + 16], Y[j : j + 16]) for j in range(0, 64, 16)], _cfg(name, distributed=False))
     for res in results:
         _check(*res[f"list-{name}"], ref, r, 1e-10)
+
+
+@pytest.mark.parametrize("name", list(AUTO))
+def test_default_rates_take_the_global_batch(ranks, name):
+    """Two ranks of 4 rows each step as one process on the global batch of 8 (the default rate scaled by
+    8/16, not by a rank's 4/16)."""
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    r = train(ref, [(X[j : j + 8], Y[j : j + 8]) for j in range(0, 64, 8)], TrainingConfig(epochs=3, verbose=0, distributed=False, **copy.deepcopy(AUTO[name])))
+    for res in results:
+        _check(*res[f"auto-{name}"], ref, r, 1e-10)
 
 
 def test_dataloader_gets_distributed_sampler(ranks):

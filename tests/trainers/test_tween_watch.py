@@ -73,15 +73,18 @@ def _acc(net, x, y):
 
 
 # ------------------------------------------------------------------------------ no false alarms
+@pytest.mark.parametrize("base_rate", [0.01, None], ids=["document-rate", "default-rate"])
 @pytest.mark.parametrize("batch, epochs", [(1, 2), (32, 20)])
-def test_no_false_alarms_digits(digits, batch, epochs):
+def test_no_false_alarms_digits(digits, batch, epochs, base_rate):
+    """At the Tweening document's rate and at the default (base_rate=None: 0.03 × min(1, B/16)), online
+    and in batches: no explosion in ordinary training, the adaptive rate never cut, and it learns."""
     xtr, ytr, xte, yte = digits
     for seed in range(2):
         net = _net((64, 32, 10), seed)
-        state = TweenState(net, TweenConfig())
+        state = TweenState(net, TweenConfig(base_rate=base_rate))
         _epochs(state, net, xtr, ytr, epochs, batch, seed)
         assert state.explosion_count == 0, f"seed {seed}: {state.explosion_count} explosions in ordinary training"
-        assert state.adaptive_rate == 0.01 and _acc(net, xte, yte) > 0.85
+        assert state.adaptive_rate == (base_rate or 0.03) and _acc(net, xte, yte) > 0.85
 
 
 @pytest.mark.parametrize("batch, epochs", [(1, 1), (32, 5)])
@@ -100,7 +103,7 @@ def test_injected_fault_is_caught_within_3_steps(digits, fault):
     xtr, ytr, _, _ = digits
     for seed in range(2):
         net = _net((64, 32, 10), seed)
-        state = TweenState(net, TweenConfig())
+        state = TweenState(net, TweenConfig(base_rate=0.01))  # the document's rate
         _epochs(state, net, xtr, ytr, 3, 16, seed)
         assert state.explosion_count == 0
         if fault == "last layer x50":

@@ -92,7 +92,8 @@ class TrainingConfig:
     epochs included."""
     learning_rate: float = DEFAULT_LR
     """The rate (> 0) of an optimizer given by name, and of a method named by ``method`` that has its
-    own rule (TargetProp, Tweening). An optimizer instance or factory keeps its own rate."""
+    own rule (TargetProp, Tweening; left at its default 0.01, "not set", those take their config's
+    default rate). An optimizer instance or factory keeps its own rate."""
     loss_type: str = "mse"
     """The loss every method trains on and logs: ``"mse"``, ``"cross_entropy"`` (logits against class
     labels ``[B]`` or one-hot / soft targets) or ``"crossentropy"`` (Loom poly's loss on

@@ -189,9 +189,10 @@ class Method:
         if cls.rate_field is not None and config is not None and not isinstance(config, Method):
             rate = getattr(config, cls.rate_field)
             if training.learning_rate != DEFAULT_LR and training.learning_rate != rate:
+                own = " (the config's own default)" if rate is None else ""
                 raise ValueError(
                     f"TrainingConfig: learning_rate={training.learning_rate!r} disagrees with the method config's "
-                    f"{cls.rate_field}={rate!r}; set the rate in the {type(config).__name__} only"
+                    f"{cls.rate_field}={rate!r}{own}; set the rate in the {type(config).__name__} only"
                 )
 
     @staticmethod

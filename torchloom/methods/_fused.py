@@ -145,7 +145,7 @@ class FusedStep:
         self.trainable = flat.trainable.to(torch.int8)
         self.weighted = torch.ones(self.n, dtype=torch.int8, device=dev)
         self.lr = torch.zeros(1, **f64)
-        self._lr_value: float | None = None
+        self._lr_value: tuple | None = None
         # each layer's parameters, as views of the flat direction buffer, in parameter order
         self.views: list[tuple[Tensor, ...]] = []
         k = 0
@@ -252,15 +252,18 @@ class FusedStep:
         size = len(pairs) * p * 5
         return stats_into(pairs, out=self.flat.tail[_TAIL_HEAD : _TAIL_HEAD + size].view(len(pairs), p, 5))
 
-    def _lr(self, rows: int = 1) -> Tensor:
-        """The rate as a 1-element device tensor, divided by ``rows`` (a step averaged over the batch)."""
+    def _lr(self, rows: int = 1, scale: float = 1.0) -> Tensor:
+        """The rate as a 1-element device tensor, divided by ``rows`` (a step averaged over the batch) and
+        multiplied by ``scale`` (an automatic rate's small-batch scale)."""
         lr = self.t.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
         if isinstance(lr, Tensor):
             self._lr_value = None
+            if scale != 1.0:
+                return torch.mul(lr.reshape(1), scale / rows, out=self.lr)
             return self.lr.copy_(lr.reshape(1)) if rows == 1 else torch.div(lr.reshape(1), rows, out=self.lr)
-        if (lr, rows) != self._lr_value:  # a fixed rate is written once, not by every (captured) step
-            self.lr.fill_(float(lr) / rows)
-            self._lr_value = (lr, rows)
+        if (lr, rows, scale) != self._lr_value:  # a fixed rate is written once, not by every (captured) step
+            self.lr.fill_(float(lr) / rows if scale == 1.0 else float(lr) * scale / rows)
+            self._lr_value = (lr, rows, scale)
         return self.lr
 
     def _update(self, runner: Any, slot: int, a: Tensor, c: Tensor, apply: Tensor) -> None:

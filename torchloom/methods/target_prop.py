@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from ..engine.guards import finite_flag
-from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
+from ..engine.method import DEFAULT_LR, Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import autocast_off, column_sum
+from ._auto_rate import small_batch_scale
 from ._fused import FlatLayout, FusedStep, into_views
 from .target_prop_rules import (
     LOSSES,
@@ -52,7 +53,8 @@ class TargetProp(Method):
        skips the update (``NAN_GRAD``); with ``gradient_clip`` the update directions are clipped
        (global L2 norm, or per element with ``clip_mode="value"``);
     4. ``apply_target_prop_gaps`` at the current rate (``TargetPropConfig.learning_rate``, driven by
-       the schedule when there is one); the engine checks the weights after it.
+       the schedule when there is one; with ``learning_rate=None`` the mode's rate, 0.1 chain rule or
+       0.05 pure, times ``min(1, B/16)`` for a step of ``B`` rows); the engine checks the weights after it.
 
     The device step (CUDA runner, graph-captured) is the same rule with the gate, the per-layer
     rates, the momentum and the NaN/Inf decisions in device tensors.
@@ -78,8 +80,9 @@ class TargetProp(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TargetPropConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate."""
-        return TargetPropConfig(learning_rate=training.learning_rate)
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate (left at its
+        default 0.01, "not set": ``learning_rate=None``, the chain rule's automatic rate)."""
+        return TargetPropConfig(learning_rate=None if training.learning_rate == DEFAULT_LR else training.learning_rate)
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -87,12 +90,20 @@ class TargetProp(Method):
         if not params:
             raise ValueError("TargetPropTrainer: model has no trainable parameters (all have requires_grad=False)")
         self.state = TargetPropState(self.model, self.config)
-        self.rates = RateHolder(params, self.config.learning_rate)
+        # the rate a schedule drives: learning_rate, or with learning_rate=None the mode's rate for batches
+        # of 16 rows or more, of which a step of B < 16 rows moves B/16 (rate_scale)
+        self.auto = self.config.learning_rate is None
+        self.rates = RateHolder(params, self.config.base_rate)
         self.loss = self.loss_of(self.training, self.config)
 
     # ------------------------------------------------------------------ engine hooks
     def schedulable(self) -> RateHolder:
         return self.rates
+
+    def rate_scale(self, rows: int) -> float:
+        """What a step over ``rows`` samples (the global batch) multiplies the scheduled rate by:
+        ``min(1, rows/16)`` with ``learning_rate=None``, else 1."""
+        return small_batch_scale(rows) if self.auto else 1.0
 
     def state_tensors(self) -> list[Tensor]:
         return [v for vs in self.state.velocities if vs is not None for v in vs]
@@ -199,7 +210,7 @@ class TargetProp(Method):
         """Clip and apply the (finite) directions, sums over ``rows`` samples; the step's output."""
         state = self.state
         self._clip(directions, rows)
-        skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr), rows=rows)
+        skipped = apply_target_prop_gaps(self.model, state, float(self.rates.lr) * self.rate_scale(rows), rows=rows)
         logs = {
             "mean_link_budget": sum(state.link_budgets) / len(state.link_budgets),
             "mean_gap": sum(state.gaps) / len(state.gaps),
@@ -311,6 +322,9 @@ class TargetProp(Method):
         open_gate = budgets >= cfg.gate_threshold
         lr = self.rates.lr  # a float, or a 0-d device tensor (a captured step's row of the lr table)
         rates = (lr.double() if isinstance(lr, Tensor) else lr) * (0.5 + 0.5 * budgets) * self._depth
+        scale = self.rate_scale(rows)  # learning_rate=None: rows/16 of the rate for a batch under 16 rows
+        if scale != 1.0:
+            rates = rates * scale
         if cfg.reduction == "mean":
             rates = rates / rows
         if clip_norm > 0:
@@ -418,7 +432,7 @@ class _FusedTargetProp(FusedStep):
             self.flat.g.clamp_(-bound, bound)
         a, c, apply = tp_rule_(
             part, self.widths, t._consts, t._budgets, t._depth, self.weighted, runner.step_status[slot, 0], runner.found_inf,
-            self._lr(rows if cfg.reduction == "mean" else 1), runner.grad_scale if clip_norm > 0 else None, correct,
+            self._lr(rows if cfg.reduction == "mean" else 1, t.rate_scale(rows)), runner.grad_scale if clip_norm > 0 else None, correct,
             rows, self.seg_layer, self.trainable, runner.step_logs[slot, :4],
         )
         self._update(runner, slot, a, c, apply)

@@ -76,10 +76,12 @@ from ..engine.losses import as_float_target, label_bounds, mse_to_target
 from .._settings import python_numbers, settings
 from ..layers.base import autocast_off
 from ..layers.network import Network
+from ._auto_rate import small_batch_scale
 from .target_prop_pure import _pure_direction, _work, estimate_input_target
 
 __all__ = [
     "MODES",
+    "DEFAULT_RATES",
     "REDUCTIONS",
     "PURE_TARGETS",
     "LOSSES",
@@ -96,6 +98,12 @@ __all__ = [
 ]
 
 MODES = ("chain_rule", "pure")
+# ``TargetPropConfig(learning_rate=None)``: each mode's measured rate for batches of 16 rows or more
+# (bench/RESULTS.md §7 runs D and E): the chain rule at 0.1 is within a point of backprop on Fashion-MNIST,
+# MNIST-1D and digits at batch 32 and 256 (0.05 misses MNIST-1D); pure mode's best is 0.05 (0.1 is unstable
+# over ten epochs of Fashion-MNIST). A step of B < 16 rows moves B/16 of it (``small_batch_scale``: the
+# chain rule at 0.1 collapsed online on digits, §7 run F)
+DEFAULT_RATES = {"chain_rule": 0.1, "pure": 0.05}
 REDUCTIONS = ("mean", "sum")
 PURE_TARGETS = ("difference", "loom")  # pure mode's input targets: a_i + est(gap) (default) | est(t) (Loom's)
 LOSSES = ("mse", "cross_entropy")  # the losses TargetProp can train on (the output target of each: output_target)
@@ -111,7 +119,7 @@ def _is_number(v: Any) -> bool:
 # Config
 
 
-@settings({"lr": "learning_rate", "rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
+@settings({"lr": "learning_rate", "rate": "learning_rate", "base_rate": "learning_rate", "chain_rule": "use_chain_rule", "loss": "loss_type"})
 @dataclass
 class TargetPropConfig:
     """Settings of TargetProp (Loom's ``TweenConfig`` in snake_case).
@@ -133,8 +141,10 @@ class TargetPropConfig:
     """Layer ``i``'s rate is ``learning_rate·factor^i``: each deeper layer gets 1.1× the rate before it (> 0)."""
     momentum: float = 0.9
     """Momentum of the update ``v = μv + (1−μ)·rate·grad``, in [0, 1)."""
-    learning_rate: float = 0.05
-    """The base rate (> 0); measured in bench/RESULTS.md §7 and the rate table of docs/target-prop.md."""
+    learning_rate: float | None = None
+    """The base rate (> 0). ``None`` (default): the mode's measured rate, ``0.1`` for the chain rule and
+    ``0.05`` for pure mode (``DEFAULT_RATES``) at batches of 16 rows or more, ``B/16`` of it for a step of
+    ``B < 16`` rows (``rate_for(B)``; the rate table of docs/target-prop.md)."""
     gate_threshold: float = 0.2
     """Layers whose link budget is below this are not updated, in [0, 1]."""
     reduction: str = "mean"
@@ -166,6 +176,19 @@ class TargetPropConfig:
             self.mode = "chain_rule" if self.use_chain_rule else "pure"
         self.validate()
 
+    @property
+    def base_rate(self) -> float:
+        """The rate a schedule drives: ``learning_rate``, or with ``learning_rate=None`` the mode's
+        ``DEFAULT_RATES`` entry (0.1 chain rule, 0.05 pure)."""
+        return float(self.learning_rate) if self.learning_rate is not None else DEFAULT_RATES[self.mode]
+
+    def rate_for(self, batch: int) -> float:
+        """The rate of a step of ``batch`` rows: ``learning_rate``, or with ``learning_rate=None`` the
+        mode's rate times ``min(1, batch/16)`` (chain rule: 0.1 from 16 rows up, 0.00625 online)."""
+        if self.learning_rate is not None:
+            return float(self.learning_rate)
+        return DEFAULT_RATES[self.mode] * small_batch_scale(batch)
+
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` unless every field is valid. The TargetProp functions call
         this before touching any state, so a config changed after construction is checked too."""
@@ -183,12 +206,13 @@ class TargetPropConfig:
             ("gradient_scale", self.gradient_scale, lambda v: v >= 0, ">= 0"),
             ("depth_scale_factor", self.depth_scale_factor, lambda v: v > 0, "> 0"),
             ("momentum", self.momentum, lambda v: 0 <= v < 1, "in [0, 1)"),
-            ("learning_rate", self.learning_rate, lambda v: v > 0, "> 0"),
+            *((("learning_rate", self.learning_rate, lambda v: v > 0, "> 0"),) if self.learning_rate is not None else ()),
             ("gate_threshold", self.gate_threshold, lambda v: 0 <= v <= 1, "in [0, 1]"),
         )
         for name, value, ok, allowed in checks:
             if not _is_number(value) or not ok(value):
-                raise ValueError(f"TargetPropConfig: {name} must be a finite number {allowed}, got {value!r}")
+                hint = " (or None: the mode's default, 0.1 chain rule / 0.05 pure)" if name == "learning_rate" else ""
+                raise ValueError(f"TargetPropConfig: {name} must be a finite number {allowed}, got {value!r}{hint}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(
                 f"TargetPropConfig: reduction must be one of {', '.join(map(repr, REDUCTIONS))} ('mean': the step averaged "
@@ -470,7 +494,8 @@ def _fill_backward(model: Network, state: TargetPropState, target: Tensor, input
 @torch.no_grad()
 def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | None = None, *, rows: int | None = None) -> list[int]:
     """Update every layer from ``state.weight_gradients`` (after ``target_prop_backward`` and
-    ``state.calculate_link_budgets()``); ``lr`` defaults to ``state.config.learning_rate``.
+    ``state.calculate_link_budgets()``); ``lr`` defaults to ``state.config.rate_for(rows)`` (its
+    ``learning_rate``, or with ``learning_rate=None`` the mode's rate for a batch of ``rows`` rows).
 
     The directions are sums over the batch's samples; with ``reduction="mean"`` (the default) the step
     is divided by ``rows``, the number of samples they sum over (default: the last forward's batch,
@@ -483,12 +508,12 @@ def apply_target_prop_gaps(model: Network, state: TargetPropState, lr: float | N
     (also kept in ``state.skipped_layers``)."""
     _check_model_state(model, state, "apply_target_prop_gaps")
     cfg = state.config
-    lr = cfg.learning_rate if lr is None else lr
-    if not _is_number(lr) or lr <= 0:
+    if lr is not None and (not _is_number(lr) or lr <= 0):
         raise ValueError(f"apply_target_prop_gaps: lr must be a finite number > 0, got {lr!r}")
     rows = state.rows if rows is None else rows
     if isinstance(rows, bool) or not isinstance(rows, int) or (cfg.reduction == "mean" and rows < 1):
         raise ValueError(f"apply_target_prop_gaps: rows must be an int >= 1 (the samples the directions sum over), got {rows!r}")
+    lr = cfg.rate_for(max(rows, 1)) if lr is None else lr
     layer_params = [tuple(layer.parameters()) for layer in model.layers]
     for i, params in enumerate(layer_params):
         direction = state.weight_gradients[i]

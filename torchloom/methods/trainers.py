@@ -105,7 +105,8 @@ class TweenTrainer(Trainer):
 
         ``data``: a list of ``(input, target)`` batches (or ``TrainingBatch``es, or a ``DataLoader``);
         or one ``(X [N, ...], Y [N, ...])`` pair of tensors, split in order into batches of
-        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample). The
+        ``batch_size`` (default 1: online learning, Loom's one ``TweenStep`` per sample; the default
+        ``base_rate=None`` then steps at 0.03/16, docs/tweening.md). The
         ``TweenConfig`` is re-validated first (a field changed after construction raises here, before
         anything changes)."""
         self.method.config.validate()

@@ -14,12 +14,14 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import LOSS_TYPES, is_label_target, loss_and_grad, mse_to_target
-from ..engine.method import Method, RateHolder, as_flat, flatten_tensors_, register_method
+from ..engine.method import DEFAULT_LR, Method, RateHolder, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
+from ._auto_rate import small_batch_scale
 from ._fused import FlatLayout, FusedStep
 from .explosion import EXPLOSION_RULE, ExplosionRule, _TensorOps
 from .tween_rules import (
     _TWEEN_SCALARS,
+    AUTO_RATE,
     TweenConfig,
     TweenState,
     _check_target_shape,
@@ -41,6 +43,9 @@ class Tween(Method):
     ``mean_gap``, ``mean_link_budget``, ``explosion`` (1.0 when the step detected one; per epoch, the
     fraction of steps that did), ``adaptive_rate``, ``gap_baseline`` and ``explosion_count`` (the total).
 
+    The rate: ``base_rate``, or with ``base_rate=None`` (the default) 0.03, of which a step of ``B < 16``
+    rows (the global batch) moves ``B/16`` (``rate_scale``); a schedule drives that 0.03.
+
     Args:
         config: a ``TweenConfig`` (defaults when ``None``).
     """
@@ -53,9 +58,11 @@ class Tween(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TweenConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` and its
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` (left at
+        its default 0.01, "not set": ``base_rate=None``, the rate chosen from the batch size) and its
         ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
-        return TweenConfig(base_rate=training.learning_rate, loss_type=training.loss_type)
+        rate = None if training.learning_rate == DEFAULT_LR else training.learning_rate
+        return TweenConfig(base_rate=rate, loss_type=training.loss_type)
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -67,11 +74,18 @@ class Tween(Method):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("TweenTrainer: model has no trainable parameters (all have requires_grad=False)")
-        # the rate a schedule drives: the ceiling of adaptive_rate (base_rate without a schedule)
-        self.rates = RateHolder(params, float(self.config.base_rate))
+        # the rate a schedule drives: the ceiling of adaptive_rate (base_rate without a schedule); with
+        # base_rate=None, 0.03, and a step of B < 16 rows moves B/16 of it (rate_scale)
+        self.auto = self.config.base_rate is None
+        self.rates = RateHolder(params, AUTO_RATE if self.auto else float(self.config.base_rate))
 
     def schedulable(self) -> RateHolder:
         return self.rates
+
+    def rate_scale(self, rows: int) -> float:
+        """What a step of ``rows`` rows (the global batch) multiplies its layers' rates by:
+        ``min(1, rows/16)`` with ``base_rate=None``, else 1 (``adaptive_rate`` itself is not scaled)."""
+        return small_batch_scale(rows) if self.auto else 1.0
 
     def diagnose(self) -> str | None:
         """A collapse the explosion watch cannot see (the gaps stay small when nothing passes): a layer
@@ -133,9 +147,11 @@ class Tween(Method):
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         events = self.layer_events()  # None unless an observer wants per-layer events
+        rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the global batch (equal shards)
         rate = float(self.rates.lr)  # base_rate, or the schedule's value
         clip = self._clip if self.clip > 0 else None
-        out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist)  # checked in convert_batch
+        out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist,
+                               scale=self.rate_scale(rows))  # checked in convert_batch
         if out.status is not StepStatus.NAN_LOSS and self.state.forward_acts:
             self.observe_outputs(self.state.forward_acts[-1], y)  # training metrics, if any
         return out
@@ -274,6 +290,9 @@ class Tween(Method):
         # update: per-layer rate, momentum per parameter, masked by ``ok``
         s = cfg.link_budget_scale
         rates = d["adaptive_rate"] * (1.0 - s / 2 + s / 2 * aligns) * self._scales
+        scale = self.rate_scale(batch)  # base_rate=None: B/16 of the rate for a (global) batch under 16 rows
+        if scale != 1.0:
+            rates = rates * scale
         if clip_norm > 0:
             rates = rates * runner.grad_scale.double()
         keep = (~exploded).double() * cfg.momentum_decay  # an explosion resets every velocity
@@ -428,6 +447,9 @@ class _FusedTween(FusedStep):
             runner.grad_scale if clip_norm > 0 else None, runner.found_inf, batch, self.seg_layer, self.trainable,
             runner.step_logs[slot, :6],
         )
+        scale = t.rate_scale(batch)  # base_rate=None: B/16 of every layer's rate for a batch under 16 rows
+        if scale != 1.0:
+            c.mul_(scale)
         self._update(runner, slot, a, c, apply)
         t._last_metrics = metrics
 

@@ -37,10 +37,10 @@ from .._settings import python_numbers, settings
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import Layer
 from ..layers.network import Network
+from ._auto_rate import small_batch_scale
 from .explosion import EXPLOSION_RULE, _FloatOps
 
-__all__ = ["TweenConfig", "TweenState", "tween_sums", "tween_metrics", "forward_layers"]
-
+__all__ = ["TweenConfig", "TweenState", "tween_sums", "tween_metrics", "forward_layers", "AUTO_RATE", "auto_rate"]
 
 def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> None:
     """``ValueError`` unless ``value`` is a finite real number in the interval (bounds as named)."""
@@ -51,6 +51,18 @@ def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, 
         raise ValueError(f"{owner}: {name} must be a finite number in {interval}, got {value!r}")
 
 
+# ``TweenConfig(base_rate=None)``: 0.03 for batches of 16 rows or more (bench/RESULTS.md §7 run E: at batch
+# 32 and 256 Tween at 0.03 is within a point of backprop on Fashion-MNIST, MNIST-1D and digits, where 0.01
+# misses MNIST-1D), and a step of B < 16 rows moves B/16 of it (``small_batch_scale``; §7 run F)
+AUTO_RATE = 0.03
+
+
+def auto_rate(batch: int, rate: float = AUTO_RATE) -> float:
+    """``base_rate=None``'s rate for a step of ``batch`` rows: ``rate·min(1, batch/16)`` (``rate`` = 0.03,
+    or a schedule's value): 0.001875 online, 0.0075 at batch 4, 0.03 from 16 rows up."""
+    return rate * small_batch_scale(batch)
+
+
 @settings({"lr": "base_rate", "learning_rate": "base_rate", "rate": "base_rate", "momentum": "momentum_decay", "loss": "loss_type"})
 @dataclass
 class TweenConfig:
@@ -59,13 +71,16 @@ class TweenConfig:
 
     ``base_rate`` is the learning rate; momentum is applied as ``v = μv − rate·g``, so the long-run
     step of a steady gradient is ``rate/(1−μ)``, ten times ``base_rate`` at the default ``μ = 0.9``.
+    Its default ``None`` chooses the rate from each step's batch size ``B`` (``auto_rate``): ``0.03`` from
+    16 rows up, ``0.03·B/16`` below (``0.001875`` online); ``rate_for(B)`` gives it.
     Every field is checked when the config is built; numbers may be NumPy scalars (stored as Python
     numbers).
     """
 
-    base_rate: float = 0.01
-    """The learning rate (> 0): where ``adaptive_rate`` starts and what it recovers towards (the
-    document's value)."""
+    base_rate: float | None = None
+    """The learning rate (> 0): what ``adaptive_rate`` recovers towards. ``None`` (default): chosen from
+    each step's batch size ``B``, ``0.03·min(1, B/16)`` (0.03 from 16 rows up, 0.001875 online; measured
+    in docs/tweening.md's rate table). The Tweening document's (and Loom's) value is ``0.01``."""
     momentum_decay: float = 0.9
     """Momentum μ in [0, 1); 0 = no momentum (the document's value)."""
     link_budget_scale: float = 1.0
@@ -99,7 +114,11 @@ class TweenConfig:
         public ``tween_step``/``step``, so a field changed after construction is checked too."""
         python_numbers(self)
         o = "TweenConfig"
-        _number(o, "base_rate", self.base_rate, 0.0, lo_open=True)
+        if self.base_rate is not None:
+            try:
+                _number(o, "base_rate", self.base_rate, 0.0, lo_open=True)
+            except ValueError as e:
+                raise ValueError(f"{e} (or None: chosen from each step's batch size)") from None
         _number(o, "momentum_decay", self.momentum_decay, 0.0, 1.0, hi_open=True)
         _number(o, "link_budget_scale", self.link_budget_scale, 0.0, 2.0)
         _number(o, "gap_threshold", self.gap_threshold, 0.0)
@@ -112,6 +131,12 @@ class TweenConfig:
                 raise TypeError(f"{o}: {name} must be a bool, got {getattr(self, name)!r}")
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
             raise ValueError(f"{o}: loss_type must be None (automatic) or one of {LOSS_TYPES}, got {self.loss_type!r}")
+
+    def rate_for(self, batch: int) -> float:
+        """The rate of a step of ``batch`` rows while nothing exploded: ``base_rate``, or with
+        ``base_rate=None`` ``auto_rate(batch)`` = ``0.03·min(1, batch/16)`` (``adaptive_rate`` then
+        holds the 0.03, and a step of fewer than 16 rows moves ``batch/16`` of it)."""
+        return float(self.base_rate) if self.base_rate is not None else auto_rate(batch)
 
 
 def _is_bias(name: str) -> bool:
@@ -147,7 +172,8 @@ class TweenState:
       before the first step), ``gap_baseline`` (the running baseline of the mean gap, 0 before the
       first step), ``gap_growth_rate`` (the last step's mean gap / the baseline it was compared with),
       ``explosion_count`` (total explosions detected), ``adaptive_rate`` (the rate in use: starts at
-      ``base_rate``, cut on an explosion, never below 1 % of it), ``steps`` (counted steps);
+      ``base_rate``, cut on an explosion, never below 1 % of it; with ``base_rate=None`` it starts at
+      0.03 and a step of ``B < 16`` rows moves ``B/16`` of it), ``steps`` (counted steps);
     * ``depth_scales`` (per layer, ``None`` for layers without parameters), ``layer_rates`` (the rate
       each layer used in the last step, ``0.0`` where none), ``active`` (``[B]`` bool: samples that
       contributed a gradient), ``last_status`` (a ``StepStatus``);
@@ -198,7 +224,8 @@ class TweenState:
         self.gap_log_peak: float = -math.inf  # ... its slowly forgetting running peak of log(avg_gap)
         self.explosion_pressure: float = 0.0  # ... its leaky count of recent explosions
         self.explosion_count: int = 0
-        self.adaptive_rate: float = float(config.base_rate)
+        # base_rate=None: the rate of batches of 16 rows or more (a smaller step moves B/16 of it)
+        self.adaptive_rate: float = float(config.base_rate) if config.base_rate is not None else AUTO_RATE
         self.steps: int = 0
         self.last_status: StepStatus = StepStatus.OK
         self.loss_history: list[float] = []
@@ -261,8 +288,9 @@ class TweenState:
 
         ``x [B, ...]``; ``target``: integer class labels (the output's shape without its last
         dimension, values in ``[0, C)``) or a float tensor of the output's shape. ``num_classes``
-        (optional) must equal the output size ``C``. ``rate`` (optional, > 0) replaces ``base_rate``
-        for this step as the ceiling of ``adaptive_rate``. Bad arguments, and a ``TweenConfig`` field
+        (optional) must equal the output size ``C``. ``rate`` (optional, > 0) replaces the configured
+        rate (``config.rate_for(B)``: ``base_rate``, or with ``base_rate=None`` the rate for this batch's
+        ``B`` rows) for this step as the ceiling of ``adaptive_rate``. Bad arguments, and a ``TweenConfig`` field
         made invalid after construction, raise ``ValueError`` / ``TypeError`` before anything changes.
 
         With ``B`` rows, ``ℓ_b`` the loss of sample ``b`` (so the batch loss is ``mean_b ℓ_b``), ``ŷ``
@@ -291,14 +319,15 @@ class TweenState:
            velocity (weights and biases) set to 0; such a step pulls the baseline only part of the
            way, and after explosions on about 4 steps in a row the baseline jumps to the new gap level
            (a persistent change is absorbed, so learning never freezes). Else ``adaptive_rate =
-           min(base, adaptive_rate·recovery_growth)`` with ``base = rate or base_rate`` (never above
+           min(base, adaptive_rate·recovery_growth)`` with ``base = rate or config.rate_for(B)`` (never above
            it, also after a cut). ``prev_avg_gap = avg_gap``.
         5. **Update**, weighted layer ``k`` (of ``L``) at index ``i``: ``r_i = adaptive_rate · (1 − s/2
-           + s/2·alignments[i]) · scale_k`` with ``s = link_budget_scale`` and ``scale_k = 1/sqrt(L − k)``
-           (1 when ``depth_scaling`` is off); per parameter ``v = momentum_decay·v − r_i·G_i/B``;
+           + s/2·alignments[i]) · scale_k · b`` with ``s = link_budget_scale``, ``scale_k = 1/sqrt(L − k)``
+           (1 when ``depth_scaling`` is off) and ``b = min(1, B/16)`` when ``base_rate`` is ``None`` and no
+           ``rate`` is given (else 1); per parameter ``v = momentum_decay·v − r_i·G_i/B``;
            ``θ += v``. ``G_i/B`` is the gradient of the batch loss, so with depth scaling off, ``s = 0``,
            ``gap_threshold = 0`` and ``momentum_decay = 0`` a step is exactly one SGD step of rate
-           ``adaptive_rate`` (= ``base_rate`` while nothing exploded) on the batch loss.
+           ``adaptive_rate·b`` (= ``config.rate_for(B)`` while nothing exploded) on the batch loss.
         6. **Loss**: the batch loss of step 2 (before the update) is appended to ``loss_history`` and
            returned.
 
@@ -318,7 +347,7 @@ class TweenState:
     @torch.no_grad()
     def _step(
         self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None,
-        clip: Any = None, dist: Any = None,
+        clip: Any = None, dist: Any = None, scale: float | None = None,
     ) -> StepOutput:
         """``step``'s body. ``events``: a ``LayerEvents`` (observers/layer_stats.py) that gets each layer's
         output and input gradient (the batch loss's, as in backprop), or ``None``. ``clip``: a callable
@@ -326,12 +355,14 @@ class TweenState:
         the update, with the batch size ``B`` (``clip(grads, B)``; the gradients are sums over the
         batch, ``G_i``), or ``None``."""
         cfg = self.config
-        base = _rate("tween_step", rate) if rate is not None else float(cfg.base_rate)
+        base = _rate("tween_step", rate) if rate is not None else (float(cfg.base_rate) if cfg.base_rate is not None else AUTO_RATE)
         net = self._check_model(model)
         if not isinstance(x, Tensor):
             raise TypeError(f"tween_step: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"tween_step: x must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
+        if scale is None:  # base_rate=None (and no rate given): a step of B < 16 rows moves B/16 of the rate
+            scale = small_batch_scale(x.shape[0]) if rate is None and cfg.base_rate is None else 1.0
         layers = list(net.layers)
         n = len(layers)
 
@@ -404,11 +435,11 @@ class TweenState:
         # 5. Update: per-layer rate, momentum per parameter.
         s = cfg.link_budget_scale
         for i, layer in enumerate(layers):
-            scale = self.depth_scales[i]
-            if scale is None:
+            depth = self.depth_scales[i]
+            if depth is None:
                 self.layer_rates[i] = 0.0
                 continue
-            r = self.adaptive_rate * (1.0 - s / 2 + s / 2 * aligns[i]) * scale
+            r = self.adaptive_rate * (1.0 - s / 2 + s / 2 * aligns[i]) * depth * scale
             self.layer_rates[i] = r
             wv, bv = iter(self.weight_velocity[i]), iter(self.bias_velocity[i])
             for (name, p), pg in zip(layer.named_parameters(), param_grads[i]):

@@ -1,0 +1,161 @@
+"""The default rates of TargetProp and Tweening (issue 31, item 4: chosen from the measured rate table,
+docs/target-prop.md and docs/tweening.md).
+
+``TargetPropConfig(learning_rate=None)`` and ``TweenConfig(base_rate=None)`` (the defaults) take the
+rate measured for mini-batches, 0.1 for the chain rule, 0.05 for pure mode and 0.03 for Tweening, and a
+step of ``B < 16`` rows moves ``B/16`` of it. The expected rates are written out here from that rule;
+every run with an automatic rate is compared with the same run at the explicit rate the rule gives (the
+explicit-rate steps are checked against autograd, SGD and real Loom elsewhere). An explicit rate is
+used as given; a run resumed from a checkpoint goes on exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from torchloom import (
+    Checkpoint,
+    Dense,
+    Network,
+    TargetPropConfig,
+    TargetPropState,
+    TrainingConfig,
+    TweenConfig,
+    TweenState,
+    apply_target_prop_gaps,
+    target_prop_backward,
+    target_prop_forward,
+    train,
+)
+from torchloom.engine.train import make_trainer
+
+F64 = torch.float64
+BATCHES = [1, 2, 4, 8, 15, 16, 17, 32, 256]
+
+
+def _rule(rate: float, batch: int) -> float:
+    return rate * min(1.0, batch / 16)
+
+
+def _net():
+    torch.manual_seed(0)
+    return Network(Dense(5, 7, "tanh", dtype=F64), Dense(7, 3, dtype=F64))
+
+
+def _data(batch, n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 5, generator=g, dtype=F64), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+
+
+def _cfg(method, epochs=2, **kw):
+    return TrainingConfig(method=copy.deepcopy(method), epochs=epochs, verbose=0, loss_type="cross_entropy", **kw)
+
+
+# ------------------------------------------------------------------------------ the rule
+def test_target_prop_default_rate_per_mode_and_batch():
+    chain, pure = TargetPropConfig(), TargetPropConfig(mode="pure")
+    assert chain.learning_rate is None and TargetPropConfig(use_chain_rule=False).base_rate == 0.05
+    assert chain.base_rate == 0.1 and pure.base_rate == 0.05
+    for b in BATCHES:
+        assert chain.rate_for(b) == pytest.approx(_rule(0.1, b), rel=1e-15), b
+        assert pure.rate_for(b) == pytest.approx(_rule(0.05, b), rel=1e-15), b
+    for mode in ("chain_rule", "pure"):  # an explicit rate is the rate, at every batch size
+        cfg = TargetPropConfig(mode=mode, learning_rate=0.3)
+        assert cfg.learning_rate == 0.3 and cfg.base_rate == 0.3 and {cfg.rate_for(b) for b in BATCHES} == {0.3}
+    switched = TargetPropConfig()
+    switched.mode, switched.use_chain_rule = "pure", False  # None follows the mode, also after construction
+    switched.validate()
+    assert switched.rate_for(32) == 0.05
+
+
+def test_tween_default_rate_per_batch():
+    cfg = TweenConfig()
+    assert cfg.base_rate is None
+    for b in BATCHES:
+        assert cfg.rate_for(b) == pytest.approx(_rule(0.03, b), rel=1e-15), b
+    assert {TweenConfig(base_rate=0.01).rate_for(b) for b in BATCHES} == {0.01}
+
+
+def test_bad_explicit_rates_name_the_automatic_choice():
+    with pytest.raises(ValueError, match=r"^TargetPropConfig: learning_rate must be a finite number > 0, got -0\.5 \(or None: "
+                       r"the mode's default, 0\.1 chain rule / 0\.05 pure\)$"):
+        TargetPropConfig(learning_rate=-0.5)
+    with pytest.raises(ValueError, match=r"^TweenConfig: base_rate must be a finite number in \(0\.0, inf\), got 0 \(or None: "
+                       r"chosen from each step's batch size\)$"):
+        TweenConfig(base_rate=0)
+
+
+def test_by_name_the_method_takes_its_default_unless_a_rate_is_given():
+    for name, field, default in (("target_prop", "learning_rate", 0.1), ("tween", "base_rate", 0.03)):
+        trainer = make_trainer(_net(), TrainingConfig(method=name, verbose=0))
+        assert getattr(trainer.method.config, field) is None and trainer.rates.lr == default, name
+        trainer = make_trainer(_net(), TrainingConfig(method=name, learning_rate=0.2, verbose=0))
+        assert getattr(trainer.method.config, field) == 0.2 and trainer.rates.lr == 0.2, name
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.2 disagrees with the method config's base_rate=None "
+                       r"\(the config's own default\); set the rate in the TweenConfig only$"):
+        make_trainer(_net(), TrainingConfig(method=TweenConfig(), learning_rate=0.2, verbose=0))
+
+
+# ---------------------------------------------------------------- the same run, explicit rate
+@pytest.mark.parametrize("batch", [4, 32])
+@pytest.mark.parametrize(
+    "auto, rate, explicit",
+    [
+        (TargetPropConfig(gate_threshold=0.0), 0.1, lambda r: TargetPropConfig(gate_threshold=0.0, learning_rate=r)),
+        (TargetPropConfig(mode="pure", gate_threshold=0.0), 0.05, lambda r: TargetPropConfig(mode="pure", gate_threshold=0.0, learning_rate=r)),
+        (TweenConfig(gap_threshold=0.0), 0.03, lambda r: TweenConfig(gap_threshold=0.0, base_rate=r)),
+    ],
+    ids=["tp-chain", "tp-pure", "tween"],
+)
+def test_an_automatic_rate_trains_as_its_explicit_rate(auto, rate, explicit, batch):
+    data = _data(batch)
+    a, b = _net(), _net()
+    ra = train(a, data, _cfg(auto))
+    rb = train(b, data, _cfg(explicit(_rule(rate, batch))))
+    torch.testing.assert_close(torch.tensor(ra.loss_history), torch.tensor(rb.loss_history), rtol=1e-12, atol=0)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+
+
+def test_functional_apis_take_the_rate_of_the_batch_they_see():
+    x, y = _data(2, n=1)[0]
+    t = torch.nn.functional.one_hot(y, 3).to(F64)
+    nets = [_net(), _net()]
+    for net, cfg in zip(nets, (TargetPropConfig(), TargetPropConfig(learning_rate=_rule(0.1, 2)))):
+        state = TargetPropState(net, cfg)
+        target_prop_forward(net, state, x)
+        target_prop_backward(net, state, t)
+        state.calculate_link_budgets()
+        apply_target_prop_gaps(net, state)
+    for p, q in zip(*(n.parameters() for n in nets)):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+    nets = [_net(), _net()]
+    states = [TweenState(nets[0], TweenConfig()), TweenState(nets[1], TweenConfig(base_rate=_rule(0.03, 2)))]
+    for net, state in zip(nets, states):
+        for _ in range(3):
+            state.step(net, x, y)
+    assert states[0].adaptive_rate == 0.03 and states[1].adaptive_rate == _rule(0.03, 2)
+    assert states[0].layer_rates == pytest.approx(states[1].layer_rates, rel=1e-12)
+    for p, q in zip(*(n.parameters() for n in nets)):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("method, rate", [(TargetPropConfig(), 0.1), (TweenConfig(), 0.03)], ids=["tp-chain", "tween"])
+def test_a_resumed_run_keeps_the_automatic_rate(tmp_path, method, rate):
+    data = _data(4)
+    whole = _net()
+    train(whole, data, _cfg(method, epochs=4))
+    path = tmp_path / "run.pt"
+    part = _net()
+    train(part, data, _cfg(method, epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
+    assert torch.load(path, weights_only=True)["training"]["rates"] == [rate]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same settings: no "the checkpoint's settings are used" warning
+        train(part, data, _cfg(method, epochs=4, resume_from=str(path)))
+    for p, q in zip(part.parameters(), whole.parameters()):
+        assert torch.equal(p, q)
