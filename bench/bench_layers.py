@@ -9,7 +9,7 @@ Layer rows (one step = gradients set to None, forward, backward of a fixed upstr
 * MultiHeadAttention d 1024, 16 heads, causal, RoPE, at S = 2,048 (batch 4) and S = 8,192 (batch 1)
   vs the same projections + RoPE + ``F.scaled_dot_product_attention`` (PyTorch's flash kernel);
 * SwiGLU 1024→2816 on 8×1024 tokens vs three ``nn.Linear`` + ``F.silu``;
-* RMSNorm / LayerNorm 1024 on 8×1024 tokens vs ``F.rms_norm`` / ``F.layer_norm``.
+* RMSNorm / LayerNorm 1024 on 8×1024 tokens vs ``nn.RMSNorm`` / ``nn.LayerNorm``.
 
 Time: median of 5 runs (each about ``--target``/5 seconds of steps), eager (what a plain PyTorch loop
 pays, host launch overhead included) and *graphed* (ten steps captured in one CUDA graph and
@@ -215,6 +215,18 @@ def _step(fn, x, gy, params):
     return run
 
 
+class _TorchSwiGLU(torch.nn.Module):
+    """PyTorch's side of the SwiGLU row: three ``nn.Linear`` and ``F.silu`` in a module (PyTorch has no
+    SwiGLU module; a module, like torchloom's, so both sides pay a module call)."""
+
+    def __init__(self, h: int, m: int, **f) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = torch.nn.Linear(h, m, **f), torch.nn.Linear(h, m, **f), torch.nn.Linear(m, h, **f)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 def layer_cases(dev: torch.device, dtype: torch.dtype, smoke: bool):
     f = dict(device=dev, dtype=dtype)
 
@@ -269,19 +281,19 @@ def layer_cases(dev: torch.device, dtype: torch.dtype, smoke: bool):
     n, h, m = (6, 16, 24) if smoke else (8192, 1024, 2816)
     x, gy = inp(n, h)
     swiglu = SwiGLU(h, m, **f)
-    lins = torch.nn.ModuleList(torch.nn.Linear(a, z, **f) for a, z in ((h, m), (h, m), (m, h)))
+    torch_swiglu = _TorchSwiGLU(h, m, **f)
     yield Case("SwiGLU (3 nn.Linear + F.silu)", (n, h, m), x, gy, swiglu, swiglu.parameters(),
-               lambda x, l=lins: l[2](F.silu(l[0](x)) * l[1](x)), lins.parameters(), 1.0)
+               torch_swiglu, torch_swiglu.parameters(), 1.0)
 
     n, h = (6, 16) if smoke else (8192, 1024)
     x, gy = inp(n, h)
     rms = RMSNorm(h, eps=EPS, **f)
-    w = torch.ones(h, **f).requires_grad_()
-    yield Case("RMSNorm (F.rms_norm)", (n, h), x, gy, rms, rms.parameters(), lambda x, w=w: F.rms_norm(x, (h,), w, EPS), [w], 1.0)
+    torch_rms = torch.nn.RMSNorm(h, eps=EPS, **f)
+    yield Case("RMSNorm (nn.RMSNorm)", (n, h), x, gy, rms, rms.parameters(), torch_rms, torch_rms.parameters(), 1.0)
     x, gy = inp(n, h)
     ln = LayerNorm(h, **f)
-    w, bb = torch.ones(h, **f).requires_grad_(), torch.zeros(h, **f).requires_grad_()
-    yield Case("LayerNorm (F.layer_norm)", (n, h), x, gy, ln, ln.parameters(), lambda x, w=w, bb=bb: F.layer_norm(x, (h,), w, bb, 1e-5), [w, bb], 1.0)
+    torch_ln = torch.nn.LayerNorm(h, **f)
+    yield Case("LayerNorm (nn.LayerNorm)", (n, h), x, gy, ln, ln.parameters(), torch_ln, torch_ln.parameters(), 1.0)
 
 
 def peak_memory(fn: Callable[[], object], dev: torch.device) -> float:

@@ -384,46 +384,36 @@ def test_compiled_shape_check_raises():
             compiled(bad)
 
 
-def test_a_compiled_cpu_rmsnorm_refuses_loudly_where_torch_computes_it_wrong(monkeypatch):
-    """On torch 2.11 a compiled RMSNorm's weight gradient on CPU tensors was measured wrong (by ~13 on a
-    [4, 8] input; 2.13 and CUDA are right): there ``torchloom.layers.norm._COMPILE_GUARD`` holds a
-    message. Switched on by hand here: ``fullgraph=True`` fails with that message; without it Dynamo
-    runs the layer's frame eagerly, so the weight gradient is the eager one (against autograd)."""
-    from torchloom.layers import norm
-
-    monkeypatch.setattr(norm, "_COMPILE_GUARD", "torchloom RMSNorm under torch.compile on the CPU needs torch >= 2.13")
-    torch._dynamo.reset()
-    x = torch.randn(3, 4, dtype=torch.float64)
-    layer = RMSNorm(4, dtype=torch.float64)
-    with pytest.raises(Exception, match=r"RMSNorm under torch.compile on the CPU needs torch >= 2.13"):
-        torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        layer.weight.copy_(torch.linspace(0.5, 2.0, 4, dtype=torch.float64))
-    torch.compile(layer, backend="aot_eager")(x).pow(2).sum().backward()
-    w = layer.weight.detach().clone().requires_grad_(True)
-    ((x * torch.rsqrt(x.square().mean(-1, keepdim=True) + layer.eps)) * w).pow(2).sum().backward()
-    torch.testing.assert_close(layer.weight.grad, w.grad)
-    torch._dynamo.reset()
-
-
 def test_traced_as_reference_only_while_compiling(monkeypatch):
-    """``traced_as_reference``: True only while Dynamo traces, for an op in ``COMPILED_AS_REFERENCE``
-    and the default backend (an explicit ``backend="triton"`` keeps the kernel); the set is read at
-    call time, so emptying it sends every op back to its registered kernel."""
+    """``traced_as_reference``: True only while Dynamo traces, for an op and input dtype that
+    ``COMPILED_AS_REFERENCE`` names and the default backend (an explicit ``backend="triton"`` keeps the
+    kernel); the table is read at call time, so emptying it sends every op back to its kernel."""
     from torchloom.kernels import _triton
 
     def probe(x, op, backend=None):
-        return x + (1.0 if _triton.traced_as_reference(op, backend) else 0.0)
+        return x + (1.0 if _triton.traced_as_reference(op, x.dtype, backend) else 0.0)
 
-    x = torch.zeros(2)
-    assert probe(x, "rmsnorm").sum().item() == 0.0  # eager
+    x16, x32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    assert probe(x16, "rmsnorm").sum().item() == 0.0  # eager
     torch._dynamo.reset()
     compiled = torch.compile(probe, backend="aot_eager", fullgraph=True)
-    assert compiled(x, "rmsnorm").sum().item() == 2.0
-    assert compiled(x, "rmsnorm", "triton").sum().item() == 0.0
-    assert compiled(x, "flash_attention").sum().item() == 0.0  # not in the set
-    monkeypatch.setattr(_triton, "COMPILED_AS_REFERENCE", set())
+    assert compiled(x16, "rmsnorm").sum().item() == 2.0
+    assert compiled(x32, "rmsnorm").sum().item() == 0.0  # float32 norms keep their kernel
+    assert compiled(x32, "swiglu").sum().item() == 2.0
+    assert compiled(x16, "rmsnorm", "triton").sum().item() == 0.0
+    assert compiled(x16, "flash_attention").sum().item() == 0.0  # not in the table
+    monkeypatch.setattr(_triton, "COMPILED_AS_REFERENCE", {})
     torch._dynamo.reset()
-    assert torch.compile(probe, backend="aot_eager", fullgraph=True)(x, "rmsnorm").sum().item() == 0.0
+    assert torch.compile(probe, backend="aot_eager", fullgraph=True)(x16, "rmsnorm").sum().item() == 0.0
     torch._dynamo.reset()
+
+
+def test_cast_returns_the_tensor_itself_when_its_dtype_fits():
+    """The references cast through ``_triton.cast``: no ``.to`` call (a no-op ``.to`` inside an
+    ``autograd.Function`` made torch 2.11's compiled gradients wrong), a real cast otherwise."""
+    from torchloom.kernels._triton import cast
+
+    t = torch.randn(3)
+    assert cast(t, torch.float32) is t
+    h = cast(t, torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and torch.equal(h, t.to(torch.bfloat16))

@@ -26,6 +26,8 @@ __all__ = [
     "interpreter_enabled",
     "use_triton",
     "traced_as_reference",
+    "compute_dtype",
+    "cast",
     "check_backend",
     "elementwise_settings",
     "row_settings",
@@ -52,21 +54,42 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Ops that, while ``torch.compile`` traces, hand Inductor their PyTorch reference (the same forward and
-# hand-written backward formulas as torch ops) instead of their registered Triton kernel: Inductor then
-# generates their kernels itself and fuses them with the neighbouring ops (a residual add before a
-# norm, a cast after it, the bias sums of SwiGLU's backward), which an opaque kernel call cannot join,
-# and its generated launches cost less host time than a user kernel's. Measured per op on the GPU
-# (bench/RESULTS.md §10: torchloom compiled vs PyTorch compiled); ``bench_layers.py --compiled
-# --compiled-kernels`` times the registered kernels instead. An explicit ``backend="triton"`` still
-# reaches the kernel under compile. Eager calls and CUDA graphs always run the kernels.
-COMPILED_AS_REFERENCE = {"rmsnorm", "layernorm", "softmax", "swiglu"}
+# Ops (and input dtypes) that, while ``torch.compile`` traces, hand Inductor their PyTorch reference
+# (the same forward and hand-written backward formulas, as torch ops) instead of their registered
+# Triton kernel: Inductor then generates their kernels itself and can fuse them with the neighbouring
+# ops (a residual add before a norm, the bias sums of SwiGLU's backward), which an opaque kernel call
+# cannot join. Chosen per op and dtype by the device time of a compiled step against PyTorch's module
+# compiled the same way (bench/RESULTS.md §10, H200): the norms' kernels win in float32 (RMSNorm
+# 0.95×, LayerNorm 0.86×, against 1.01× / 0.99× as reference) and lose in bfloat16 (1.26× / 1.38×,
+# against 0.99× / 0.99×); SwiGLU's gate is at parity or better as reference (1.00× / 0.91×). Softmax
+# follows the norms' half-precision choice everywhere (not timed on its own). ``bench_layers.py
+# --compiled --compiled-kernels`` empties the table to time the kernels. An explicit
+# ``backend="triton"`` still reaches the kernel under compile; eager calls and CUDA graphs always do.
+_HALF = (torch.float16, torch.bfloat16)
+_ALL = (torch.float32, *_HALF)
+COMPILED_AS_REFERENCE: dict[str, tuple[torch.dtype, ...]] = {
+    "rmsnorm": _HALF, "layernorm": _HALF, "softmax": _ALL, "swiglu": _ALL,
+}
 
 
-def traced_as_reference(op: str, backend: str | None = None) -> bool:
-    """True while ``torch.compile`` traces an op named in ``COMPILED_AS_REFERENCE`` with the default
-    backend: the caller then returns its reference's result."""
-    return backend is None and op in COMPILED_AS_REFERENCE and torch.compiler.is_compiling()
+def traced_as_reference(op: str, dtype: torch.dtype, backend: str | None = None) -> bool:
+    """True while ``torch.compile`` traces ``op`` on an input of ``dtype`` that ``COMPILED_AS_REFERENCE``
+    names, with the default backend: the caller then returns its reference's result."""
+    return backend is None and dtype in COMPILED_AS_REFERENCE.get(op, ()) and torch.compiler.is_compiling()
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The references' arithmetic dtype: float32 for half-precision inputs (as the kernels compute),
+    float32/64 in their own dtype."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, the tensor itself when it already is (no ``.to`` call). Measured on torch
+    2.11: a no-op ``.to(dtype)`` of an input or saved tensor inside an ``autograd.Function`` made its
+    compiled gradients wrong (RMSNorm's ``dx`` off by 4.5 on an [8, 24] input, CPU and CUDA,
+    aot_eager and Inductor); torch 2.13 is right either way. The references use this for every cast."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def check_backend(backend: str | None) -> None:

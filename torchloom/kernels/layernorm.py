@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, traced_as_reference, use_triton
+from ._triton import KERNEL_DTYPES, cast, compute_dtype, traced_as_reference, use_triton
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
 
@@ -60,22 +60,17 @@ _ELEMS_PER_THREAD = 16
 _COLUMN_BYTES_PER_PARTIAL = 256
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    """Half-precision inputs are computed in float32, like the kernels; float32/64 in their own dtype."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-
-
 # ------------------------------------------------------------------------------------ reference
 def layernorm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``x [..., n]``, ``weight [n]``, ``bias [n]`` → ``(y [..., n] in x's dtype, mean [...],
     rstd [...])`` (mean and rstd in the compute dtype; biased variance)."""
-    dt = _compute_dtype(x)
-    xc = x.to(dt)
+    dt = compute_dtype(x)
+    xc = cast(x, dt)
     mean = xc.mean(dim=-1)
     centered = xc - mean.unsqueeze(-1)
     rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
-    y = centered * rstd.unsqueeze(-1) * weight.to(dt) + bias.to(dt)
-    return y.to(x.dtype), mean, rstd
+    y = centered * rstd.unsqueeze(-1) * cast(weight, dt) + cast(bias, dt)
+    return cast(y, x.dtype), mean, rstd
 
 
 def layernorm_backward_ref(
@@ -83,15 +78,15 @@ def layernorm_backward_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx [..., n] in x's dtype, dw [n], db [n] in weight's dtype)`` from the upstream gradient, the
     input, the weight and the saved ``mean``, ``rstd``."""
-    dt = _compute_dtype(x)
+    dt = compute_dtype(x)
     n = x.shape[-1]
-    g, r = grad_out.to(dt), rstd.to(dt).unsqueeze(-1)
-    x_hat = (x.to(dt) - mean.to(dt).unsqueeze(-1)) * r
-    gw = g * weight.to(dt)
+    g, r = cast(grad_out, dt), cast(rstd, dt).unsqueeze(-1)
+    x_hat = (cast(x, dt) - cast(mean, dt).unsqueeze(-1)) * r
+    gw = g * cast(weight, dt)
     dx = r * (gw - gw.mean(dim=-1, keepdim=True) - x_hat * (gw * x_hat).mean(dim=-1, keepdim=True))
     dw = (g * x_hat).reshape(-1, n).sum(0)
     db = g.reshape(-1, n).sum(0)
-    return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
+    return cast(dx, x.dtype), cast(dw, weight.dtype), cast(db, weight.dtype)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -359,7 +354,7 @@ def layernorm(
     elsewhere (``backend`` as ``_triton.use_triton``)."""
     if (
         not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
-        or traced_as_reference("layernorm", backend)
+        or traced_as_reference("layernorm", x.dtype, backend)
     ):
         return layernorm_ref(x, weight, bias, eps)
     y, mean, rstd = tiled_forward(x, weight, bias, eps, rms=False)
@@ -372,7 +367,7 @@ def layernorm_backward(
     """``(dx, dw, db)`` of LayerNorm: the Triton kernel on CUDA, the reference elsewhere."""
     if (
         not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
-        or traced_as_reference("layernorm", backend)
+        or traced_as_reference("layernorm", x.dtype, backend)
     ):
         return layernorm_backward_ref(grad_out, x, weight, mean, rstd)
     dx, dw, db = tiled_backward(grad_out, x, weight, mean, rstd, has_bias=True)

@@ -24,34 +24,29 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, row_settings, traced_as_reference, use_triton
+from ._triton import KERNEL_DTYPES, row_settings, cast, compute_dtype, traced_as_reference, use_triton
 
 __all__ = ["rmsnorm_ref", "rmsnorm_backward_ref", "rmsnorm", "rmsnorm_backward"]
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    """Half-precision inputs are computed in float32, like the kernels; float32/64 in their own dtype."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 # ------------------------------------------------------------------------------------ reference
 def rmsnorm_ref(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``x [..., n]``, ``weight [n]`` → ``(y [..., n] in x's dtype, rstd [...] in the compute dtype)``."""
-    xc = x.to(_compute_dtype(x))
+    xc = cast(x, compute_dtype(x))
     rstd = torch.rsqrt(xc.square().mean(dim=-1) + eps)
-    y = xc * rstd.unsqueeze(-1) * weight.to(xc.dtype)
-    return y.to(x.dtype), rstd
+    y = xc * rstd.unsqueeze(-1) * cast(weight, xc.dtype)
+    return cast(y, x.dtype), rstd
 
 
 def rmsnorm_backward_ref(grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx [..., n], dw [n])`` from the upstream gradient, the input, the weight and the saved ``rstd``."""
-    dt = _compute_dtype(x)
-    g, xc, r = grad_out.to(dt), x.to(dt), rstd.to(dt).unsqueeze(-1)
+    dt = compute_dtype(x)
+    g, xc, r = cast(grad_out, dt), cast(x, dt), cast(rstd, dt).unsqueeze(-1)
     x_hat = xc * r
-    gw = g * weight.to(dt)
+    gw = g * cast(weight, dt)
     dx = r * (gw - x_hat * (gw * x_hat).mean(dim=-1, keepdim=True))
     dw = (g * x_hat).reshape(-1, x.shape[-1]).sum(0)
-    return dx.to(x.dtype), dw.to(weight.dtype)
+    return cast(dx, x.dtype), cast(dw, weight.dtype)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -214,7 +209,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -
     """``(y, rstd)`` of RMSNorm over the last dimension of ``x [..., n]`` with ``weight [n]``: the
     Triton kernel on CUDA for float32/float16/bfloat16 (``rstd [...]`` float32), the reference
     elsewhere (``backend`` as ``_triton.use_triton``)."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", backend):
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
         return rmsnorm_ref(x, weight, eps)
     if _tiled(x):
         from .layernorm import tiled_forward
@@ -228,7 +223,7 @@ def rmsnorm_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, backend: str | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(dx [..., n], dw [n])`` of RMSNorm: the Triton kernel on CUDA, the reference elsewhere."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", backend):
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
         return rmsnorm_backward_ref(grad_out, x, weight, rstd)
     if _tiled(x):
         from .layernorm import tiled_backward

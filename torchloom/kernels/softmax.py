@@ -28,29 +28,24 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, row_settings, traced_as_reference, use_triton
+from ._triton import KERNEL_DTYPES, row_settings, cast, compute_dtype, traced_as_reference, use_triton
 
 __all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward", "OP_NAMES"]
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    """Half-precision inputs are computed in float32, like the kernels; float32/64 in their own dtype."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 # ------------------------------------------------------------------------------------ reference
 def softmax_ref(x: Tensor, temperature: float = 1.0) -> Tensor:
     """``softmax(x / T)`` over the last dimension; ``x [..., C]`` → ``p [..., C]`` in ``x``'s dtype."""
-    xc = x.to(_compute_dtype(x))
-    return torch.softmax(xc / temperature, dim=-1).to(x.dtype)
+    xc = cast(x, compute_dtype(x))
+    return cast(torch.softmax(xc / temperature, dim=-1), x.dtype)
 
 
 def softmax_backward_ref(grad_out: Tensor, p: Tensor, temperature: float = 1.0) -> Tensor:
     """``dx = p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension, from the saved output ``p [..., C]``."""
-    dt = _compute_dtype(p)
-    g, pc = grad_out.to(dt), p.to(dt)
+    dt = compute_dtype(p)
+    g, pc = cast(grad_out, dt), cast(p, dt)
     dot = (g * pc).sum(dim=-1, keepdim=True)
-    return (pc * (g - dot) / temperature).to(p.dtype)
+    return cast(pc * (g - dot) / temperature, p.dtype)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -200,7 +195,7 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
     """``softmax(x / T)`` over the last dimension of ``x [..., C]``: the Triton kernel on CUDA for
     float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``); while
     ``torch.compile`` traces, the operator ``torch.ops.torchloom.softmax``."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("softmax", backend):
+    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
         return softmax_ref(x, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax(x, float(temperature))
@@ -211,7 +206,7 @@ def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, back
     """``p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension; ``grad_out`` and ``p`` are ``[..., C]``. The
     Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, the operator
     ``torch.ops.torchloom.softmax_backward``."""
-    if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0 or traced_as_reference("softmax", backend):
+    if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
         return softmax_backward_ref(grad_out, p, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax_backward(grad_out, p, float(temperature))

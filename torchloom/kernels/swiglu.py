@@ -13,11 +13,13 @@ Eager PyTorch runs the forward as 2 kernels (silu, multiply) and the backward as
 Read top to bottom: ``swiglu_ref`` / ``swiglu_backward_ref`` (the spec), the Triton kernels, the
 launchers ``swiglu`` / ``swiglu_backward`` (the one place that picks the kernel or the reference).
 
-Under ``torch.compile`` the kernels are reached through the custom operators
-``torch.ops.torchloom.swiglu`` / ``torch.ops.torchloom.swiglu_backward`` / ``swiglu_backward_`` (the
-gradient of the gate written over the incoming gradient) (``torch.library.triton_op``,
-the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
-AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.
+Under ``torch.compile`` the gate hands Inductor its reference (``_triton.COMPILED_AS_REFERENCE``:
+Inductor fuses it with its neighbours). With that table emptied, or ``backend="triton"``, the kernels
+are reached through the custom operators ``torch.ops.torchloom.swiglu`` /
+``torch.ops.torchloom.swiglu_backward`` / ``swiglu_backward_`` (the gradient of the gate written over
+the incoming gradient) (``torch.library.triton_op``, the launches wrapped by
+``torch.library.wrap_triton``): Dynamo records one op node each, and AOTAutograd hands Inductor the
+Triton kernels themselves. Eager calls launch them directly.
 """
 
 from __future__ import annotations
@@ -26,32 +28,27 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, elementwise_settings, traced_as_reference, use_triton
+from ._triton import KERNEL_DTYPES, elementwise_settings, cast, compute_dtype, traced_as_reference, use_triton
 
 __all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward", "OP_NAMES"]
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    """Half-precision inputs are computed in float32, like the kernels; float32/64 in their own dtype."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 # ------------------------------------------------------------------------------------ reference
 def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) ⊙ up``; ``gate``, ``up`` of one shape → the same shape, in ``gate``'s dtype."""
-    dt = _compute_dtype(gate)
-    g, u = gate.to(dt), up.to(dt)
-    return (g * torch.sigmoid(g) * u).to(gate.dtype)
+    dt = compute_dtype(gate)
+    g, u = cast(gate, dt), cast(up, dt)
+    return cast(g * torch.sigmoid(g) * u, gate.dtype)
 
 
 def swiglu_backward_ref(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """``(d_gate, d_up)`` from the gradient ``grad`` w.r.t. ``silu(gate) ⊙ up`` (all of one shape)."""
-    dt = _compute_dtype(gate)
-    da, g, u = grad.to(dt), gate.to(dt), up.to(dt)
+    dt = compute_dtype(gate)
+    da, g, u = cast(grad, dt), cast(gate, dt), cast(up, dt)
     s = torch.sigmoid(g)
     d_gate = da * u * s * (1.0 + g * (1.0 - s))
     d_up = da * g * s
-    return d_gate.to(gate.dtype), d_up.to(up.dtype)
+    return cast(d_gate, gate.dtype), cast(d_up, up.dtype)
 
 
 # -------------------------------------------------------------------------------------- kernels
@@ -140,7 +137,7 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) ⊙ up`` (same shapes): the Triton kernel on CUDA for float32/float16/bfloat16, the
     reference elsewhere (``backend`` as ``_triton.use_triton``); while ``torch.compile`` traces, the
     operator ``torch.ops.torchloom.swiglu``."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", backend):
+    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_ref(gate, up)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.swiglu(gate, up)
@@ -162,7 +159,7 @@ def swiglu_backward(
     ``torch.compile`` traces: the operator ``torch.ops.torchloom.swiglu_backward_`` (``d_gate`` over
     ``grad``) when ``out_gate`` is ``grad`` itself and fits, else ``torch.ops.torchloom.swiglu_backward``
     (fresh outputs)."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", backend):
+    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_backward_ref(grad, gate, up)
     if torch.compiler.is_compiling():
         if out_gate is grad and grad.is_contiguous() and grad.shape == gate.shape and grad.dtype == gate.dtype:

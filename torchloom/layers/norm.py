@@ -68,16 +68,6 @@ def _check_input(x: Tensor, n: int, layer: nn.Module) -> None:
         )
 
 
-# Measured on torch 2.11 (CPU tensors; 2.13 is right, CUDA on 2.11 too): a compiled RMSNorm's weight
-# gradient differs from the eager one by ~13 on a [4, 8] input (aot_eager and inductor alike). Until
-# the cause is found a compiled RMSNorm on the CPU refuses loudly there rather than train wrongly.
-_COMPILE_GUARD = (
-    f"torchloom RMSNorm under torch.compile on the CPU needs torch >= 2.13 (this is {torch.__version__}: its "
-    "compiled weight gradient was measured wrong); run it uncompiled, on CUDA, or upgrade torch"
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13) else ""
-)
-
-
 # ============================================================================================ RMSNorm
 class RMSNormSaved(NamedTuple):
     """What RMSNorm's backward needs: input ``[..., n]``, weight ``[n]``, ``rstd [...]`` (one per row)."""
@@ -156,8 +146,6 @@ class RMSNorm(Layer):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.normalized_shape, self)
-        if _COMPILE_GUARD and torch.compiler.is_compiling() and not x.is_cuda:
-            raise RuntimeError(_COMPILE_GUARD)
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, RMSNormSaved]:
