@@ -622,3 +622,36 @@ def test_timeout_of_the_process_group_is_read():
         assert DistContext().timeout_s() == 17.0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend,expected_op", [("nccl", "AVG"), ("gloo", "SUM")])
+def test_a_mean_is_the_collectives_average_under_nccl(monkeypatch, backend, expected_op):
+    """``all_reduce_(..., "mean")``: with NCCL one ``ReduceOp.AVG`` collective and no division after it;
+    with gloo (no AVG) a sum divided by the world size. A stand-in collective acts as 4 ranks holding
+    the same values (SUM: ×4, AVG: ×1), so both paths must give the values back, bucketed or flat."""
+    import torch.distributed as tdist
+
+    from torchloom.engine.distributed import DistContext
+
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(tdist, "get_backend", lambda group=None: backend)
+    seen = []
+
+    def fake_all_reduce(t, op=tdist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append(op)
+        if op == tdist.ReduceOp.SUM:
+            t.mul_(4)
+        return None
+
+    monkeypatch.setattr(tdist, "all_reduce", fake_all_reduce)
+    ctx = DistContext()
+    flat = torch.arange(12, dtype=torch.float32)
+    views = [flat[:5].view(5), flat[5:].view(7)]  # consecutive views of one buffer: reduced as one
+    apart = [torch.full((3,), 2.5), torch.full((2, 2), -1.0)]  # copied into a bucket
+    want = [v.clone() for v in views + apart]
+    ctx.all_reduce_(views, "mean")
+    ctx.all_reduce_(apart, "mean")
+    for got, ref in zip(views + apart, want):
+        assert torch.equal(got, ref)
+    assert [str(op).split(".")[-1] for op in seen] == [expected_op, expected_op]

@@ -127,6 +127,9 @@ class DistContext:
         self.world_size = tdist.get_world_size(group)
         self.is_main = self.rank == 0
         self.backend = str(tdist.get_backend(group))
+        # NCCL averages inside the reduction (ReduceOp.AVG): no separate division pass over the
+        # gradients afterwards (80 MB on the benchmark's big net); gloo has no AVG: sum, then divide.
+        self._avg = self.backend == "nccl" and hasattr(tdist.ReduceOp, "AVG")
         self._plans: dict[Any, list[tuple[Tensor, list[Tensor], list[int]]]] = {}
 
     def __repr__(self) -> str:
@@ -150,9 +153,12 @@ class DistContext:
         reused), one ``all_reduce`` per bucket, and copied back. No host read: usable inside a
         captured CUDA graph with NCCL once a first call has made the buckets. ``async_op=True``
         returns a callable that completes the reduction (wait, mean, copy back): work queued on the
-        device in between overlaps the communication."""
+        device in between overlaps the communication. With NCCL the mean is the collective's own
+        average (``ReduceOp.AVG``); elsewhere a sum divided by the world size afterwards."""
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce_: op must be 'sum' or 'mean', got {op!r}")
+        averaged = op == "mean" and self._avg  # the collective itself divides
+        reduce_op = tdist.ReduceOp.AVG if averaged else tdist.ReduceOp.SUM
         pending: list[Any] = []
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for t in tensors:
@@ -161,18 +167,18 @@ class DistContext:
         for key, members in groups.items():
             flat = _flat(members)
             if flat is not None:
-                pending.append((tdist.all_reduce(flat, group=self.group, async_op=async_op), flat, None, None))
+                pending.append((tdist.all_reduce(flat, op=reduce_op, group=self.group, async_op=async_op), flat, None, None))
                 continue
             for buffer, views, index in self._plan(key, members):
                 held = [members[i] for i in index]
                 torch._foreach_copy_(views, held)
-                pending.append((tdist.all_reduce(buffer, group=self.group, async_op=async_op), buffer, views, held))
+                pending.append((tdist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=async_op), buffer, views, held))
 
         def finish() -> None:
             for work, buffer, views, held in pending:
                 if work is not None:
                     work.wait()
-                if op == "mean":
+                if op == "mean" and not averaged:
                     buffer.div_(self.world_size)
                 if views is not None:
                     torch._foreach_copy_(held, views)
