@@ -36,7 +36,7 @@ combination ``TrainingConfig`` or ``train()`` refuses is reported as a ``refused
 to 0 over the epoch budget (the same rates at every batch size), ``--clip-<method> C`` sets
 ``gradient_clip=C`` (global L2 norm of the averaged step). Pure TargetProp passes 85 % on Fashion-MNIST
 at both batch sizes with ``--lr-tp-pure 0.3 --schedule-tp-pure cosine --clip-tp-pure 1`` (CPU screen,
-seeds 0 and 1; bench/RESULTS.md §7), where no constant rate does.
+seeds 0–2; bench/RESULTS.md §7), where no constant rate does.
 
 Data, all offline (nothing is downloaded): scikit-learn's bundled ``load_digits`` (1347 train / 450
 test, stratified, ``random_state=0``); Fashion-MNIST from the Debian package ``dataset-fashion-mnist``
@@ -287,12 +287,11 @@ class Row:
     lr: float
     loss: str
     runs: list[Run] = field(default_factory=list)
+    clip: float = 0.0  # --clip-<method>, --schedule-<method>: schedule_fields
+    schedule: str = "constant"
 
     def accuracies(self) -> list[float]:
         return [r.accuracy for r in self.runs]
-
-    clip: float = 0.0
-    schedule: str = "constant"
 
     def cells(self, classes: int) -> list[str]:
         rate = f"{self.lr:g}" + (f" {self.schedule}" if self.schedule != "constant" else "") + (f", clip {self.clip:g}" if self.clip > 0 else "")
