@@ -2,6 +2,7 @@
 table and the targets, a loss TargetProp refuses becomes a reported row, and bad arguments are refused."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -60,7 +61,23 @@ def test_jobs_run_rows_in_worker_processes_with_the_same_results(capsys, monkeyp
     assert len(one) == 2 and one == two
 
 
-@pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"], ["--jobs", "0"]])
+def test_a_methods_schedule_and_clip_reach_its_row(capsys):
+    """``--schedule-tp-pure cosine --clip-tp-pure 1``: the row names them, and the run's rate is the cosine
+    from the given rate to 0 over the epoch budget, once per epoch, with the clip on the averaged step."""
+    bench = _bench()
+    args = ["--dry-run", "--markdown", "--methods", "tp-pure", "--batch-sizes", "32", "--lr-tp-pure", "0.3",
+            "--schedule-tp-pure", "cosine", "--clip-tp-pure", "1"]
+    assert bench.main(args) == 0
+    assert "| tp-pure | 32 | 0.3 cosine, clip 1 | cross_entropy | " in capsys.readouterr().out
+    fields = bench.schedule_fields("cosine", 0.3, 10, 1.0)
+    assert fields["scheduler_interval"] == "epoch" and fields["gradient_clip"] == 1.0
+    for epoch in range(10):
+        assert fields["scheduler"](epoch) == pytest.approx(0.15 * (1 + math.cos(math.pi * epoch / 10)), rel=1e-12)
+    assert bench.schedule_fields("constant", 0.3, 10) == {}
+
+
+@pytest.mark.parametrize("args", [["--methods", "lion"], ["--datasets", "cifar"], ["--seeds", "0"], ["--batch-sizes", "0"], ["--jobs", "0"],
+                                  ["--clip-tp-pure", "-1"], ["--clip-tp-pure", "nan"], ["--schedule-tp-pure", "linear"]])
 def test_bad_arguments_are_refused(args):
     with pytest.raises(SystemExit):
         _bench().main(["--dry-run", *args])
