@@ -143,7 +143,8 @@ def test_numpy_scalars_are_taken_as_python_numbers():
     tw = TweenConfig(base_rate=np.float32(0.5), momentum_decay=np.float16(0.5), explosion_limit=np.int64(4))
     assert (tw.base_rate, tw.momentum_decay, tw.explosion_limit, type(tw.explosion_limit)) == (0.5, 0.5, 4, int)
     # a NumPy value that is out of range is still refused, naming the field
-    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate must be a finite number > 0, got -0\.5$"):
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate must be a finite number > 0 or None \(not set: 0\.01 for an optimizer given by name, "
+                       r"TargetProp's / Tweening's automatic rate\), got -0\.5$"):
         TrainingConfig(learning_rate=np.float32(-0.5))
     with pytest.raises(ValueError, match=r"^TweenConfig: momentum_decay must be a finite number in \[0\.0, 1\.0\), got 1\.5$"):
         TweenConfig(momentum_decay=np.float64(1.5))

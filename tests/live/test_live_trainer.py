@@ -470,3 +470,24 @@ def test_stream_window_logs_each_read_window_once():
     assert seen == [(0, 8), (1, 16), (2, 24)]
     live.report()
     assert seen == [(0, 8), (1, 16), (2, 24), (3, 32)]
+
+
+def test_learning_rate_unset_is_0_05_by_name_and_a_configs_own_rate():
+    """LiveConfig.learning_rate=None: 0.05 for a method by name (Welvet adaptv2's rate); a method
+    config instance keeps its own rate (automatic or given), and a number given beside it must equal it."""
+    from torchloom import TweenConfig
+    from torchloom.optim import SGD
+
+    assert LiveConfig().learning_rate is None
+    assert LiveTrainer(small_net(), method="backprop").engine.optimizer.param_groups[0]["lr"] == 0.05
+    assert LiveTrainer(small_net(), method="tween").method.config.base_rate == 0.05
+    assert LiveTrainer(small_net(), method=TweenConfig()).method.config.base_rate is None  # the automatic rate
+    assert LiveTrainer(small_net(), method=TweenConfig(base_rate=0.2), learning_rate=0.2).method.config.base_rate == 0.2
+    net = small_net()
+    live = LiveTrainer(net, method="backprop", optimizer=SGD(net.parameters(), lr=0.3))
+    assert live.engine.optimizer.param_groups[0]["lr"] == 0.3
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.1 disagrees with the method config's base_rate=None"):
+        LiveTrainer(small_net(), method=TweenConfig(), learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"^LiveConfig: learning_rate must be a finite number > 0 or None \(0\.05, or a method "
+                       r"config's or optimizer's own rate\), got nan$"):
+        LiveTrainer(small_net(), learning_rate=float("nan"))

@@ -12,6 +12,7 @@ used as given; a run resumed from a checkpoint goes on exactly as the uninterrup
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -159,3 +160,99 @@ def test_a_resumed_run_keeps_the_automatic_rate(tmp_path, method, rate):
         train(part, data, _cfg(method, epochs=4, resume_from=str(path)))
     for p, q in zip(part.parameters(), whole.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------- TrainingConfig.learning_rate: None is "not set"
+@pytest.mark.parametrize("batch", [4, 32])
+@pytest.mark.parametrize(
+    "name, explicit",
+    [("target_prop", lambda r: TargetPropConfig(learning_rate=r)), ("tween", lambda r: TweenConfig(base_rate=r))],
+    ids=["tp", "tween"],
+)
+def test_an_explicit_learning_rate_of_0_01_by_name_is_the_rate(name, explicit, batch):
+    """0.01 is a rate like any other: by name it trains exactly as the method config at 0.01, not at
+    the automatic rate (which, left unset, the same run does take)."""
+    data = _data(batch)
+    given, config, unset = _net(), _net(), _net()
+    trainer = make_trainer(_net(), TrainingConfig(method=name, learning_rate=0.01, verbose=0))
+    assert trainer.method.config.base_rate == 0.01 and trainer.rates.lr == 0.01
+    ra = train(given, data, _cfg(name, learning_rate=0.01))
+    rb = train(config, data, _cfg(explicit(0.01)))
+    torch.testing.assert_close(torch.tensor(ra.loss_history), torch.tensor(rb.loss_history), rtol=1e-12, atol=0)
+    for p, q in zip(given.parameters(), config.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+    assert TrainingConfig().learning_rate is None
+    train(unset, data, _cfg(name))  # not set: the automatic rate, another run
+    assert any(not torch.allclose(p, q, rtol=1e-6, atol=0) for p, q in zip(unset.parameters(), given.parameters()))
+
+
+def test_backprop_by_name_trains_at_0_01_unless_a_rate_is_given():
+    """Backprop's named optimizer, learning_rate unset: torch.optim.SGD at lr 0.01 (an nn.Sequential
+    trained by hand with torch.optim is the reference); a number given is the rate."""
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 5, generator=g, dtype=F64), torch.randn(8, 3, generator=g, dtype=F64)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    for lr, kw in ((0.01, {}), (0.01, {"learning_rate": 0.01}), (0.2, {"learning_rate": 0.2})):
+        mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+        result = train(mine, data, TrainingConfig(epochs=2, verbose=0, **kw))
+        opt, losses = torch.optim.SGD(ref.parameters(), lr=lr), []
+        for _ in range(2):
+            total = 0.0
+            for x, y in data:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(ref(x), y)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            losses.append(total / len(data))
+        assert result.loss_history == pytest.approx(losses, rel=1e-12), kw
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+
+
+def test_any_number_given_beside_a_rate_of_its_own_must_equal_it():
+    from functools import partial
+
+    from torchloom.optim import SGD
+
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.01 disagrees with the method config's base_rate=None "
+                       r"\(the config's own default\); set the rate in the TweenConfig only$"):
+        TrainingConfig(method=TweenConfig(), learning_rate=0.01)
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.01 disagrees with the method config's learning_rate=0\.2; "
+                       r"set the rate in the TargetPropConfig only$"):
+        TrainingConfig(method=TargetPropConfig(learning_rate=0.2), learning_rate=0.01)
+    assert TrainingConfig(method=TweenConfig(base_rate=0.01), learning_rate=0.01).method_config().base_rate == 0.01
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.01 is given with an optimizer instance whose lr is "
+                       r"0\.1; the instance's lr is used: leave learning_rate unset \(None\) or build the optimizer with that lr$"):
+        TrainingConfig(optimizer=SGD(net.parameters(), lr=0.1), learning_rate=0.01)
+    TrainingConfig(optimizer=SGD(net.parameters(), lr=0.1))  # unset: the instance's rate
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate=0\.01 is given with an optimizer factory that builds lr "
+                       r"0\.1; the factory's lr is used: leave learning_rate unset \(None\) or give the factory"):
+        make_trainer(net, TrainingConfig(optimizer=partial(torch.optim.SGD, lr=0.1), learning_rate=0.01, verbose=0))
+    assert make_trainer(net, TrainingConfig(optimizer=partial(torch.optim.SGD, lr=0.1), verbose=0)).optimizer.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.01, float("nan"), float("inf"), "0.01", True])
+def test_a_bad_learning_rate_is_refused(value):
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate must be a finite number > 0 or None \(not set: 0\.01 for an "
+                       rf"optimizer given by name, TargetProp's / Tweening's automatic rate\), got {re.escape(repr(value))}$"):
+        TrainingConfig(learning_rate=value)
+    cfg = TrainingConfig()
+    cfg.learning_rate = value  # changed after construction: checked when the run starts
+    with pytest.raises(ValueError, match=r"^TrainingConfig: learning_rate must be a finite number > 0 or None"):
+        train(torch.nn.Linear(5, 3).double(), _data(4, n=1), cfg)
+
+
+def test_make_graphed_step_takes_an_instances_rate_when_unset():
+    from torchloom import make_graphed_step
+    from torchloom.optim import SGD
+
+    x, y = _data(4, n=1)[0]
+    net = _net()
+    step = make_graphed_step(net, x, torch.nn.functional.one_hot(y, 3).to(F64), optimizer=SGD(net.parameters(), lr=0.3))
+    assert step.trainer.optimizer.param_groups[0]["lr"] == 0.3
+    net = _net()
+    step = make_graphed_step(net, x, torch.nn.functional.one_hot(y, 3).to(F64))
+    assert step.trainer.optimizer.param_groups[0]["lr"] == 0.01

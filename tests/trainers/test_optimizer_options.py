@@ -144,7 +144,7 @@ def test_a_factory_that_disagrees_or_builds_no_optimizer_is_refused_before_train
         train(model, _data(), cfg)
     assert str(e.value) == (
         "TrainingConfig: learning_rate=0.05 is given with an optimizer factory that builds lr 0.001; the factory's lr "
-        "is used: leave learning_rate at its default or give the factory that lr (e.g. functools.partial("
+        "is used: leave learning_rate unset (None) or give the factory that lr (e.g. functools.partial("
         "torch.optim.AdamW, lr=0.05, ...))"
     )
     with pytest.raises(TypeError) as e:

@@ -198,8 +198,8 @@ def _weights(net):
     [
         ([], {}, ValueError, "batches is empty"),
         (None, dict(epochs=0), ValueError, "epochs must be an int >= 1, got 0"),
-        (None, dict(learning_rate=0.0), ValueError, "learning_rate must be a finite number > 0, got 0.0"),
-        (None, dict(learning_rate=-1), ValueError, "learning_rate must be a finite number > 0, got -1"),
+        (None, dict(learning_rate=0.0), ValueError, "learning_rate must be a finite number > 0 or None .*, got 0.0"),
+        (None, dict(learning_rate=-1), ValueError, "learning_rate must be a finite number > 0 or None .*, got -1"),
         (None, dict(loss_type="l1"), ValueError, "unknown loss_type 'l1'"),
         (None, dict(optimizer="lion"), ValueError, "unknown optimizer 'lion'"),
         (None, dict(clip_mode="global"), ValueError, "clip_mode must be one of"),

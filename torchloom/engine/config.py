@@ -90,10 +90,13 @@ class TrainingConfig:
     epochs: int = 10
     """Passes over the batches (>= 1). With ``resume_from`` it counts the whole run, the resumed
     epochs included."""
-    learning_rate: float = DEFAULT_LR
-    """The rate (> 0) of an optimizer given by name, and of a method named by ``method`` that has its
-    own rule (TargetProp, Tweening; left at its default 0.01, "not set", those take their config's
-    default rate). An optimizer instance or factory keeps its own rate."""
+    learning_rate: float | None = None
+    """The rate (a finite number > 0) of an optimizer given by name, and of a method named by
+    ``method`` that has its own rule (TargetProp, Tweening). ``None`` (default), not set: a named
+    optimizer trains at 0.01 (``DEFAULT_LR``), TargetProp / Tweening take their automatic rate for
+    the batch size. Any number, 0.01 included, is used as given. An optimizer instance or factory
+    keeps its own rate (a number given beside one must equal it), and so does a method config
+    instance (``TargetPropConfig`` / ``TweenConfig``: a number given must equal its rate)."""
     loss_type: str = "mse"
     """The loss every method trains on and logs: ``"mse"``, ``"cross_entropy"`` (logits against class
     labels ``[B]`` or one-hot / soft targets) or ``"crossentropy"`` (Loom poly's loss on
@@ -229,8 +232,12 @@ class TrainingConfig:
             setattr(self, name, _as_number(getattr(self, name)))
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"TrainingConfig: epochs must be an int >= 1, got {self.epochs!r}")
-        if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
-            raise ValueError(f"TrainingConfig: learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        if self.learning_rate is not None and (
+                not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate) or self.learning_rate <= 0):
+            raise ValueError(
+                "TrainingConfig: learning_rate must be a finite number > 0 or None (not set: 0.01 for an optimizer "
+                f"given by name, TargetProp's / Tweening's automatic rate), got {self.learning_rate!r}"
+            )
         try:
             check_loss_type(self.loss_type)
         except ValueError as e:
@@ -277,7 +284,7 @@ class TrainingConfig:
                     "Optimizer (e.g. functools.partial(torch.optim.AdamW, weight_decay=0.1))"
                 )
             self.optimizer_options = check_optimizer_options(
-                self.optimizer, self.optimizer_options, self.learning_rate, owner="TrainingConfig: optimizer_options"
+                self.optimizer, self.optimizer_options, self.optimizer_rate(), owner="TrainingConfig: optimizer_options"
             )
         elif not isinstance(self.optimizer, Optimizer) and not callable(self.optimizer):
             raise TypeError(
@@ -336,14 +343,19 @@ class TrainingConfig:
         if self.scheduler_monitor is not None and not isinstance(self.scheduler_monitor, str):
             raise TypeError(f"TrainingConfig: scheduler_monitor must be None or a log key such as 'val_loss', got {self.scheduler_monitor!r}")
         self.low_bit_config()  # checks weight_dtype and low_bit
-        if isinstance(self.optimizer, Optimizer) and self.learning_rate != DEFAULT_LR:
+        if isinstance(self.optimizer, Optimizer) and self.learning_rate is not None:
             lrs = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
             if lrs != [float(self.learning_rate)]:
                 raise ValueError(
                     f"TrainingConfig: learning_rate={self.learning_rate!r} is given with an optimizer instance whose "
-                    f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate at its "
-                    "default or build the optimizer with that lr"
+                    f"lr is {lrs if len(lrs) > 1 else lrs[0]}; the instance's lr is used: leave learning_rate unset "
+                    "(None) or build the optimizer with that lr"
                 )
+
+    def optimizer_rate(self) -> float:
+        """The rate an optimizer given by name is built with: ``learning_rate``, or ``DEFAULT_LR``
+        (0.01) when it is ``None`` (not set)."""
+        return DEFAULT_LR if self.learning_rate is None else float(self.learning_rate)
 
     def low_bit_config(self) -> Any:
         """The ``LowBitConfig`` of ``weight_dtype`` (``low_bit`` or the defaults), checked with it;
@@ -366,8 +378,9 @@ class TrainingConfig:
         ``"target_prop"``, ``"tween"``, ...), a registered method's config instance
         (``TargetPropConfig(...)``), or a ``torchloom.Method`` object or class. By name, the method
         builds its settings from this config (``Method.config_from_training``: TargetProp and Tweening
-        take ``learning_rate`` as their rate). Given as an instance, the config's own rate is used, and
-        a ``learning_rate`` set to something else as well is a ``ValueError`` (one rate, one place).
+        take ``learning_rate`` as their rate, ``None`` their automatic one). Given as an instance, the
+        config's own rate is used, and a ``learning_rate`` set to another number as well is a
+        ``ValueError`` (one rate, one place).
         Each method refuses what it cannot do (``Method.check_training``): an ``optimizer`` other than
         the default for a rule with its own update, a loss it cannot train on."""
         m = self.method
@@ -479,15 +492,15 @@ def check_optimizer_params(optimizer: Optimizer, model: torch.nn.Module) -> None
 
 
 def check_factory_lr(config: TrainingConfig, optimizer: Optimizer) -> None:
-    """``ValueError`` when ``learning_rate`` was set (not its default) beside an optimizer factory that
-    built another rate: the factory's rate is used, so one of the two would be ignored."""
-    if isinstance(config.optimizer, (str, Optimizer)) or config.learning_rate == DEFAULT_LR:
+    """``ValueError`` when ``learning_rate`` was set (any number; ``None`` is not set) beside an optimizer
+    factory that built another rate: the factory's rate is used, so one of the two would be ignored."""
+    if isinstance(config.optimizer, (str, Optimizer)) or config.learning_rate is None:
         return
     lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
     if lrs != [float(config.learning_rate)]:
         raise ValueError(
             f"TrainingConfig: learning_rate={config.learning_rate!r} is given with an optimizer factory that builds "
-            f"lr {lrs if len(lrs) > 1 else lrs[0]}; the factory's lr is used: leave learning_rate at its default or "
+            f"lr {lrs if len(lrs) > 1 else lrs[0]}; the factory's lr is used: leave learning_rate unset (None) or "
             f"give the factory that lr (e.g. functools.partial(torch.optim.AdamW, lr={config.learning_rate!r}, ...))"
         )
 

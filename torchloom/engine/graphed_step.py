@@ -109,7 +109,7 @@ def make_graphed_step(
     *,
     loss_type: str = "mse",
     optimizer: str | Optimizer = "sgd",
-    learning_rate: float = 0.01,
+    learning_rate: float | None = None,
     gradient_clip: float = 0.0,
     clip_mode: str = "norm",
     cuda_graph: bool | None = None,
@@ -123,7 +123,9 @@ def make_graphed_step(
             for ``"cross_entropy"``); validated like ``train()``'s batches.
         loss_type, optimizer, learning_rate, gradient_clip, clip_mode: as ``TrainingConfig``; the
             optimizer must be one of torchloom's (a name, or an instance: AdamW with ``capturable=True``
-            on CUDA), whose update obeys the device-side guard.
+            on CUDA), whose update obeys the device-side guard. ``learning_rate=None`` (default):
+            0.01 for an optimizer given by name, an instance's own lr (a number given beside an
+            instance must equal its lr).
         cuda_graph: None (default) or True: capture on CUDA; False: run every call eagerly.
 
     Raises ``ValueError``/``TypeError`` for bad settings or an example that does not fit the model.

@@ -64,7 +64,7 @@ from ..optim.optimizers import rehome
 from .guards import finite_flag
 from .types import StepOutput
 
-DEFAULT_LR = 0.01  # TrainingConfig.learning_rate's default: a rate "not set" there
+DEFAULT_LR = 0.01  # an optimizer given by name when TrainingConfig.learning_rate is None ("not set")
 
 __all__ = [
     "Method", "RateHolder", "register_method", "method_names", "method_class", "flatten_tensors_", "as_flat",
@@ -130,7 +130,7 @@ class Method:
     def config_from_training(cls, training: Any) -> Any:
         """The method's settings when ``TrainingConfig.method`` names it: by default ``config_type()``
         (or ``None`` without a config type). Override to take fields of the ``TrainingConfig`` (its
-        ``learning_rate``, say)."""
+        ``learning_rate``, say: ``None`` when the user did not set it, the method's own default)."""
         return cls.config_type() if cls.config_type is not None else None
 
     @classmethod
@@ -141,7 +141,8 @@ class Method:
         float16 loss scaling; ``compile`` for a method that is not ``compiles``;
         a loss it cannot train on (``losses``) or a config's ``loss_type`` that disagrees with the
         ``TrainingConfig``'s; and, for a method whose config holds its rate (``rate_field``), a
-        ``learning_rate`` that disagrees with it (one rate, one place)."""
+        ``learning_rate`` given (any number; ``None`` is "not set") that disagrees with it (one rate, one
+        place)."""
         label = cls.display_name(config)
         if getattr(training, "loss_fn", None) is not None and not cls.custom_loss:
             raise ValueError(
@@ -188,7 +189,7 @@ class Method:
             )
         if cls.rate_field is not None and config is not None and not isinstance(config, Method):
             rate = getattr(config, cls.rate_field)
-            if training.learning_rate != DEFAULT_LR and training.learning_rate != rate:
+            if training.learning_rate is not None and training.learning_rate != rate:
                 own = " (the config's own default)" if rate is None else ""
                 raise ValueError(
                     f"TrainingConfig: learning_rate={training.learning_rate!r} disagrees with the method config's "

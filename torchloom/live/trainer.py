@@ -61,6 +61,7 @@ from .report import LiveRecord, LiveReport
 __all__ = ["LiveConfig", "LiveTrainer", "Ticket", "SCHEDULES"]
 
 SCHEDULES = ("sample", "batch", "periodic")
+_LIVE_RATE = 0.05  # LiveConfig.learning_rate=None with a method by name: Welvet adaptv2's SGD rate
 _wall, _cpu = time.perf_counter, time.thread_time
 
 
@@ -71,8 +72,11 @@ class LiveConfig:
 
     method: Any = "backprop"
     """A registered name, a method's config, or a Method object."""
-    learning_rate: float = 0.05
-    """Welvet adaptv2's SGD rate."""
+    learning_rate: float | None = None
+    """A number > 0: the rate, as ``TrainingConfig.learning_rate``. ``None`` (default): 0.05 (Welvet
+    adaptv2's SGD rate) for a method given by name, class or ``Method`` object with an optimizer
+    given by name; a method config instance (``TargetPropConfig`` / ``TweenConfig``) and an
+    optimizer instance or factory keep their own rate."""
     loss_type: str = "mse"
     """Adaptv2: MSE on one-hot targets (integer labels are one-hot encoded)."""
     optimizer: Any = "sgd"
@@ -120,8 +124,12 @@ class LiveConfig:
         for name in ("overlap", "cuda_graph", "lean"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LiveConfig: {name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) or not self.learning_rate > 0:
-            raise ValueError(f"LiveConfig: learning_rate must be a number > 0, got {self.learning_rate!r}")
+        lr = self.learning_rate
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not lr > 0):
+            raise ValueError(
+                "LiveConfig: learning_rate must be a finite number > 0 or None (0.05, or a method config's or "
+                f"optimizer's own rate), got {lr!r}"
+            )
 
 
 class Ticket:
@@ -162,8 +170,11 @@ class LiveTrainer:
             config = dataclasses.replace(config, **fields)
         config.validate()
         self.config = config
+        rate = config.learning_rate
+        if rate is None and isinstance(config.method, (str, type, Method)) and isinstance(config.optimizer, str):
+            rate = _LIVE_RATE  # a method config or an optimizer instance / factory keeps its own rate
         training = TrainingConfig(
-            method=config.method, learning_rate=config.learning_rate, loss_type=config.loss_type,
+            method=config.method, learning_rate=rate, loss_type=config.loss_type,
             optimizer=config.optimizer, gradient_clip=config.gradient_clip, device=config.device, verbose=0,
             cuda_graph=None if config.cuda_graph else False,
         )

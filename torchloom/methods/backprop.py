@@ -102,9 +102,9 @@ class LossScaler:
 class Backprop(Method):
     """Backpropagation: exact gradients through the layers' hand-written backward, any optimizer.
 
-    Its settings are the engine's: ``TrainingConfig``'s ``optimizer``, ``learning_rate``,
-    ``loss_type``, ``gradient_clip`` / ``clip_mode`` and ``precision`` (``"16-mixed"`` adds dynamic
-    loss scaling).
+    Its settings are the engine's: ``TrainingConfig``'s ``optimizer``, ``learning_rate`` (``None``,
+    not set: 0.01 for an optimizer given by name), ``loss_type``, ``gradient_clip`` / ``clip_mode``
+    and ``precision`` (``"16-mixed"`` adds dynamic loss scaling).
 
     **A rule of your own on the same machinery.** A subclass that overrides ``backward(grad_out,
     saved)`` (the parameter gradients, aligned with the trainable parameters, from the loss gradient
@@ -144,7 +144,7 @@ class Backprop(Method):
         self.update_pending = False
         if isinstance(config.optimizer, Optimizer):
             check_optimizer_params(config.optimizer, model)
-        self.optimizer = make_optimizer(config.optimizer, self.params, config.learning_rate, config.optimizer_options)
+        self.optimizer = make_optimizer(config.optimizer, self.params, config.optimizer_rate(), config.optimizer_options)
         if not isinstance(config.optimizer, (str, Optimizer)):  # a factory's: over the model's parameters, at the rate asked
             check_optimizer_params(self.optimizer, model)
             check_factory_lr(config, self.optimizer)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..engine.guards import finite_flag
-from ..engine.method import DEFAULT_LR, Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
+from ..engine.method import Method, RateHolder, all_finite, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ..layers.base import autocast_off, column_sum
 from ._auto_rate import small_batch_scale
@@ -80,9 +80,9 @@ class TargetProp(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TargetPropConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate (left at its
-        default 0.01, "not set": ``learning_rate=None``, the chain rule's automatic rate)."""
-        return TargetPropConfig(learning_rate=None if training.learning_rate == DEFAULT_LR else training.learning_rate)
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as the rate, any number
+        as given (``None``, not set: ``learning_rate=None``, the chain rule's automatic rate)."""
+        return TargetPropConfig(learning_rate=training.learning_rate)
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..engine.losses import LOSS_TYPES, is_label_target, loss_and_grad, mse_to_target
-from ..engine.method import DEFAULT_LR, Method, RateHolder, as_flat, flatten_tensors_, register_method
+from ..engine.method import Method, RateHolder, as_flat, flatten_tensors_, register_method
 from ..engine.types import StepOutput, StepStatus
 from ._auto_rate import small_batch_scale
 from ._fused import FlatLayout, FusedStep
@@ -58,11 +58,10 @@ class Tween(Method):
 
     @classmethod
     def config_from_training(cls, training: Any) -> TweenConfig:
-        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate`` (left at
-        its default 0.01, "not set": ``base_rate=None``, the rate chosen from the batch size) and its
-        ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
-        rate = None if training.learning_rate == DEFAULT_LR else training.learning_rate
-        return TweenConfig(base_rate=rate, loss_type=training.loss_type)
+        """By name: the default settings with ``TrainingConfig.learning_rate`` as ``base_rate``, any
+        number as given (``None``, not set: ``base_rate=None``, the rate chosen from the batch size),
+        and its ``loss_type`` as Tween's loss (every method trains on the loss ``TrainingConfig`` names)."""
+        return TweenConfig(base_rate=training.learning_rate, loss_type=training.loss_type)
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
