@@ -176,3 +176,21 @@ def test_cuda_graph_captures_the_requantisation(dtype, kw):
     assert t.runner.capture_count > 0
     assert int(t._lowbit_step) == 9
     _on_grid(net)
+
+
+def test_an_unsigned_weight_dtype_warns_that_each_layer_keeps_one_sign(recwarn):
+    """uint dtypes decode as code·scale (one sign per layer, Loom's format): training them warns, naming
+    the layers and the signed alternative; signed dtypes and ``loom_compat`` (reproducing Loom) do not.
+    The run still trains, on the grid."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"layers\.0: uint4, layers\.1: uint4 — Loom's unsigned codes .* int4"):
+        net = _net()
+        train(net, _data(), TrainingConfig(epochs=1, verbose=0, weight_dtype="uint4", **METHODS["backprop"]))
+    assert all((m.weight >= 0).all() or (m.weight <= 0).all() for m in net.layers)  # one sign per layer
+    _on_grid(net)
+    for dtype, cfg in (("int4", LowBitConfig()), ("uint8", LowBitConfig(loom_compat=True))):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*unsigned codes.*")
+            train(_net(), _data(), TrainingConfig(epochs=1, verbose=0, weight_dtype=dtype, low_bit=cfg,
+                                                  optimizer="sgd", learning_rate=0.01, loss_type="cross_entropy"))
