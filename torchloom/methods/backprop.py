@@ -338,6 +338,10 @@ class Backprop(Method):
         if scaler is not None:  # float16: the backward runs on the loss scaled up, unscaled below
             grad = scaler.scale_grad(grad)
         overlapped = self._exact_backward and self.dist is not None and self.dist.overlap_pays(self.grad_views)
+        loss_reduced = None
+        if overlapped and self._loss_slot is not None:  # the loss's average starts now, hidden behind the backward
+            torch.sum(loss_parts, 0, keepdim=True, dtype=self._loss_slot.dtype, out=self._loss_slot)
+            loss_reduced = self.dist.all_reduce_([self._loss_slot], "mean", async_op=True)
         if not self._exact_backward:  # a rule of a subclass's (feedback alignment, ...)
             grads = tuple(self.backward(grad, saved, out=self._grad_out()) if self.backward_out else self.backward(grad, saved))
         elif overlapped:  # data-parallel, large model: each layer's gradients averaged while the layers below run
@@ -349,10 +353,13 @@ class Backprop(Method):
         moved = [(v, g) for v, g in zip(self.grad_views, grads) if g.data_ptr() != v.data_ptr()]
         if moved:
             torch._foreach_copy_([v for v, _ in moved], [g for _, g in moved])
-        if self.dist is not None and self._loss_slot is not None:  # data-parallel: gradients and loss averaged, one all-reduce
+        if loss_reduced is not None:  # overlapped: the loss was sent before the backward
+            loss_reduced()
+            loss_parts = self._loss_slot
+        elif self.dist is not None and self._loss_slot is not None:  # data-parallel: gradients and loss averaged, one all-reduce
             held = self._loss_slot
             torch.sum(loss_parts, 0, keepdim=True, dtype=held.dtype, out=held)
-            self.dist.all_reduce_([held] if overlapped else [self._reduce_prefix], "mean")  # (overlapped: gradients done)
+            self.dist.all_reduce_([self._reduce_prefix], "mean")
             loss_parts = held
         elif self.dist is not None:  # gradients of several dtypes or devices: reduced apart from the loss
             if not overlapped:
