@@ -184,7 +184,7 @@ def test_an_unsigned_weight_dtype_warns_that_each_layer_keeps_one_sign(recwarn):
     The run still trains, on the grid."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"layers\.0: uint4, layers\.1: uint4 — Loom's unsigned codes .* int4"):
+    with pytest.warns(UserWarning, match=r"layers\.0: uint4, layers\.1: uint4 — Loom.s unsigned codes .* int4"):
         net = _net()
         train(net, _data(), TrainingConfig(epochs=1, verbose=0, weight_dtype="uint4", **METHODS["backprop"]))
     assert all((m.weight >= 0).all() or (m.weight <= 0).all() for m in net.layers)  # one sign per layer

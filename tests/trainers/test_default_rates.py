@@ -162,6 +162,31 @@ def test_a_resumed_run_keeps_the_automatic_rate(tmp_path, method, rate):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize(
+    "auto, explicit",
+    [(TargetPropConfig(), TargetPropConfig(learning_rate=0.1)), (TweenConfig(), TweenConfig(base_rate=0.03))],
+    ids=["tp-chain", "tween"],
+)
+@pytest.mark.parametrize("saved_auto", [True, False])
+def test_a_resume_that_switches_automatic_and_explicit_rates_warns_and_keeps_the_checkpoints(tmp_path, auto, explicit, saved_auto):
+    """At batch 4 the automatic rate steps min(1, 4/16) of the number an explicit rate steps in full, so
+    the checkpoint records which kind its rate is: a resume that switches kinds (the same number either
+    way, so the rate itself matches) warns and goes on with the checkpoint's kind, equal to the
+    uninterrupted run."""
+    first, second = (auto, explicit) if saved_auto else (explicit, auto)
+    data = _data(4)
+    whole = _net()
+    train(whole, data, _cfg(first, epochs=4))
+    path = tmp_path / "run.pt"
+    part = _net()
+    train(part, data, _cfg(first, epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
+    assert torch.load(path, weights_only=True)["training"]["auto_rate"] is saved_auto
+    with pytest.warns(UserWarning, match=r"the rate is (automatic|given explicitly).*\(this run: (given explicitly|automatic)"):
+        train(part, data, _cfg(second, epochs=4, resume_from=str(path)))
+    for p, q in zip(part.parameters(), whole.parameters()):
+        assert torch.equal(p, q)
+
+
 # ------------------------------------------- TrainingConfig.learning_rate: None is "not set"
 @pytest.mark.parametrize("batch", [4, 32])
 @pytest.mark.parametrize(

@@ -61,6 +61,8 @@ AUTO = {
     "tween-auto": dict(method=TweenConfig(), loss_type="cross_entropy"),
     "tp-chain-auto": dict(method=TargetPropConfig(gate_threshold=0.3)),
 }
+# a caller's shards of unequal size (the global batch counted: 7 rows of 4 + 3)
+UNEQUAL = {**AUTO, "tp-chain-explicit": dict(method=TargetPropConfig(learning_rate=0.05, gate_threshold=0.3))}
 ALIGNED = ("dfa", "tween")  # alignment diagnostics under data-parallel training: a rule's direction, an applied change
 
 
@@ -137,6 +139,14 @@ def _scenarios(rank, tmp):
         net = _net()
         r = train(net, shards, TrainingConfig(epochs=3, verbose=0, **copy.deepcopy(method)))
         out[f"auto-{name}"] = (_weights(net), r.loss_history)
+    # shards of unequal size from the caller (rank 0: 4 rows, rank 1: 3 of every batch of 7): the update
+    # of the counted global batch, on every rank alike (an automatic rate's scale too)
+    lo, hi = (0, 4) if rank == 0 else (4, 7)
+    uneven = [(X[j + lo : j + hi], Y[j + lo : j + hi]) for j in range(0, 63, 7)]
+    for name, method in UNEQUAL.items():
+        net = _net()
+        train(net, uneven, TrainingConfig(epochs=3, verbose=0, **copy.deepcopy(method)))
+        out[f"unequal-{name}"] = _weights(net)
     # a DataLoader: a DistributedSampler is put in (8 rows per rank per batch)
     net = _net()
     r = train(net, DataLoader(TensorDataset(X, Y), batch_size=8), _cfg("backprop"))
@@ -384,6 +394,21 @@ def test_default_rates_take_the_global_batch(ranks, name):
         _check(*res[f"auto-{name}"], ref, r, 1e-10)
 
 
+@pytest.mark.parametrize("name", list(UNEQUAL))
+def test_unequal_caller_shards_step_as_one_process(ranks, name):
+    """Rank 0 holds 4 rows and rank 1 3 rows of each batch of 7: both ranks end with the weights of one
+    process on the batches of 7 (TargetProp's host step divides by the counted rows; an automatic rate
+    scales by 7/16 on every rank, not by a rank's own 4/16 or 3/16). Weights only: the logged loss
+    averages the ranks' losses as if their shards were equal."""
+    results, _ = ranks
+    X, Y = _xy()
+    ref = _net()
+    train(ref, [(X[j : j + 7], Y[j : j + 7]) for j in range(0, 63, 7)], TrainingConfig(epochs=3, verbose=0, distributed=False, **copy.deepcopy(UNEQUAL[name])))
+    for res in results:
+        for p, q in zip(res[f"unequal-{name}"], ref.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-10, atol=1e-10)
+
+
 def test_dataloader_gets_distributed_sampler(ranks):
     results, _ = ranks
     X, Y = _xy()
@@ -624,31 +649,36 @@ def test_timeout_of_the_process_group_is_read():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend,expected_op", [("nccl", "AVG"), ("gloo", "SUM")])
-def test_a_mean_is_the_collectives_average_under_nccl(monkeypatch, backend, expected_op):
-    """``all_reduce_(..., "mean")``: with NCCL one ``ReduceOp.AVG`` collective and no division after it;
-    with gloo (no AVG) a sum divided by the world size. A stand-in collective acts as 4 ranks holding
-    the same values (SUM: ×4, AVG: ×1), so both paths must give the values back, bucketed or flat."""
+@pytest.mark.parametrize("backend,world,dtype,expected_op", [
+    ("nccl", 4, torch.float32, "AVG"), ("nccl", 3, torch.float32, "AVG"), ("nccl", 4, torch.bfloat16, "AVG"),
+    ("nccl", 3, torch.bfloat16, "SUM"), ("gloo", 4, torch.float32, "SUM"),
+])
+def test_a_mean_is_the_collectives_average_under_nccl(monkeypatch, backend, world, dtype, expected_op):
+    """``all_reduce_(..., "mean")``: with NCCL one ``ReduceOp.AVG`` collective and no division after it
+    (except half precision over a world size that is not a power of two, where AVG's 1/W would round:
+    sum, then divide); with gloo (no AVG) a sum divided by the world size. A stand-in collective acts as
+    ``world`` ranks holding the same values (SUM: ×world, AVG: ×1), so every path must give the values
+    back, bucketed or flat."""
     import torch.distributed as tdist
 
     from torchloom.engine.distributed import DistContext
 
     monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(tdist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(tdist, "get_backend", lambda group=None: backend)
     seen = []
 
     def fake_all_reduce(t, op=tdist.ReduceOp.SUM, group=None, async_op=False):
         seen.append(op)
         if op == tdist.ReduceOp.SUM:
-            t.mul_(4)
+            t.mul_(world)
         return None
 
     monkeypatch.setattr(tdist, "all_reduce", fake_all_reduce)
     ctx = DistContext()
-    flat = torch.arange(12, dtype=torch.float32)
+    flat = torch.arange(12, dtype=dtype)
     views = [flat[:5].view(5), flat[5:].view(7)]  # consecutive views of one buffer: reduced as one
-    apart = [torch.full((3,), 2.5), torch.full((2, 2), -1.0)]  # copied into a bucket
+    apart = [torch.full((3,), 2.5, dtype=dtype), torch.full((2, 2), -1.0, dtype=dtype)]  # copied into a bucket
     want = [v.clone() for v in views + apart]
     ctx.all_reduce_(views, "mean")
     ctx.all_reduce_(apart, "mean")

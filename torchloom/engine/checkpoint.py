@@ -223,6 +223,10 @@ def _setting_differences(saved: dict[str, Any], fresh: dict[str, Any]) -> list[s
     elif not scheduled and saved.get("rates") != fresh.get("rates") and "rates" in saved:
         a, b = saved["rates"], fresh["rates"]
         out.append(f"rate {_show(a[0] if len(a) == 1 else a)} (this run: {_show(b[0] if len(b) == 1 else b)})")
+    if "rates" in saved and bool(saved.get("auto_rate", False)) != bool(fresh.get("auto_rate", False)):
+        kind = {True: "automatic (left unset: scaled by min(1, B/16) below 16 rows)", False: "given explicitly (never scaled)"}
+        out.append(f"the rate is {kind[bool(saved.get('auto_rate', False))]} "
+                   f"(this run: {kind[bool(fresh.get('auto_rate', False))]})")
     if "scheduler" in saved and "scheduler" in fresh:
         a = {k: v for k, v in _leaves(saved["scheduler"]).items() if k.split(".")[0].split("[")[0] not in _PROGRESS}
         b = {k: v for k, v in _leaves(fresh["scheduler"]).items() if k.split(".")[0].split("[")[0] not in _PROGRESS}

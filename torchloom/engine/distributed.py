@@ -157,28 +157,31 @@ class DistContext:
         average (``ReduceOp.AVG``); elsewhere a sum divided by the world size afterwards."""
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce_: op must be 'sum' or 'mean', got {op!r}")
-        averaged = op == "mean" and self._avg  # the collective itself divides
-        reduce_op = tdist.ReduceOp.AVG if averaged else tdist.ReduceOp.SUM
         pending: list[Any] = []
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for t in tensors:
             if t.numel():
                 groups.setdefault((t.device, t.dtype), []).append(t)
         for key, members in groups.items():
+            # NCCL's AVG scales each input by 1/W in the element's dtype: exact for a power-of-two W, within
+            # an ulp in float32/64; half precision with another W would carry 1/W's rounding (bf16: +0.2 %)
+            averaged = op == "mean" and self._avg and (key[1] in (torch.float32, torch.float64) or _power_of_two(self.world_size))
+            reduce_op = tdist.ReduceOp.AVG if averaged else tdist.ReduceOp.SUM
+            divide = op == "mean" and not averaged
             flat = _flat(members)
             if flat is not None:
-                pending.append((tdist.all_reduce(flat, op=reduce_op, group=self.group, async_op=async_op), flat, None, None))
+                pending.append((tdist.all_reduce(flat, op=reduce_op, group=self.group, async_op=async_op), flat, None, None, divide))
                 continue
             for buffer, views, index in self._plan(key, members):
                 held = [members[i] for i in index]
                 torch._foreach_copy_(views, held)
-                pending.append((tdist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=async_op), buffer, views, held))
+                pending.append((tdist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=async_op), buffer, views, held, divide))
 
         def finish() -> None:
-            for work, buffer, views, held in pending:
+            for work, buffer, views, held, divide in pending:
                 if work is not None:
                     work.wait()
-                if op == "mean" and not averaged:
+                if divide:
                     buffer.div_(self.world_size)
                 if views is not None:
                     torch._foreach_copy_(held, views)
@@ -484,6 +487,10 @@ class DistContext:
         if loader.num_workers > 0:
             kwargs.update(multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
         return DataLoader(loader.dataset, **kwargs)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _flat(members: list[Tensor]) -> Tensor | None:

@@ -62,7 +62,7 @@ def interpreter_enabled() -> bool:
 # compiled the same way (bench/RESULTS.md §10, H200): the norms' kernels win in float32 (RMSNorm
 # 0.95×, LayerNorm 0.86×, against 1.01× / 0.99× as reference) and lose in bfloat16 (1.26× / 1.38×,
 # against 0.99× / 0.99×); SwiGLU's gate is at parity or better as reference (1.00× / 0.91×). Softmax
-# follows the norms' half-precision choice everywhere (not timed on its own). ``bench_layers.py
+# (not timed on its own) goes as reference in every dtype, as the gate does. ``bench_layers.py
 # --compiled --compiled-kernels`` empties the table to time the kernels. An explicit
 # ``backend="triton"`` still reaches the kernel under compile; eager calls and CUDA graphs always do.
 _HALF = (torch.float16, torch.bfloat16)

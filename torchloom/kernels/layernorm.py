@@ -25,7 +25,8 @@ Read top to bottom: ``layernorm_ref`` / ``layernorm_backward_ref`` (the spec), t
 launchers ``layernorm`` / ``layernorm_backward`` (the one place that picks the kernel or the
 reference) and ``tiled_forward`` / ``tiled_backward`` (shared with RMSNorm).
 
-Under ``torch.compile`` the tiled kernels are reached through the custom operators
+Under ``torch.compile`` half-precision rows hand Inductor the reference (``_triton.COMPILED_AS_REFERENCE``);
+float32 rows, and any with ``backend="triton"``, reach the tiled kernels through the custom operators
 ``torch.ops.torchloom.norm_forward`` / ``torch.ops.torchloom.norm_backward`` (``torch.library.triton_op``,
 the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
 AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.

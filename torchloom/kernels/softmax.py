@@ -16,7 +16,8 @@ a longer row is swept twice in chunks (online max and sum, then the output), so 
 Read top to bottom: ``softmax_ref`` / ``softmax_backward_ref`` (the spec), the Triton kernels, the
 launchers ``softmax`` / ``softmax_backward`` (the one place that picks the kernel or the reference).
 
-Under ``torch.compile`` the kernels are reached through the custom operators
+Under ``torch.compile`` softmax hands Inductor its reference (``_triton.COMPILED_AS_REFERENCE``). With
+that table emptied, or ``backend="triton"``, the kernels are reached through the custom operators
 ``torch.ops.torchloom.softmax`` / ``torch.ops.torchloom.softmax_backward`` (``torch.library.triton_op``,
 the launches wrapped by ``torch.library.wrap_triton``): Dynamo records one op node each, and
 AOTAutograd hands Inductor the Triton kernels themselves. Eager calls launch them directly.
@@ -194,7 +195,8 @@ if triton is not None:  # without Triton the layer never reaches the kernels
 def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:
     """``softmax(x / T)`` over the last dimension of ``x [..., C]``: the Triton kernel on CUDA for
     float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``); while
-    ``torch.compile`` traces, the operator ``torch.ops.torchloom.softmax``."""
+    ``torch.compile`` traces, the reference (or, where ``COMPILED_AS_REFERENCE`` does not name it, the
+    operator ``torch.ops.torchloom.softmax``)."""
     if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
         return softmax_ref(x, temperature)
     if torch.compiler.is_compiling():
@@ -204,8 +206,8 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
 
 def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:
     """``p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension; ``grad_out`` and ``p`` are ``[..., C]``. The
-    Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, the operator
-    ``torch.ops.torchloom.softmax_backward``."""
+    Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, as ``softmax``
+    (the reference, or the operator ``torch.ops.torchloom.softmax_backward``)."""
     if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
         return softmax_backward_ref(grad_out, p, temperature)
     if torch.compiler.is_compiling():

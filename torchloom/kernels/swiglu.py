@@ -136,7 +136,8 @@ if triton is not None:  # without Triton the layer never reaches the kernels
 def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) ⊙ up`` (same shapes): the Triton kernel on CUDA for float32/float16/bfloat16, the
     reference elsewhere (``backend`` as ``_triton.use_triton``); while ``torch.compile`` traces, the
-    operator ``torch.ops.torchloom.swiglu``."""
+    reference (``_triton.COMPILED_AS_REFERENCE``), or with ``backend="triton"`` the operator
+    ``torch.ops.torchloom.swiglu``."""
     if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_ref(gate, up)
     if torch.compiler.is_compiling():
@@ -156,7 +157,8 @@ def swiglu_backward(
     ``out_gate``: a buffer for ``d_gate`` (used when it is contiguous with ``gate``'s shape and dtype,
     else ignored); it may be ``grad`` itself: every element of ``grad`` is read before ``d_gate`` is
     written at the same place, so the gradient overwrites ``grad`` and saves one allocation. While
-    ``torch.compile`` traces: the operator ``torch.ops.torchloom.swiglu_backward_`` (``d_gate`` over
+    ``torch.compile`` traces: the reference (``_triton.COMPILED_AS_REFERENCE``), or with
+    ``backend="triton"`` the operator ``torch.ops.torchloom.swiglu_backward_`` (``d_gate`` over
     ``grad``) when ``out_gate`` is ``grad`` itself and fits, else ``torch.ops.torchloom.swiglu_backward``
     (fresh outputs)."""
     if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):

@@ -256,7 +256,7 @@ def attention_backward(
     if isinstance(saved, FlashAttentionSaved):
         return _flash_backward(grad_out, saved, needs_input_grad)
     x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, has_bias, spec, param_dtype = saved
-    grad_out = grad_out.to(x.dtype)
+    grad_out = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)  # no no-op .to (kernels._triton.cast)
     b, s, d = x.shape
     h, kv = spec.num_heads, spec.num_kv_heads
     hd, g = d // h, h // kv
@@ -336,7 +336,7 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     b, s, d = x.shape
     h, kv = spec.num_heads, spec.num_kv_heads
     hd = d // h
-    gy = grad_out.to(x.dtype).reshape(b * s, d)
+    gy = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).reshape(b * s, d)
     x2 = x.reshape(b * s, d)
     d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
     d_o = torch.mm(gy, o_weight).view(b, s, h, hd)

@@ -157,7 +157,7 @@ def lstm_backward(
     step_backend = _step_backend(x, backend)
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
-    grad_out = grad_out.to(x.dtype).contiguous()
+    grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
     if torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step (kernels/recurrent.py)
         g_pre = K.lstm_backward_loop_traced(grad_out, pre, cell, weight_hh)
     elif step_backend == "triton" and K.graphs_usable(x):

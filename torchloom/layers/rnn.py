@@ -139,7 +139,7 @@ def rnn_backward(
     H = weight_hh.shape[0]
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
-    grad_out = grad_out.to(x.dtype).contiguous()
+    grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
     K = _kernels()
     if torch.compiler.is_compiling() and K.rnn_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
         g_pre = K.rnn_backward_loop_traced(grad_out, weight_hh, hidden)

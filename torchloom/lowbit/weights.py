@@ -24,7 +24,6 @@ holds per layer (``to_loom_json`` reads it from the module's ``loom_lowbit`` att
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,17 +154,6 @@ class LowBitWeights:
         self.config = config
         self.seed = int(config.seed if config.seed is not None else seed)
         self.groups = [_Group(n, m, d, [i for i, _ in ps], [p for _, p in ps]) for n, m, ps, d in resolve_weight_dtypes(model, weight_dtype)]
-        unsigned = [f"{g.name or '(model)'}: {g.dtype}" for g in self.groups if g.dtype.startswith("uint")]
-        if unsigned and not config.loom_compat:  # loom_compat reproduces Loom: its users asked for exactly this
-            warnings.warn(
-                f"weight_dtype: {', '.join(unsigned)} — Loom's unsigned codes decode as code·scale with one "
-                "scale per layer and no zero point, so every weight of such a layer has one sign (no unit can "
-                "both excite and inhibit); expect a large accuracy loss (Fashion-MNIST: uint8 −7.5, uint4 −10.3 "
-                "points from float32, docs/low-bit.md#unsigned-dtypes). The signed dtype of the same width "
-                "(int8, int4, int2) trains within half a point.",
-                UserWarning,
-                stacklevel=3,
-            )
         self.started = False
         self.fused: Any = None  # the FusedGrid of the grid groups on CUDA (lowbit/fused.py), else None
 

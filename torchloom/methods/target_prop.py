@@ -189,11 +189,13 @@ class TargetProp(Method):
         sums = torch.stack(rows_of) if rows_of else stats.new_zeros(0, 5)
         directions = [d for ds in state.weight_gradients if ds for d in ds]
         world = self.dist.world_size
-        packed = torch.cat([stats.double() / world, sums.reshape(-1).to(stats.device)])
+        rows_here = torch.full((1,), float(x.shape[0]), dtype=torch.float64, device=stats.device)
+        # the last number: the rows of every rank, counted (a caller's shards may differ in size)
+        packed = torch.cat([stats.double() / world, sums.reshape(-1).to(stats.device), rows_here])
         self.dist.all_reduce_([*directions, packed], "sum")  # a NaN on one rank reaches all
         finite = finite_flag(directions) if directions else torch.tensor(True)
         values = torch.cat([packed, finite.reshape(1).double().to(packed.device)]).tolist()
-        loss, k = values[0], stats.numel()
+        loss, k, rows = values[0], stats.numel(), int(round(values[-2]))
         if not math.isfinite(loss):
             return StepOutput(loss, StepStatus.NAN_LOSS)
         self.observe_outputs(out, y)
@@ -204,7 +206,7 @@ class TargetProp(Method):
         state.set_link_budgets(index, [values[k + 5 * j : k + 5 * j + 5] for j in range(len(index))])
         if values[-1] < 0.5:
             return StepOutput(loss, StepStatus.NAN_GRAD)
-        return self._apply(directions, x.shape[0] * world, loss, values[1] if k > 1 else None)
+        return self._apply(directions, rows, loss, values[1] if k > 1 else None)
 
     def _apply(self, directions: list[Tensor], rows: int, loss: float, accuracy: float | None) -> StepOutput:
         """Clip and apply the (finite) directions, sums over ``rows`` samples; the step's output."""

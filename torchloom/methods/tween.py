@@ -146,11 +146,11 @@ class Tween(Method):
 
     def step(self, x: Tensor, y: Tensor) -> StepOutput:
         events = self.layer_events()  # None unless an observer wants per-layer events
-        rows = x.shape[0] * (1 if self.dist is None else self.dist.world_size)  # the global batch (equal shards)
         rate = float(self.rates.lr)  # base_rate, or the schedule's value
         clip = self._clip if self.clip > 0 else None
+        # an automatic rate's small-batch scale from the step's counted global batch (any shard sizes)
         out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist,
-                               scale=self.rate_scale(rows))  # checked in convert_batch
+                               scale=1.0, auto_rows=self.auto)  # checked in convert_batch
         if out.status is not StepStatus.NAN_LOSS and self.state.forward_acts:
             self.observe_outputs(self.state.forward_acts[-1], y)  # training metrics, if any
         return out

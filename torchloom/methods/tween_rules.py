@@ -347,13 +347,14 @@ class TweenState:
     @torch.no_grad()
     def _step(
         self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None,
-        clip: Any = None, dist: Any = None, scale: float | None = None,
+        clip: Any = None, dist: Any = None, scale: float | None = None, auto_rows: bool = False,
     ) -> StepOutput:
         """``step``'s body. ``events``: a ``LayerEvents`` (observers/layer_stats.py) that gets each layer's
         output and input gradient (the batch loss's, as in backprop), or ``None``. ``clip``: a callable
         applied in place to the list of parameter gradients once they are known to be finite, before
         the update, with the batch size ``B`` (``clip(grads, B)``; the gradients are sums over the
-        batch, ``G_i``), or ``None``."""
+        batch, ``G_i``), or ``None``. ``auto_rows``: the small-batch scale of an automatic rate is taken
+        from the step's global batch (the rows of every rank, as counted), overriding ``scale``."""
         cfg = self.config
         base = _rate("tween_step", rate) if rate is not None else (float(cfg.base_rate) if cfg.base_rate is not None else AUTO_RATE)
         net = self._check_model(model)
@@ -412,6 +413,8 @@ class TweenState:
             self.last_status = StepStatus.NAN_GRAD
             return StepOutput(loss, StepStatus.NAN_GRAD)
 
+        if auto_rows:  # the counted global batch: every rank takes the same scale, whatever its shard
+            scale = small_batch_scale(batch)
         if clip is not None:
             clip(flat_grads, batch)
         self.forward_acts, self.backward_targets, self.chain_gradients = acts, targets, chain
