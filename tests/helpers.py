@@ -112,3 +112,20 @@ def spawn_ranks(scenarios, world: int, tmp: str, timeout_s: float, pg_timeout_s:
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
     return results
+
+
+def op_names():
+    """A ``TorchDispatchMode`` that records the name of every aten op run inside it (``.names``): what a
+    piece of code launches, counted without a GPU. ``with op_names() as ops: ...; ops.names``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return OpNames()

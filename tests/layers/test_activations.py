@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 import torch
-from helpers import ACTIVATION_REFERENCE
+from helpers import ACTIVATION_REFERENCE, op_names
 from torchloom.layers.activations import ACTIVATIONS, activation_names, get_activation
 
 REFERENCE = ACTIVATION_REFERENCE
@@ -40,22 +40,11 @@ def test_derivatives_at_zero_follow_loom():
 
 
 def test_relu_grad_is_one_op_with_loom_values_at_the_kink_and_both_dtypes():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     relu = get_activation("relu")
     for dtype in (torch.float32, torch.float64):
         x = torch.tensor([-2.0, -0.0, 0.0, 1e-30, 3.0, float("inf"), -float("inf")], dtype=dtype)
         g = torch.tensor([1.0, 2.0, 3.0, 4.0, float("nan"), 6.0, float("inf")], dtype=dtype)
-        with Ops() as ops:
+        with op_names() as ops:
             out = relu.grad(g, x)
         assert ops.names == ["threshold_backward"]  # one kernel on the device (a compare and a where: two)
         expected = torch.tensor([0.0, 0.0, 0.0, 4.0, float("nan"), 6.0, 0.0], dtype=dtype)  # f'(0) = 0 (Loom)

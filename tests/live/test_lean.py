@@ -12,7 +12,7 @@ from torchloom import Dense, Network
 from torchloom.live import LiveTrainer
 from torchloom.methods.backprop import Backprop
 
-from ..helpers import assert_close
+from ..helpers import assert_close, op_names
 
 
 def net_of(acts=("tanh", "relu", "sigmoid", "linear"), widths=(6, 10, 9, 7, 4), seed=0, bias=True) -> Network:
@@ -158,17 +158,6 @@ def test_a_sample_costs_the_lean_op_budget():
     """adaptv2's net (Dense 8→32→64→64→64→32→4): a serve is its 6 addmm + 5 tanh; a learn (score,
     target, update) at most 30 torch ops with one host read (the new weights' sum), where the method's
     step with the engine's guard makes ~95 with three."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     widths = [8, 32, 64, 64, 64, 32, 4]
     net_ = net_of(["tanh"] * 5 + ["linear"], widths)
     live = LiveTrainer(net_, method="backprop")
@@ -177,9 +166,9 @@ def test_a_sample_costs_the_lean_op_budget():
     for i in range(3):
         _, t = live.serve(x[i])
         live.learn(t, labels[i])
-    with Ops() as serve_ops:
+    with op_names() as serve_ops:
         _, t = live.serve(x[3])
-    with Ops() as learn_ops:
+    with op_names() as learn_ops:
         live.learn(t, labels[3])
     assert serve_ops.names.count("addmm") == 6 and serve_ops.names.count("tanh") == 5 and len(serve_ops.names) <= 13  # + the input as [1, 8]
     assert learn_ops.names.count("_local_scalar_dense") == 1 and len(learn_ops.names) <= 30, learn_ops.names

@@ -146,14 +146,21 @@ def test_functional_apis_take_the_rate_of_the_batch_they_see():
 
 
 # ---------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("method, rate", [(TargetPropConfig(), 0.1), (TweenConfig(), 0.03)], ids=["tp-chain", "tween"])
-def test_a_resumed_run_keeps_the_automatic_rate(tmp_path, method, rate):
+def _halfway(method, tmp_path):
+    """``(data, whole, part, path)``: batches of 4 rows, a net trained 4 epochs at ``method``, another
+    trained 2 of them and checkpointed at ``path``."""
     data = _data(4)
     whole = _net()
     train(whole, data, _cfg(method, epochs=4))
     path = tmp_path / "run.pt"
     part = _net()
     train(part, data, _cfg(method, epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
+    return data, whole, part, path
+
+
+@pytest.mark.parametrize("method, rate", [(TargetPropConfig(), 0.1), (TweenConfig(), 0.03)], ids=["tp-chain", "tween"])
+def test_a_resumed_run_keeps_the_automatic_rate(tmp_path, method, rate):
+    data, whole, part, path = _halfway(method, tmp_path)
     assert torch.load(path, weights_only=True)["training"]["rates"] == [rate]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same settings: no "the checkpoint's settings are used" warning
@@ -174,12 +181,7 @@ def test_a_resume_that_switches_automatic_and_explicit_rates_warns_and_keeps_the
     way, so the rate itself matches) warns and goes on with the checkpoint's kind, equal to the
     uninterrupted run."""
     first, second = (auto, explicit) if saved_auto else (explicit, auto)
-    data = _data(4)
-    whole = _net()
-    train(whole, data, _cfg(first, epochs=4))
-    path = tmp_path / "run.pt"
-    part = _net()
-    train(part, data, _cfg(first, epochs=2, observers=[Checkpoint(path, save_best_only=False)]))
+    data, whole, part, path = _halfway(first, tmp_path)
     assert torch.load(path, weights_only=True)["training"]["auto_rate"] is saved_auto
     with pytest.warns(UserWarning, match=r"the rate is (automatic|given explicitly).*\(this run: (given explicitly|automatic)"):
         train(part, data, _cfg(second, epochs=4, resume_from=str(path)))
