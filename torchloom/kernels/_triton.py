@@ -28,6 +28,7 @@ __all__ = [
     "traced_as_reference",
     "compute_dtype",
     "cast",
+    "exact_div",
     "check_backend",
     "elementwise_settings",
     "row_settings",
@@ -90,6 +91,14 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     compiled gradients wrong (RMSNorm's ``dx`` off by 4.5 on an [8, 24] input, CPU and CUDA,
     aot_eager and Inductor); torch 2.13 is right either way. The references use this for every cast."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def exact_div(t: torch.Tensor, by: float) -> torch.Tensor:
+    """``t / by`` rounded as IEEE division on every device: CUDA PyTorch divides by a Python number
+    (and takes a mean) as a product with its float32 reciprocal, which can differ in the last bit from
+    the CPU's division and the kernels' ``div_rn``; a tensor divisor is divided exactly everywhere (a
+    device fill: no host sync, graph-capturable)."""
+    return t / torch.full_like(t, by)
 
 
 def check_backend(backend: str | None) -> None:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ._counter import U_BITS, draw_bits, seed_key, stream_key
 from ._tl import jit, tl
-from ._triton import use_triton
+from ._triton import exact_div, use_triton
 from .requant import _mix32
 
 __all__ = ["GridLayout", "grid_layout", "requant_groups_ref", "requant_groups_", "MODE_MAX", "MODE_MEAN", "MODE_CLIP"]
@@ -133,9 +133,8 @@ def requant_groups_ref(layout: GridLayout, M: Tensor | None, P: Tensor, B: Tenso
             s = S[g]
         else:
             a = x.abs()
-            # divisions by tensors: IEEE on every device, as the kernel's div_rn (codec.scale_for)
-            m = a.sum() / torch.full_like(a[0], a.numel()) if grp["mode"] == MODE_MEAN else a.amax()
-            s = m / torch.full_like(m, grp["qmax"])
+            m = exact_div(a.sum(), a.numel()) if grp["mode"] == MODE_MEAN else a.amax()  # as the kernel's div_rn
+            s = exact_div(m, grp["qmax"])
             s = torch.where(s > 0, s, torch.ones_like(s))
             if grp["mode"] == MODE_CLIP:
                 cand = s * layout.ratios

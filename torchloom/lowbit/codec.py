@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..kernels._triton import exact_div
+
 
 __all__ = ["LOOM_DTYPES", "DTypeInfo", "dtype_info", "encode", "decode", "quantize", "scale_for", "pack", "ROUNDINGS"]
 
@@ -307,11 +309,6 @@ def quantize(x: Tensor, dtype: str, scale: Tensor | float | None = None, roundin
 _ABSMEAN = ("binary", "ternary", "int2", "uint2")
 
 
-def _div(t: Tensor, by: float) -> Tensor:
-    """``t / by`` rounded as IEEE division on every device (see ``scale_for``)."""
-    return t / torch.full_like(t, by)
-
-
 def scale_for(x: Tensor, dtype: str, dim: int | None = None) -> Tensor:
     """The scale that maps ``max|x|`` to the dtype's ``qmax`` (``mean|x|`` for binary, ternary, int2
     and uint2, see ``_ABSMEAN``): a 0-d float32 tensor, or with ``dim=0`` one per row (shape
@@ -319,17 +316,15 @@ def scale_for(x: Tensor, dtype: str, dim: int | None = None) -> Tensor:
     info = dtype_info(dtype, "scale_for")
     a = x.detach().to(torch.float32).abs()
     mean = info.name in _ABSMEAN
-    # Divisions by a tensor, not a Python number: CUDA PyTorch divides by a number (and takes a mean)
-    # as a product with its float32 reciprocal, which can differ from IEEE division (the CPU's, and
-    # the fused kernels') in the last bit; a tensor divisor is divided exactly on every device.
+    # exact_div, not ``/ n`` or ``mean``: the same bits on every device as the fused kernels' div_rn
     if dim is None:
-        m = _div(a.sum(), a.numel()) if mean else a.amax()
+        m = exact_div(a.sum(), a.numel()) if mean else a.amax()
     else:
         flat = a.reshape(a.shape[0], -1)
-        m = (_div(flat.sum(1), flat.shape[1]) if mean else flat.amax(1)).reshape(a.shape[0], *([1] * (a.dim() - 1)))
+        m = (exact_div(flat.sum(1), flat.shape[1]) if mean else flat.amax(1)).reshape(a.shape[0], *([1] * (a.dim() - 1)))
     if not info.scaled:
         return torch.ones_like(m)
-    s = _div(m, info.qmax)
+    s = exact_div(m, info.qmax)
     s = torch.where(s > 0, s, torch.ones_like(s))
     if info.name in _CLIP_SEARCH:
         s = _least_squares_clip(x.detach().to(torch.float32), info.name, s, dim)

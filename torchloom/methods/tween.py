@@ -150,7 +150,7 @@ class Tween(Method):
         clip = self._clip if self.clip > 0 else None
         # an automatic rate's small-batch scale from the step's counted global batch (any shard sizes)
         out = self.state._step(self.model, x, y, None, rate, check_labels=False, events=events, clip=clip, dist=self.dist,
-                               scale=1.0, auto_rows=self.auto)  # checked in convert_batch
+                               auto=self.auto)  # checked in convert_batch
         if out.status is not StepStatus.NAN_LOSS and self.state.forward_acts:
             self.observe_outputs(self.state.forward_acts[-1], y)  # training metrics, if any
         return out

@@ -347,14 +347,15 @@ class TweenState:
     @torch.no_grad()
     def _step(
         self, model: Any, x: Any, target: Any, num_classes: Any, rate: Any, check_labels: bool, events: Any = None,
-        clip: Any = None, dist: Any = None, scale: float | None = None, auto_rows: bool = False,
+        clip: Any = None, dist: Any = None, auto: bool | None = None,
     ) -> StepOutput:
         """``step``'s body. ``events``: a ``LayerEvents`` (observers/layer_stats.py) that gets each layer's
         output and input gradient (the batch loss's, as in backprop), or ``None``. ``clip``: a callable
         applied in place to the list of parameter gradients once they are known to be finite, before
         the update, with the batch size ``B`` (``clip(grads, B)``; the gradients are sums over the
-        batch, ``G_i``), or ``None``. ``auto_rows``: the small-batch scale of an automatic rate is taken
-        from the step's global batch (the rows of every rank, as counted), overriding ``scale``."""
+        batch, ``G_i``), or ``None``. ``auto``: whether the rate is the automatic one, whose step of
+        ``B < 16`` rows moves ``B/16`` of it, ``B`` the step's batch (under ``dist`` the rows of every
+        rank, as counted); ``None``: automatic when no rate is given and ``base_rate`` is ``None``."""
         cfg = self.config
         base = _rate("tween_step", rate) if rate is not None else (float(cfg.base_rate) if cfg.base_rate is not None else AUTO_RATE)
         net = self._check_model(model)
@@ -362,8 +363,8 @@ class TweenState:
             raise TypeError(f"tween_step: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"tween_step: x must be [batch, ...] with batch >= 1, got shape {list(x.shape)}")
-        if scale is None:  # base_rate=None (and no rate given): a step of B < 16 rows moves B/16 of the rate
-            scale = small_batch_scale(x.shape[0]) if rate is None and cfg.base_rate is None else 1.0
+        if auto is None:
+            auto = rate is None and cfg.base_rate is None
         layers = list(net.layers)
         n = len(layers)
 
@@ -413,8 +414,7 @@ class TweenState:
             self.last_status = StepStatus.NAN_GRAD
             return StepOutput(loss, StepStatus.NAN_GRAD)
 
-        if auto_rows:  # the counted global batch: every rank takes the same scale, whatever its shard
-            scale = small_batch_scale(batch)
+        scale = small_batch_scale(batch) if auto else 1.0  # the counted batch: every rank alike, whatever its shard
         if clip is not None:
             clip(flat_grads, batch)
         self.forward_acts, self.backward_targets, self.chain_gradients = acts, targets, chain
