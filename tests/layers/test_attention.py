@@ -419,6 +419,56 @@ def test_flash_path_matches_reference(case):
         assert_close(got, r, name=f"backward_saved grad {n}", **tol)
 
 
+# (B, S, H, K, D, causal, rope): GQA with RoPE and the causal mask, then plain heads without either;
+# S ragged against the interpreter's 16-wide blocks.
+CORE_CASES = [(2, 5, 4, 2, 4, True, True), (1, 9, 2, 2, 8, False, False)]
+
+
+@pytest.mark.parametrize("case", CORE_CASES, ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}K{c[3]}D{c[4]}-{c[5]}-{c[6]}")
+def test_flash_core_operators(case):
+    """``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (the flash path's core,
+    which a compiled layer calls as opaque operators): ``torch.library.opcheck`` passes (schema, the
+    declared write of ``qkv`` and nothing else, fake tensors, AOT dispatch), and against float64
+    autograd through the complex-number RoPE and SDPA: the forward leaves q and k rotated in ``qkv``
+    (v as it was) and returns ``o`` and the log-sum-exp; the backward gives the gradient with respect to
+    the projection before RoPE."""
+    _needs_interpreter_or_cuda()
+    b, s, h, kv, hd, causal, rope = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args = (s, h, kv, causal, rope, 500.0, "triton")
+    qkv0 = torch.randn(b * s, (h + 2 * kv) * hd, device=dev)
+    d_o = torch.randn(b * s, h * hd, device=dev)
+
+    x = qkv0.double().cpu().requires_grad_()  # float64 truth, with autograd
+    q, k, v = (t.transpose(1, 2) for t in x.view(b, s, h + 2 * kv, hd).split([h, kv, kv], dim=2))  # [B,n,S,D]
+    if rope:
+        q, k = _rope_reference(q, 500.0), _rope_reference(k, 500.0)
+    k_rep, v_rep = (t.repeat_interleave(h // kv, dim=1) for t in (k, v))
+    scores = q @ k_rep.transpose(-1, -2) / hd**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o_ref = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=causal).transpose(1, 2)  # [B,S,H,D]
+    rotated = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2).reshape(b * s, -1)
+    (d_ref,) = torch.autograd.grad(o_ref, x, d_o.double().cpu().view(b, s, h, hd))
+
+    qkv = qkv0.clone()
+    o, lse = torch.ops.torchloom.flash_attention_core(qkv, *args)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    assert o.shape == (b, s, h, hd) and o.is_contiguous() and lse.shape == (b, h, s) and lse.dtype == torch.float32
+    assert_close(o, o_ref, name="o", **tol)
+    assert_close(lse, torch.logsumexp(scores, dim=-1), name="lse", **tol)
+    assert_close(qkv, rotated, name="qkv after the forward (q, k rotated; v unchanged)", **tol)
+    saved = (d_o.clone(), qkv.clone(), o.clone(), lse.clone())
+    d_qkv = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
+    assert d_qkv.shape == qkv.shape and d_qkv.is_contiguous()
+    assert_close(d_qkv, d_ref, name="d_qkv", **tol)
+    for name, before, after in zip(("d_o", "qkv", "o", "lse"), saved, (d_o, qkv, o, lse)):
+        assert torch.equal(before, after), f"the backward wrote its input {name}"
+    if case == CORE_CASES[0]:  # opcheck runs each operator several times through the interpreter: once
+        torch.library.opcheck(torch.ops.torchloom.flash_attention_core.default, (qkv0.clone(), *args))
+        torch.library.opcheck(torch.ops.torchloom.flash_attention_core_backward.default, (d_o, qkv, o, lse, *args))
+
+
 # ----------------------------------------------------------------- mixed precision, dtypes, transforms
 def _low_precision_check(got, truth, low_ref, name):
     """flash-attention's test rule: the error against the float64 truth is at most twice the error of

@@ -18,7 +18,9 @@ Dynamo is reset before and after every test, and every setting is changed only t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -357,9 +359,10 @@ def test_compiled_embedding_still_checks_indices():
 
 
 def test_compiled_attention_keeps_no_rope_tables():
-    """Eager attention keeps its RoPE tables in a host-side store; a compiled graph makes its own and
-    neither reads nor fills the store (its tensors are fake while it traces; a kept table would also
-    pin the sequence length)."""
+    """Eager attention keeps its RoPE tables in a host-side store; a compiled graph of the materialised
+    path (here: the CPU default) makes its own and neither reads nor fills the store (its tensors are
+    fake while it traces; a kept table would also pin the sequence length). (The flash path's opaque
+    operators use the store at run time: ``test_compiled_flash_attention_runs_the_eager_core``.)"""
     layer = _randomize(MultiHeadAttention(16, 4, num_kv_heads=2))
     x = torch.randn(2, 7, 16)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
@@ -368,6 +371,109 @@ def test_compiled_attention_keeps_no_rope_tables():
     assert ATTENTION._ROPE_CACHE == {}
     assert_close(y, layer(x), name="output", rtol=1e-5, atol=1e-6)
     assert len(ATTENTION._ROPE_CACHE) == 1  # the eager call kept its tables
+
+
+# ------------------------------------------------------------ the flash path behind opaque operators
+def _flash_device() -> str:
+    """The flash kernels' device: CUDA where there is one, else the CPU through Triton's interpreter."""
+    from torchloom.kernels._triton import interpreter_enabled, triton_available
+
+    if not triton_available() or not (torch.cuda.is_available() or interpreter_enabled()):
+        pytest.skip("the flash path needs Triton (its interpreter on CPU)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _flash_layer(d, h, kv, causal, rope, bias, device):
+    """A randomised MultiHeadAttention whose spec asks for the flash kernel (``backend="triton"``)."""
+    layer = _randomize(MultiHeadAttention(d, h, num_kv_heads=kv, causal=causal, rope=rope, bias=bias)).to(device)
+    layer.spec = dataclasses.replace(layer.spec, backend="triton")
+    return layer
+
+
+def _graph_targets(counter) -> list[str]:
+    """Every call in the captured graphs and their subgraphs (the Function's forward and backward)."""
+    return [str(n.target) for gm in counter.graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+            for n in sub.graph.nodes if n.op == "call_function"]
+
+
+# (d_model, heads, kv heads, causal, rope, bias, batches, dynamic); sequence lengths 5 and 7, ragged
+# against the interpreter's 16-wide blocks.
+FLASH_COMPILE_CASES = {
+    "gqa_causal_rope": (16, 4, 2, True, True, True, (3, 3), None),
+    "full_norope_nobias": (12, 3, 3, False, False, False, (2, 2), None),
+    "mqa_rope_dynamic": (16, 2, 1, False, True, True, (3, 5), True),
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_COMPILE_CASES))
+def test_compiled_flash_attention_runs_the_eager_core(name):
+    """``backend="triton"`` (the flash path) under ``fullgraph=True``: the captured graph calls the
+    opaque ``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (the eager RoPE and
+    flash kernels, not a traced copy of them), and two training steps give eager's output and every
+    gradient (the same kernels: equal to float32 rounding) and float64's (the materialised path), with
+    one compile; the RoPE tables come from the store at run time, as eagerly."""
+    device = _flash_device()
+    d, h, kv, causal, rope, bias, batches, dynamic = FLASH_COMPILE_CASES[name]
+    seq = 5 if causal else 7
+    eager = _flash_layer(d, h, kv, causal, rope, bias, device)
+    compiled_layer = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss_fn(compiled_layer, False), backend=counter, fullgraph=True, dynamic=dynamic)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step, batch in enumerate(batches):
+            x, g = torch.randn(batch, seq, d, device=device), torch.randn(batch, seq, d, device=device)
+            got = _run(compiled, compiled_layer, x, g)
+            if step == 0 and rope:  # only the compiled layer has run: its operators kept the tables
+                assert [k[:2] + k[3:5] for k in ATTENTION._ROPE_CACHE] == [(seq, d // h, x.device, torch.float32)]
+            ref = _run(_loss_fn(eager, False), eager, x, g)
+            _compare(f"{name} step {step} compiled vs eager", got, ref, rtol=1e-5, atol=1e-6)
+            reference = copy.deepcopy(eager)
+            reference.spec = dataclasses.replace(reference.spec, backend=None)  # float64: the materialised path
+            y64, gx64, grads64 = _float64_reference(reference, x, g)
+            for what, a, r in [("output", got[0], y64), ("input grad", got[1], gx64), *(
+                    (f"grad of parameter {i}", gp, g64) for i, (gp, g64) in enumerate(zip(got[2], grads64)))]:
+                assert _rel(a, r) <= 1e-5, f"{name} step {step}: {what} vs float64, rel. error {_rel(a, r):.1e}"
+            _sgd(eager)
+            _sgd(compiled_layer)
+            if step == 0:
+                first_compiles = counter.frame_count
+    allowed = 2 if dynamic else 1  # dynamic=True: one restart of the first compile (see _train_and_compare)
+    assert counter.frame_count == first_compiles <= allowed, f"{name}: {counter.frame_count} compiles, {first_compiles} at step 0"
+    targets = _graph_targets(counter)
+    for op in ("torchloom.flash_attention_core.default", "torchloom.flash_attention_core_backward.default"):
+        assert op in targets, f"{name}: the graph does not call {op}: {sorted(set(targets))}"
+    _assert_hand_written_backward_kept(counter, name)
+
+
+def test_compiled_flash_attention_inductor_writes_the_projection_in_place():
+    """Inductor (the default backend) on the flash path: output and gradients equal eager's, and RoPE
+    writes the q|k|v projection's own buffer: the buffer the fused product is written into (``out=``)
+    is the one handed to ``torchloom::flash_attention_core`` and saved for the backward, with no copy
+    of it between (the operator declares the write; Inductor's re-inplacing proves it safe). On the
+    CPU through Triton's interpreter (tests/layers/test_compile_cuda.py checks Inductor on CUDA)."""
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's generated code is read here; on CUDA see tests/layers/test_compile_cuda.py")
+    device = _flash_device()
+    eager = _flash_layer(16, 4, 2, True, True, True, device)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(_loss_fn(compiled_layer, False), backend="inductor", fullgraph=True)
+    x, g = torch.randn(2, 7, 16, device=device), torch.randn(2, 7, 16, device=device)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):  # scalar C++: no probe of the instruction sets
+        got, codes = run_and_get_code(lambda: _run(compiled, compiled_layer, x, g))
+    _compare("inductor compiled vs eager", got, _run(_loss_fn(eager, False), eager, x, g), rtol=1e-5, atol=1e-6)
+    forward = next(c for c in codes if "flash_attention_core.default(" in c)
+    line = next(ln for ln in forward.splitlines() if "flash_attention_core.default(" in ln)
+    call = re.search(r"= torch\.ops\.torchloom\.flash_attention_core\.default\((buf\d+),", line)
+    assert call, f"flash_attention_core is not handed a buffer as it is (a copy or a reinterpretation between?): {line.strip()}"
+    qkv = call.group(1)
+    written = re.findall(rf"extern_kernels\.(?:addmm|mm)\([^\n]*out={qkv}\)", forward)
+    assert written, f"{qkv} (handed to flash_attention_core) is not the q|k|v product's output buffer"
+    assert not re.search(rf"(clone|copy_)\w*(\.run)?\([^\n]*\b{qkv}\b", forward), f"{qkv} is copied"
+    assert re.search(rf"return \(.*\b{qkv}\b", forward), f"{qkv} (after RoPE) is not saved for the backward"
+    assert any("flash_attention_core_backward.default(" in c for c in codes)
 
 
 def test_compiled_shape_check_raises():

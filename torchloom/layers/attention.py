@@ -27,7 +27,9 @@ On CUDA (float32/float16/bfloat16, head size ≤ 128) the attention runs in the 
 ``torchloom.kernels.flash_attention``: q, k and v come from one fused product, RoPE is applied in
 place, and only the softmax's log-sum-exp per query is saved, so memory is linear in S; its backward
 recomputes P block by block (same formulas as above). Elsewhere (CPU, float64) the materialised path
-above runs.
+above runs. Under ``torch.compile`` the flash path's attention core (RoPE, the kernel, and their
+backward) runs behind two opaque operators, ``torch.ops.torchloom.flash_attention_core`` and
+``flash_attention_core_backward``, so a compiled layer launches the very kernels of an eager one.
 
 Mixed precision: under ``torch.autocast`` the input and the parameters are cast to the autocast
 dtype, the layer computes in it (softmax statistics in float32) and the gradients come back in the
@@ -110,8 +112,10 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     read nor filled during a CUDA graph capture (a captured graph would hold the address of kept tables
     that a later drop frees; tables made in the capture come from the graph's own pool), under a
     ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are not real ones), nor while
-    ``torch.compile`` traces: there the tables are made by the compiled graph itself (its own
-    tensors, no host-side store or lock inside the traced region)."""
+    ``torch.compile`` traces the materialised path: there the tables are made by the compiled graph
+    itself (its own tensors, no host-side store or lock inside the traced region). The flash path's
+    operators (``_flash_core``, ``_flash_core_backward``) are opaque to the compiler: a compiled graph
+    calls them with real tensors at run time, so they read and fill the store as eager calls do."""
     if torch.compiler.is_compiling():
         return rope_tables(seq_len, head_dim, theta, device, dtype)
     if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or _dispatch_mode_active():
@@ -308,24 +312,11 @@ def _use_flash(x: Tensor, spec: AttentionSpec) -> bool:
 
 def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
     b, s, d = x.shape
-    h, kv = spec.num_heads, spec.num_kv_heads
-    hd = d // h
     w_qkv = torch.cat((q_weight, k_weight, v_weight))
     b_qkv = None if q_bias is None else torch.cat((q_bias, k_bias, v_bias))
     qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
-    heads = qkv.view(b, s, h + 2 * kv, hd)
-    if spec.rope and torch.compiler.is_compiling():
-        # Traced: RoPE as fresh tensors (float32 math, as the kernel), which Inductor fuses; no kernel
-        # writes into a view of ``qkv`` (Inductor would have to functionalise that write).
-        cos, sin = (t[:, None] for t in _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32))
-        rotated = rope_rotate(heads[:, :, : h + kv].float(), cos, sin).to(qkv.dtype)
-        heads = torch.cat((rotated, heads[:, :, h + kv :]), dim=2)
-        qkv = heads.view(b * s, (h + 2 * kv) * hd)
-    elif spec.rope:
-        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
-        _flash().rope_(heads[:, :, : h + kv], cos, sin, inverse=False, backend=spec.backend)
-    q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
-    o, lse = _flash().flash_attention(q, k, v, spec.causal, backend=spec.backend)
+    core = _FLASH_OPS[0] if torch.compiler.is_compiling() else _flash_core
+    o, lse = core(qkv, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope, spec.rope_theta, spec.backend)
     pre = o.view(b, s, d)
     y = _linear(pre.view(b * s, d), o_weight, o_bias).view(b, s, d)
     return y, FlashAttentionSaved(x, qkv, lse, pre, w_qkv, o_weight, q_bias is not None, spec)
@@ -334,41 +325,95 @@ def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_
 def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_grad: bool):
     x, qkv, lse, pre, w_qkv, o_weight, has_bias, spec, param_dtype = saved
     b, s, d = x.shape
-    h, kv = spec.num_heads, spec.num_kv_heads
-    hd = d // h
+    kd = spec.num_kv_heads * (d // spec.num_heads)
     gy = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).reshape(b * s, d)
     x2 = x.reshape(b * s, d)
     d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
-    d_o = torch.mm(gy, o_weight).view(b, s, h, hd)
-    heads = qkv.view(b, s, h + 2 * kv, hd)
-    q, k, v = heads[:, :, :h], heads[:, :, h : h + kv], heads[:, :, h + kv :]
-    if torch.compiler.is_compiling():  # traced: fresh gradients, joined (no kernel writes into views)
-        dq, dk, dv = _flash().flash_attention_backward(d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend)
-        d_qk = torch.cat((dq, dk), dim=2)
-        if spec.rope:
-            cos, sin = (t[:, None] for t in _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32))
-            d_qk = rope_rotate_inverse(d_qk.float(), cos, sin).to(qkv.dtype)
-        d_qkv = torch.cat((d_qk, dv), dim=2).view(b * s, (h + 2 * kv) * hd)
-        del d_o, q, k, v, heads, dq, dk, dv, d_qk
-    else:
-        d_qkv = torch.empty_like(qkv)
-        d_heads = d_qkv.view(b, s, h + 2 * kv, hd)
-        _flash().flash_attention_backward(
-            d_o, q, k, v, pre.view(b, s, h, hd), lse, spec.causal, backend=spec.backend,
-            out=(d_heads[:, :, :h], d_heads[:, :, h : h + kv], d_heads[:, :, h + kv :]),
-        )
-        del d_o, q, k, v, heads
-    if spec.rope and not torch.compiler.is_compiling():
-        cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, torch.float32)
-        _flash().rope_(d_heads[:, :, : h + kv], cos, sin, inverse=True, backend=spec.backend)
+    core = _FLASH_OPS[1] if torch.compiler.is_compiling() else _flash_core_backward
+    d_qkv = core(torch.mm(gy, o_weight), qkv, pre, lse, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope,
+                 spec.rope_theta, spec.backend)  # [B·S, (H+2K)·D]: dq | dk | dv, before RoPE
     d_w = torch.mm(d_qkv.t(), x2)  # [(H+2K)·D, d]: dW_q | dW_k | dW_v
-    kd = kv * hd
     grads: tuple[Tensor, ...] = (d_w[:d], d_w[d : d + kd], d_w[d + kd :], d_o_weight)
     if has_bias:
         d_b = column_sum(d_qkv)
         grads += (d_b[:d], d_b[d : d + kd], d_b[d + kd :], column_sum(gy))
     dx = torch.mm(d_qkv, w_qkv).view(b, s, d) if needs_input_grad else None
     return dx, _to_param_dtype(grads, param_dtype)
+
+
+# The attention core of the flash path, between the q|k|v projection and the output projection. Eager
+# calls run these two functions directly; while ``torch.compile`` traces, the graph calls them through
+# the opaque operators ``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (below),
+# so a compiled layer runs the very kernels, buffers and RoPE tables of an eager one. (Traced instead,
+# each kernel writing into a view of ``qkv`` or ``d_qkv`` is a mutation Inductor must functionalise;
+# the RoPE and joins written as torch ops in their place cost 1.5-1.8× eager's device time in bfloat16
+# on an H200, issue 36.)
+def _heads(t: Tensor, seq_len: int, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``t [B·S, (H+2K)·D]`` as ``[B, S, H+2K, D]`` and its q ``[B,S,H,D]``, k, v ``[B,S,K,D]`` views."""
+    n = num_heads + 2 * num_kv_heads
+    heads = t.view(t.shape[0] // seq_len, seq_len, n, t.shape[1] // n)
+    qk = num_heads + num_kv_heads
+    return heads, heads[:, :, :num_heads], heads[:, :, num_heads:qk], heads[:, :, qk:]
+
+
+def _flash_core(
+    qkv: Tensor, seq_len: int, num_heads: int, num_kv_heads: int, causal: bool, rope: bool, rope_theta: float,
+    backend: str | None,
+) -> tuple[Tensor, Tensor]:
+    """The flash path's attention on the fused projection ``qkv [B·S, (H+2K)·D]`` (rows ``b·S + s``,
+    columns q heads | k heads | v heads, each ``D`` wide): RoPE in place on its q and k columns
+    (``qkv`` is written), then the flash kernel. Returns ``(o [B,S,H,D] contiguous, lse [B,H,S]
+    float32)``."""
+    heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
+    if rope:
+        cos, sin = _rope_tables_kept(seq_len, heads.shape[3], rope_theta, qkv.device, torch.float32)
+        _flash().rope_(heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=False, backend=backend)
+    return _flash().flash_attention(q, k, v, causal, backend=backend)
+
+
+def _flash_core_backward(
+    d_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, seq_len: int, num_heads: int, num_kv_heads: int, causal: bool,
+    rope: bool, rope_theta: float, backend: str | None,
+) -> Tensor:
+    """The backward of ``_flash_core``: ``d_qkv [B·S, (H+2K)·D]`` (fresh, contiguous; the gradient with
+    respect to the projection before RoPE) from ``d_o`` and ``o`` (``B·S·H·D`` elements each, rows
+    ``b·S + s``), the forward's ``qkv`` (after RoPE) and ``lse``. The kernel writes dq, dk, dv straight
+    into views of ``d_qkv``, whose q and k columns are then rotated back in place; no input is written."""
+    heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
+    b, _, _, hd = heads.shape
+    d_qkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)  # contiguous, as the operator's fake
+    d_heads, dq, dk, dv = _heads(d_qkv, seq_len, num_heads, num_kv_heads)
+    d_o, o = (t.reshape(b, seq_len, num_heads, hd) for t in (d_o, o))
+    _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=(dq, dk, dv))
+    if rope:
+        cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, torch.float32)
+        _flash().rope_(d_heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=True, backend=backend)
+    return d_qkv
+
+
+def _register_flash_ops():
+    """``torchloom::flash_attention_core`` (``_flash_core``, declared to write ``qkv``: Inductor then
+    lets it write the projection's own buffer, which nothing else reads before RoPE) and
+    ``torchloom::flash_attention_core_backward`` (``_flash_core_backward``, which writes no input).
+    Registered when this module is imported (~2 ms, no Triton import: the bodies import the kernels
+    when they run)."""
+    fwd = torch.library.custom_op("torchloom::flash_attention_core", _flash_core, mutates_args=("qkv",))
+    bwd = torch.library.custom_op("torchloom::flash_attention_core_backward", _flash_core_backward, mutates_args=())
+
+    @fwd.register_fake
+    def _core_fake(qkv, seq_len, num_heads, num_kv_heads, causal, rope, rope_theta, backend):
+        b, hd = qkv.shape[0] // seq_len, qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        o = qkv.new_empty(b, seq_len, num_heads, hd)
+        return o, qkv.new_empty(b, num_heads, seq_len, dtype=torch.float32)
+
+    @bwd.register_fake
+    def _core_backward_fake(d_o, qkv, o, lse, seq_len, num_heads, num_kv_heads, causal, rope, rope_theta, backend):
+        return qkv.new_empty(qkv.shape)
+
+    return fwd, bwd
+
+
+_FLASH_OPS = _register_flash_ops()
 
 
 def _autocast_forward(x, params, spec):
