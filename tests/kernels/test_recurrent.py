@@ -1,6 +1,8 @@
-"""Fused LSTM step kernels (gates + cell update, forward and backward) inside the layer's time loop,
-against ``nn.LSTM`` / autograd in float64, through Triton's interpreter on CPU and natively on CUDA:
-odd hidden sizes (ragged blocks), one step, no bias, half precision."""
+"""The LSTM's Triton kernels inside the layer's time loop — the fused step kernels (gates + cell update,
+forward and backward) and the persistent loop kernel (the whole loop in one launch; more of it in
+``test_lstm_persistent.py``) — against ``nn.LSTM`` / autograd in float64, through Triton's
+interpreter on CPU and natively on CUDA: odd hidden sizes (ragged blocks), one step, no bias, half
+precision."""
 
 from __future__ import annotations
 
@@ -15,15 +17,23 @@ from torchloom.layers.lstm import LSTMSaved, lstm_backward, lstm_forward
 pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
 
+@pytest.fixture(params=["step-kernels", "loop-kernel"])
+def lstm_loop(request, monkeypatch):
+    """Each test twice: the per-step fused kernels, and the persistent loop kernel."""
+    monkeypatch.setattr(K, "USE_PERSISTENT_LSTM", request.param == "loop-kernel")
+    return request.param
+
+
 def _truth(x, w_ih, w_hh, b, g):
     return recurrent_truth(nn.LSTM, x, w_ih, w_hh, b, g)
 
 
 @pytest.mark.parametrize("shape", [(3, 6, 5, 33, True), (2, 1, 3, 7, True), (4, 4, 2, 16, False)],
                          ids=["B3T6I5H33", "B2T1I3H7", "B4T4I2H16-nobias"])
-def test_layer_loop_on_the_kernels_matches_nn_lstm(shape):
+def test_layer_loop_on_the_kernels_matches_nn_lstm(shape, lstm_loop):
     B, T, I, H, bias = shape
     x = torch.randn(B, T, I)
+    assert K.lstm_loop_uses_triton(x, B, H, "triton") == (lstm_loop == "loop-kernel")
     w_ih, w_hh = torch.randn(4 * H, I) * 0.8, torch.randn(4 * H, H) * 0.8
     b = torch.randn(4 * H) if bias else None
     g = torch.randn(B, T, H)
@@ -62,7 +72,7 @@ def test_step_kernels_alone_match_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_within_dtype_tolerance(dtype):
+def test_half_precision_within_dtype_tolerance(dtype, lstm_loop):
     """Half inputs and weights: error against the float64 truth at most twice that of nn.LSTM run in
     the same dtype, plus a small floor."""
     B, T, I, H = 2, 5, 4, 24
@@ -89,7 +99,7 @@ def test_half_precision_within_dtype_tolerance(dtype):
 @pytest.mark.parametrize("T", [1, 6])
 def test_traced_lstm_loops_equal_autograd_in_float64(T):
     """The loops a compiled LSTM traces where the fused cell kernel would run
-    (``lstm_forward_loop_traced`` / ``lstm_backward_loop_traced``: every step from fresh tensors, no
+    (``lstm_forward_loop_unrolled`` / ``lstm_backward_loop_unrolled``: every step from fresh tensors, no
     write into a view) against ``nn.LSTM`` with autograd in float64: the hidden states, and with BPTT's
     products over ``gPre`` (``dx = gPre W_ih``, ``dW_ih = Σ gPreᵀ x``, ``dW_hh = Σ_{t≥1} gPre_tᵀ h_{t−1}``,
     ``db = Σ gPre``) every gradient."""
@@ -100,9 +110,9 @@ def test_traced_lstm_loops_equal_autograd_in_float64(T):
     b, g = torch.randn(4 * H, dtype=torch.float64) * 0.5, torch.randn(B, T, H, dtype=torch.float64)
     y_ref, (dx_ref, dw_ih_ref, dw_hh_ref, db_ref) = recurrent_truth(nn.LSTM, x, w_ih, w_hh, b, g)
     proj = (x.reshape(B * T, I) @ w_ih.t() + b).view(B, T, 4 * H)
-    pre, cell, hidden = K.lstm_forward_loop_traced(proj, w_hh)
+    pre, cell, hidden = K.lstm_forward_loop_unrolled(proj, w_hh)
     assert_close(hidden, y_ref, name="hidden", rtol=1e-12, atol=1e-12)
-    g_pre = K.lstm_backward_loop_traced(g, pre, cell, w_hh)
+    g_pre = K.lstm_backward_loop_unrolled(g, pre, cell, w_hh)
     g2 = g_pre.reshape(B * T, 4 * H)
     assert_close((g2 @ w_ih).view(B, T, I), dx_ref, name="dx", rtol=1e-12, atol=1e-12)
     assert_close(g2.t() @ x.reshape(B * T, I), dw_ih_ref, name="dW_ih", rtol=1e-12, atol=1e-12)

@@ -91,8 +91,9 @@ def test_compiled_attention_inductor_matches_eager(causal):
 @pytest.mark.parametrize("cls", ["LSTM", "RNN"])
 def test_compiled_recurrent_inductor_matches_eager_at_a_large_shape(cls):
     """LSTM and RNN at batch 64, hidden 256, 24 steps (the benchmark's batch and width; the buffers far
-    larger than one allocator block) compiled by Inductor: outputs and gradients equal eager's
-    (CUDA-graphed loops with the fused cell kernel, the persistent RNN kernel)."""
+    larger than one allocator block) compiled by Inductor: outputs and gradients equal eager's (the
+    persistent loop kernels, which the compiled graph calls through ``torchloom::lstm_loop`` /
+    ``rnn_loop``)."""
     import torchloom
 
     make = {"LSTM": lambda: torchloom.LSTM(128, 256), "RNN": lambda: torchloom.RNN(128, 256)}[cls]

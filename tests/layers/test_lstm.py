@@ -212,11 +212,16 @@ def test_layout_init_and_repr():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["LSTM", "RNN"])
-def test_cuda_graphed_loops_keep_each_call_separate(name):
-    """On CUDA the time loops replay a cached CUDA graph over shared buffers: two forwards of the same
-    shape before either backward, then both backwards, give nn.LSTM/nn.RNN's gradients for each."""
+def test_cuda_graphed_loops_keep_each_call_separate(name, monkeypatch):
+    """On CUDA, where the persistent loop kernels do not run (here switched off), the time loops replay
+    a cached CUDA graph over shared buffers: two forwards of the same shape before either backward,
+    then both backwards, give nn.LSTM/nn.RNN's gradients for each."""
     from torchloom.kernels import recurrent
     from torchloom.layers.rnn import RNN
+
+    monkeypatch.setattr(recurrent, "USE_PERSISTENT_LSTM", False)
+    monkeypatch.setattr(recurrent, "USE_PERSISTENT_RNN", False)
+    recurrent.clear_graph_cache()
 
     cls, ref_cls = (LSTM, nn.LSTM) if name == "LSTM" else (RNN, nn.RNN)
     layer = cls(6, 20, dtype=torch.float64).float().cuda()

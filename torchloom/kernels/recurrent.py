@@ -1,6 +1,6 @@
-"""Fused LSTM cell step, forward and backward: the gate non-linearities and the cell update of one time
-step in one kernel each (the recurrent product ``h_{t−1} W_hhᵀ`` stays a cuBLAS call in the layer's
-time loop).
+"""The recurrent layers' time loops. First the fused LSTM cell step, forward and backward: the gate
+non-linearities and the cell update of one time step in one kernel each (the per-step loop, beside a
+cuBLAS call for the recurrent product ``h_{t−1} W_hhᵀ``).
 
 Gate pre-activations ``pre [B, 4H]`` (blocks i, f, g, o; any row stride, so a time step's view of a
 ``[B, T, 4H]`` buffer works), cell and hidden states ``[B, H]`` (any row stride).
@@ -20,8 +20,9 @@ Backward, with ``dh_t`` (gOut_t + gPre_{t+1} W_hh) and the carry ``κ_{t+1} = dc
 Everything is computed in float32 and stored in the tensors' dtype. ``*_ref`` are the PyTorch
 references (CPU, float64, and the tests).
 
-Then the CUDA-graph cache of the recurrent loops, and the persistent Elman RNN loop: the whole
-forward or backward time loop of ``torchloom.layers.rnn`` in one kernel launch (its section below).
+Then the CUDA-graph cache of the per-step loops, the persistent Elman RNN loop and the persistent LSTM
+loop: the whole forward or backward time loop of ``torchloom.layers.rnn`` / ``torchloom.layers.lstm``
+in one kernel launch (their sections below), and the loops under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from ._triton import KERNEL_DTYPES, use_triton
 __all__ = [
     "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
     "rnn_forward_loop", "rnn_backward_loop", "rnn_forward_loop_ref", "rnn_backward_loop_ref", "rnn_loop_uses_triton",
-    "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
+    "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_unrolled", "lstm_backward_loop_unrolled",
     "rnn_loop_traced_available", "rnn_forward_loop_traced", "rnn_backward_loop_traced",
+    "lstm_forward_loop", "lstm_backward_loop", "lstm_forward_loop_steps", "lstm_backward_loop_steps",
+    "lstm_loop_uses_triton", "lstm_loop_traced_available", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
 ]
 
 
@@ -327,14 +330,13 @@ def _round_tf32(x):
 
 
 @jit
-def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                   SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
-    """``acc + S[rows, k:k+BLOCK_K] @ W[k:k+BLOCK_K, cols]`` (fp32 accumulator; zero outside H; ``W``
-    row-major with row stride ``s_wk``), once no element of the ``S`` chunk, read as ``BITS``
-    integers, is ``SENTINEL`` any more."""
+def _wait_state(S, rows, rm, s_sb, k, K, BLOCK_K: tl.constexpr, SENTINEL: tl.constexpr, BITS: tl.constexpr,
+                SPIN_LIMIT: tl.constexpr):
+    """``(S[rows, k:k+BLOCK_K], ks, km)``: the chunk read (volatile: from L2) once none of its elements,
+    read as ``BITS`` integers, is ``SENTINEL`` any more (zero outside ``K``), with its column indices
+    and mask. A wait that gives up after ``SPIN_LIMIT`` polls leaves NaN where the sentinels were."""
     ks = k + tl.arange(0, BLOCK_K)
-    km = ks < H
+    km = ks < K
     ptrs = S + rows[:, None] * s_sb + ks[None, :]
     sm = rm[:, None] & km[None, :]
     s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
@@ -344,12 +346,39 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
         polls += 1
     # a wait that gave up leaves sentinels: NaN, whatever the precision does with the pattern next
     s = tl.where(s.to(BITS, bitcast=True) == SENTINEL, float("nan"), s.to(tl.float32)).to(s.dtype)
-    w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+    return s, ks, km
+
+
+@jit
+def _wait_load(ptrs, mask, SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """``ptrs`` read (volatile) once none of its elements is ``SENTINEL``; NaN where a wait gave up."""
+    s = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    polls = 0
+    while (tl.max((s.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=None) > 0) & (polls < SPIN_LIMIT):
+        s = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+        polls += 1
+    return tl.where(s.to(BITS, bitcast=True) == SENTINEL, float("nan"), s.to(tl.float32)).to(s.dtype)
+
+
+@jit
+def _chunk_dot(acc, s, w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + s @ w`` on tensor cores or fp32 FMA (``PRECISION``, see the section note)."""
     if DOT_F32:  # the interpreter multiplies bfloat16's raw bits (numpy has no bfloat16)
         s, w = s.to(tl.float32), w.to(tl.float32)
     if PRECISION == "tf32":  # rounded operands: 1.2× the error of cuDNN's TF32 on an H100, unrounded 2.5×
         s, w = _round_tf32(s), _round_tf32(w)
     return tl.dot(s, w, acc, input_precision=PRECISION)
+
+
+@jit
+def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                   SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """``acc + S[rows, k:k+BLOCK_K] @ W[k:k+BLOCK_K, cols]`` (fp32 accumulator; zero outside H; ``W``
+    row-major with row stride ``s_wk``), once the ``S`` chunk holds no sentinel (``_wait_state``)."""
+    s, ks, km = _wait_state(S, rows, rm, s_sb, k, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
+    w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+    return _chunk_dot(acc, s, w, PRECISION, DOT_F32)
 
 
 @jit
@@ -507,7 +536,12 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
         SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
         num_warps=st.num_warps,
     )
-    if out.is_cuda and _cooperative[0]:
+    _cooperative_launch(launch, args, kw, out.is_cuda)
+
+
+def _cooperative_launch(launch, args: tuple, kw: dict, is_cuda: bool) -> None:
+    """``launch(*args, **kw)``, cooperatively on CUDA (every program resident) where Triton can."""
+    if is_cuda and _cooperative[0]:
         try:
             launch(*args, **kw, launch_cooperative_grid=True)
             return
@@ -516,18 +550,19 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
     launch(*args, **kw)
 
 
-_failed: set = set()  # (B, H, dtype, device) whose kernel could not launch: the reference from then on
+_failed: set = set()  # (layer, B, H, dtype, device) whose kernel could not launch: the per-step loop from then on
 
 
-def _launch_or_fallback(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool) -> bool:
-    """``_launch_rnn_loop``, or False (with one ``RuntimeWarning``) when the kernel cannot compile or
-    launch for this shape on this GPU (too many registers, a cooperative grid CUDA refuses...): the
-    caller then runs the reference loop. Nothing was written but the sentinel, which it overwrites."""
-    key = (out.shape[0], out.shape[2], out.dtype, out.device)
+def _launch_or_fallback(layer: str, out: Tensor, launch: Callable[[], None]) -> bool:
+    """``launch()`` (one persistent-loop launch writing ``out [B, T, ·]``), or False (with one
+    ``RuntimeWarning`` per shape) when the kernel cannot compile or launch for this shape on this GPU
+    (too many registers, a cooperative grid CUDA refuses...): the caller then runs the per-step loop.
+    Nothing was written but the sentinel, which that loop overwrites."""
+    key = (layer, out.shape[0], out.shape[2], out.dtype, out.device)
     if key in _failed:
         return False
     try:
-        _launch_rnn_loop(out, inp, aux, weight_hh, backward)
+        launch()
         return True
     except (ValueError, TypeError):  # the operands themselves: the caller's error
         raise
@@ -538,9 +573,9 @@ def _launch_or_fallback(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor
         import warnings
 
         warnings.warn(
-            f"RNN: the persistent loop kernel could not run for batch {key[0]}, hidden {key[1]}, {key[2]} on {key[3]} "
+            f"{layer}: the persistent loop kernel could not run for batch {key[1]}, hidden {key[2]}, {key[3]} on {key[4]} "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the per-step loop",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning, stacklevel=4,
         )
         return False
 
@@ -550,7 +585,8 @@ def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: st
     ``rnn_loop_uses_triton``, else the reference. ``pre`` (updated in place) and ``hidden``
     ``[B, T, H]`` with unit last stride."""
     B, _, H = pre.shape
-    if not rnn_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(hidden, pre, pre, weight_hh, False):
+    if not rnn_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
+            "RNN", hidden, lambda: _launch_rnn_loop(hidden, pre, pre, weight_hh, False)):
         rnn_forward_loop_ref(pre, weight_hh, hidden)
 
 
@@ -559,9 +595,233 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
     ``g_pre``, from ``grad_out`` and ``hidden`` (all ``[B, T, H]``, unit last stride); one launch of
     ``_rnn_loop_kernel`` where ``rnn_loop_uses_triton``, else ``rnn_backward_loop_ref``."""
     B, _, H = g_pre.shape
-    if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(g_pre, grad_out, hidden, weight_hh, True):
+    if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(
+            "RNN", g_pre, lambda: _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True)):
         torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
+
+
+# -------------------------------------------------------------------------- persistent LSTM loop
+# The LSTM's two time loops (``torchloom.layers.lstm``), each in one launch, on the RNN loop's scheme
+# (the section above: sentinel-filled output as per-element flags, a cooperative grid, the same tile
+# settings and product precision). Program (b, n) owns BLOCK_B rows and BLOCK_N hidden columns ``cols``,
+# and with them the four gate columns ``q·H + cols`` (q = i, f, g, o), so the cell update of its
+# columns needs nothing from its siblings; only the product reads their results:
+#
+#   forward:   pre_t[q] += h_{t−1} W_hhᵀ[:, q·H + cols]   (t > 0: waits on all H columns of h_{t−1})
+#              then c_t, h_t as ``_lstm_fwd_kernel``; h_t, written to HID, is the flag
+#   backward:  dh_t = gOut_t + gPre_{t+1} W_hh[:, cols]   (t < T−1: waits on all 4H columns of gPre_{t+1})
+#              then gPre_t and κ_t as ``_lstm_bwd_kernel``; gPre_t, written to GPRE, is the flag
+#
+# What a program carries from one step to the next (c_{t−1}; κ_{t+1}) it reads back from where it
+# stored it, in the tensors' dtype, after a barrier of its threads: the numbers of the per-step loop
+# (whose kernels read them back the same way, and whose products and dh round to the dtype as here),
+# and any number of column tiles per program (Triton's interpreter: one program per batch block).
+# κ alternates between two slots, so a step's store never meets the previous step's load.
+USE_PERSISTENT_LSTM = True  # False: the per-step loop (fused cell kernels, CUDA-graphed; the benchmark's baseline)
+
+
+@jit
+def _lstm_loop_kernel(
+    PRE, CELL, HID, GOUT, GPRE, KAPPA, W,
+    s_pb, s_pt, s_cb, s_ct, s_hb, s_ht, s_gb, s_gt, s_qb, s_qt, s_kb, s_ks, s_wk,
+    B, T, H,
+    BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
+    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+):
+    """Forward: ``PRE [B, T, 4H]`` (input projections on entry, pre-activations on exit), ``CELL`` and
+    ``HID [B, T, H]`` written (``HID`` holds ``SENTINEL`` on entry), ``W = W_hhᵀ [H, 4H]``. Backward:
+    ``GPRE [B, T, 4H]`` written (``SENTINEL`` on entry) from ``GOUT [B, T, H]``, ``PRE``, ``CELL``;
+    ``KAPPA [2, B, H]`` scratch; ``W = W_hh [4H, H]``. ``W`` row-major (row stride ``s_wk``)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rm = rows < B
+    rows = rows.to(tl.int64)
+    r2 = rows[:, None]
+    q3 = tl.arange(0, 4)[:, None, None]  # the gate blocks i, f, g, o
+    for step in range(T):
+        tl.debug_barrier()  # this program's stores of the previous step (c, κ) visible to all its threads
+        for j in tl.static_range(COL_TILES):
+            cols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cm = cols < H
+            m = rm[:, None] & cm[None, :]
+            c2 = cols[None, :]
+            if BACKWARD:
+                t = T - 1 - step
+                dh = tl.load(GOUT + r2 * s_gb + t * s_gt + c2, mask=m, other=0.0).to(tl.float32)
+                if step > 0:
+                    # dh += Σ_q gPre_{t+1}[:, q·H + k] W_hh[q·H + k, cols]: the four gate blocks of K as a
+                    # batch of four products, summed at the end (one [BB, 4H] × [4H, BN] product keeps
+                    # one warp's tile busy over all of K: 1.5× the time on an H200)
+                    part = tl.zeros([4, BLOCK_B, BLOCK_N], dtype=tl.float32)
+                    for k in range(0, H, BLOCK_K):
+                        ks = k + tl.arange(0, BLOCK_K)
+                        km = ks < H
+                        sp = GPRE + (t + 1) * s_qt + rows[None, :, None] * s_qb + q3 * H + ks[None, None, :]
+                        s = _wait_load(sp, rm[None, :, None] & km[None, None, :], SENTINEL, BITS, SPIN_LIMIT)
+                        wp = W + (q3 * H + ks[None, :, None]) * s_wk + cols[None, None, :]
+                        w = tl.load(wp, mask=km[None, :, None] & cm[None, None, :], other=0.0)
+                        part = _chunk_dot(part, s, w, PRECISION, DOT_F32)
+                    # rounded to the dtype, as the per-step loop's dh buffer
+                    dh = (dh + tl.sum(part, axis=0)).to(GOUT.dtype.element_ty).to(tl.float32)
+                ig, fg, gg, og = _gates(PRE + r2 * s_pb + t * s_pt + c2, H, m)
+                tc = _tanh(tl.load(CELL + r2 * s_cb + t * s_ct + c2, mask=m, other=0.0).to(tl.float32))
+                dc = dh * og * (1.0 - tc * tc)
+                if step > 0:
+                    dc += tl.load(KAPPA + (step - 1) % 2 * s_ks + r2 * s_kb + c2, mask=m, other=0.0).to(tl.float32)
+                cp = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+                if t > 0:
+                    cp = tl.load(CELL + r2 * s_cb + (t - 1) * s_ct + c2, mask=m, other=0.0).to(tl.float32)
+                gp = GPRE + r2 * s_qb + t * s_qt + c2
+                ty = GPRE.dtype.element_ty
+                tl.store(gp, (dc * gg * ig * (1.0 - ig)).to(ty), mask=m)
+                tl.store(gp + H, (dc * cp * fg * (1.0 - fg)).to(ty), mask=m)
+                tl.store(gp + 2 * H, (dc * ig * (1.0 - gg * gg)).to(ty), mask=m)
+                tl.store(gp + 3 * H, (dh * tc * og * (1.0 - og)).to(ty), mask=m)
+                tl.store(KAPPA + step % 2 * s_ks + r2 * s_kb + c2, (dc * fg).to(KAPPA.dtype.element_ty), mask=m)
+            else:
+                t = step
+                # the tile's four gate columns side by side, [BB, 4·BN] (column q·BN + n is gate q of
+                # cols[n]): one product per K chunk (four [BB, BN] products: 1.1–1.2× the time)
+                lane = tl.arange(0, 4 * BLOCK_N)
+                qcols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + lane % BLOCK_N
+                gcols = (lane // BLOCK_N) * H + qcols
+                qcm = qcols < H
+                qm = rm[:, None] & qcm[None, :]
+                p = PRE + r2 * s_pb + t * s_pt + gcols[None, :]
+                acc = tl.load(p, mask=qm, other=0.0).to(tl.float32)
+                if step > 0:
+                    for k in range(0, H, BLOCK_K):
+                        s, ks, km = _wait_state(HID + (t - 1) * s_ht, rows, rm, s_hb, k, H, BLOCK_K,
+                                                SENTINEL, BITS, SPIN_LIMIT)
+                        w = tl.load(W + ks[:, None] * s_wk + gcols[None, :], mask=km[:, None] & qcm[None, :], other=0.0)
+                        acc = _chunk_dot(acc, s, w, PRECISION, DOT_F32)
+                    # stored in the dtype, and the gates take the stored (rounded) values, as step by step
+                    acc = acc.to(PRE.dtype.element_ty)
+                    tl.store(p, acc, mask=qm)
+                    acc = acc.to(tl.float32)
+                a4 = tl.permute(tl.reshape(acc, [BLOCK_B, 2, 2, BLOCK_N]), (0, 3, 1, 2))  # [BB, BN, q // 2, q % 2]
+                even, odd = tl.split(a4)  # q % 2 = 0: gates i, g; q % 2 = 1: f, o
+                a_i, a_g = tl.split(even)
+                a_f, a_o = tl.split(odd)
+                ig, fg, gg, og = _sigmoid(a_i), _sigmoid(a_f), _tanh(a_g), _sigmoid(a_o)
+                c = ig * gg
+                if step > 0:
+                    c += fg * tl.load(CELL + r2 * s_cb + (t - 1) * s_ct + c2, mask=m, other=0.0).to(tl.float32)
+                tl.store(CELL + r2 * s_cb + t * s_ct + c2, c.to(CELL.dtype.element_ty), mask=m)
+                tl.store(HID + r2 * s_hb + t * s_ht + c2, (og * _tanh(c)).to(HID.dtype.element_ty), mask=m)
+
+
+def _lstm_loop_settings(x: Tensor, batch: int, hidden: int, backward: bool = False) -> RNNLoopSettings | None:
+    """Settings of ``_lstm_loop_kernel`` for ``[batch, ·, hidden]`` on ``x``'s device and dtype (the
+    RNN loop's grid, ``_rnn_loop_settings``), or None where that grid's tiles are wider than 32 × 32 (the
+    gates' accumulators would leave the registers). On CUDA 8 warps and K chunks of 128, or 256 for a
+    half-precision forward: the best of ``bench/bench_lstm_loop.py --sweep`` on an H200 at 64 × 256."""
+    st = _rnn_loop_settings(x, batch, hidden)
+    if st is None or not x.is_cuda:
+        return st
+    if st.block_b * st.block_n > 32 * 32:
+        return None
+    chunk = 256 if x.dtype != torch.float32 and not backward else 128
+    return st._replace(block_k=min(max(_next_pow2(hidden), 16), chunk), num_warps=8)
+
+
+def lstm_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
+    """Whether the LSTM's loops on ``x``'s device and dtype at ``[batch, ·, hidden]`` run
+    ``_lstm_loop_kernel``: where Triton runs (``backend`` as in ``use_triton``), ``USE_PERSISTENT_LSTM``
+    is set and a grid of at most one program per SM exists (``_lstm_loop_settings``). Elsewhere the
+    per-step loop runs (with ``backend="triton"``: its fused cell kernels)."""
+    if not USE_PERSISTENT_LSTM or not use_triton(x, backend, KERNEL_DTYPES):
+        return False
+    return _lstm_loop_settings(x, batch, hidden) is not None
+
+
+def _launch_lstm_loop(pre: Tensor, cell: Tensor, weight_hh: Tensor, hidden: Tensor | None = None,
+                      grad_out: Tensor | None = None, g_pre: Tensor | None = None,
+                      settings: RNNLoopSettings | None = None) -> None:
+    """One launch of ``_lstm_loop_kernel``: forward when ``hidden`` is given (``pre [B, T, 4H]``
+    updated in place, ``cell``, ``hidden [B, T, H]`` written), else backward (``g_pre [B, T, 4H]``
+    written from ``grad_out [B, T, H]``, ``pre`` and ``cell``). Every operand has unit last stride."""
+    backward = hidden is None
+    flags = g_pre if backward else hidden
+    B, T, H = cell.shape
+    named = (("pre", pre, 4 * H), ("cell", cell, H)) + (
+        (("grad_out", grad_out, H), ("g_pre", g_pre, 4 * H)) if backward else (("hidden", hidden, H),))
+    for name, t, width in named:
+        if t.shape != (B, T, width) or t.stride(-1) != 1:
+            raise ValueError(f"LSTM loop: {name} must be [B, T, {width}] = {[B, T, width]} with unit last stride, "
+                             f"got {list(t.shape)} strides {t.stride()}")
+    st = settings or _lstm_loop_settings(cell, B, H, backward)
+    sentinel, int_dtype = _SENTINEL[flags.dtype]
+    flags.view(int_dtype).fill_(sentinel)
+    # Row-major K × N, as the RNN loop: forward multiplies by W_hhᵀ [H, 4H], backward by W_hh [4H, H].
+    w = weight_hh.contiguous() if backward else weight_hh.t().contiguous()
+    kappa = cell.new_empty(2, B, H) if backward else cell
+    gout = grad_out if backward else cell
+    hid = cell if backward else hidden
+    launch = _lstm_loop_kernel[(-(-B // st.block_b), st.col_programs)]
+    args = (
+        pre, cell, hid, gout, flags, kappa, w,
+        pre.stride(0), pre.stride(1), cell.stride(0), cell.stride(1), hid.stride(0), hid.stride(1),
+        gout.stride(0), gout.stride(1), flags.stride(0), flags.stride(1), kappa.stride(1), kappa.stride(0), w.stride(0),
+        B, T, H,
+    )
+    kw = dict(
+        BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
+        PRECISION=_dot_precision(cell), DOT_F32=not cell.is_cuda and cell.dtype == torch.bfloat16,
+        SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
+        num_warps=st.num_warps,
+    )
+    _cooperative_launch(launch, args, kw, cell.is_cuda)
+
+
+def lstm_forward_loop_steps(pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, backend: str | None = None) -> None:
+    """The LSTM's forward loop step by step: ``pre_t += h_{t−1} W_hhᵀ`` in place (cuBLAS), then one
+    cell step (``lstm_cell``) writing ``c_t`` and ``h_t``; ``pre [B, T, 4H]``, ``cell``, ``hidden [B, T, H]``."""
+    w_hh_t = weight_hh.t()
+    for t in range(pre.shape[1]):
+        if t > 0:  # h_0 = 0 contributes nothing
+            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
+        lstm_cell(pre[:, t], cell[:, t - 1] if t > 0 else None, cell[:, t], hidden[:, t], backend=backend)
+
+
+def lstm_backward_loop_steps(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, g_pre: Tensor,
+                             kappa: Tensor, dh_buf: Tensor, backend: str | None = None) -> None:
+    """The LSTM's backward loop step by step: ``dh_t = gOut_t + gPre_{t+1} W_hh`` (cuBLAS, into
+    ``dh_buf [B, H]``), then one cell step (``lstm_cell_backward``) writing ``gPre_t`` into ``g_pre
+    [B, T, 4H]`` and the carry over ``kappa [B, H]``."""
+    T = pre.shape[1]
+    for t in range(T - 1, -1, -1):
+        dh = grad_out[:, t] if t == T - 1 else torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh_buf)
+        lstm_cell_backward(pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa, g_pre[:, t],
+                           has_kappa=t < T - 1, backend=backend)
+
+
+def lstm_forward_loop(pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, backend: str | None = None) -> None:
+    """The LSTM's forward loop (``lstm_forward_loop_steps``' numbers) in one launch of
+    ``_lstm_loop_kernel`` where ``lstm_loop_uses_triton``, else step by step. ``pre [B, T, 4H]``
+    (input projections and bias on entry; updated in place), ``cell``, ``hidden [B, T, H]`` written."""
+    B, _, H = cell.shape
+    if not lstm_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
+            "LSTM", hidden, lambda: _launch_lstm_loop(pre, cell, weight_hh, hidden=hidden)):
+        lstm_forward_loop_steps(pre, weight_hh, cell, hidden, _cell_backend(pre, backend))
+
+
+def lstm_backward_loop(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, g_pre: Tensor,
+                       backend: str | None = None) -> None:
+    """The LSTM's backward loop: ``gPre [B, T, 4H]`` written into ``g_pre`` from ``grad_out [B, T, H]``
+    and the forward's ``pre`` and ``cell``; one launch of ``_lstm_loop_kernel`` where
+    ``lstm_loop_uses_triton``, else step by step."""
+    B, _, H = cell.shape
+    if not lstm_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
+            "LSTM", g_pre, lambda: _launch_lstm_loop(pre, cell, weight_hh, grad_out=grad_out, g_pre=g_pre)):
+        lstm_backward_loop_steps(grad_out, pre, cell, weight_hh, g_pre, cell.new_empty(B, H), cell.new_empty(B, H),
+                                 _cell_backend(pre, backend))
+
+
+def _cell_backend(x: Tensor, backend: str | None) -> str:
+    """The per-step cell's backend: the fused kernels where Triton runs, else the reference."""
+    return "triton" if use_triton(x, backend, KERNEL_DTYPES) else "reference"
 
 
 # -------------------------------------------------------------------- loops under torch.compile
@@ -569,18 +829,18 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
 # needs real buffers, and a Triton kernel launched into strided views of a ``[B, T, ·]`` buffer is a
 # write that Inductor must functionalise (a copy of the buffer per step unless its re-inplacing
 # proves the view free); a compiled LSTM at 64×64×256×256 on an H200 ended in an illegal memory access
-# (issue 36). Where the fused LSTM cell kernel would run, the traced loop launches no kernel into a
-# view: it builds every
-# step from fresh tensors instead: the same formulas (``lstm_cell_values`` /
-# ``lstm_cell_backward_values``, which the references also use), written as PyTorch ops that
-# Inductor fuses into one kernel per step, stacked at the end. The persistent RNN kernel needs a
-# cooperative launch (every program resident), which Inductor's launcher does not promise, so under
-# compile it runs behind opaque operators (``torchloom::rnn_loop`` / ``rnn_loop_backward``): the
-# compiled graph calls the eager launcher at run time. On the CPU and in float64 the reference loops
-# (PyTorch ops only) are traced as they are.
+# (issue 36). The persistent loops need a cooperative launch (every program resident), which
+# Inductor's launcher does not promise, so where they apply they run behind opaque operators with
+# fresh outputs (``torchloom::rnn_loop`` / ``rnn_loop_backward``, ``torchloom::lstm_loop`` /
+# ``lstm_loop_backward``): the compiled graph calls the eager launcher at run time, and the compiled
+# layer runs the very kernels of the eager one. Where the LSTM's loop kernel does not apply but its
+# fused cell kernels would, the loop is unrolled from fresh tensors instead (``*_unrolled``: the
+# formulas of ``lstm_cell_values`` / ``lstm_cell_backward_values``, which the references also use,
+# written as PyTorch ops that Inductor fuses into one kernel per step, stacked at the end). On the CPU
+# and in float64 the reference loops (PyTorch ops only) are traced as they are.
 
 
-def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def lstm_forward_loop_unrolled(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM's forward loop from fresh tensors (for ``torch.compile``): ``proj [B, T, 4H]`` (input
     projections and bias) → ``(pre [B, T, 4H], cell, hidden [B, T, H])``; ``proj`` is not written."""
     w_hh_t = weight_hh.t()
@@ -595,7 +855,7 @@ def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, T
     return torch.stack(pres, 1), torch.stack(cells, 1), torch.stack(hiddens, 1)
 
 
-def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
     """The LSTM's backward loop from fresh tensors (for ``torch.compile``): ``gPre [B, T, 4H]`` from
     ``grad_out [B, T, H]`` and the forward's ``pre`` and ``cell``."""
     T = pre.shape[1]
@@ -621,25 +881,53 @@ def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
     return g_pre
 
 
-def _register_rnn_ops():
-    """``torchloom::rnn_loop`` / ``torchloom::rnn_loop_backward``: the persistent loops as opaque
-    operators with fresh outputs (None where ``torch.library.custom_op`` is missing)."""
+def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    pre = proj.clone(memory_format=torch.contiguous_format)
+    B, T, H4 = pre.shape
+    cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
+    lstm_forward_loop(pre, weight_hh, cell, hidden)
+    return pre, cell, hidden
+
+
+def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+    pre = pre.contiguous()
+    g_pre = torch.empty_like(pre)
+    lstm_backward_loop(grad_out.contiguous(), pre, cell.contiguous(), weight_hh, g_pre)
+    return g_pre
+
+
+def _register_loop_ops():
+    """The persistent loops as opaque operators with fresh (contiguous) outputs: ``{"rnn": (forward,
+    backward), "lstm": (forward, backward)}``, empty where ``torch.library.custom_op`` is missing."""
     if not hasattr(torch.library, "custom_op"):
-        return None, None
-    fwd = torch.library.custom_op("torchloom::rnn_loop", _rnn_loop_eager, mutates_args=())
-    bwd = torch.library.custom_op("torchloom::rnn_loop_backward", _rnn_loop_backward_eager, mutates_args=())
-    fwd.register_fake(lambda proj, weight_hh: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))  # contiguous
-    bwd.register_fake(lambda grad_out, weight_hh, hidden: hidden.new_empty(hidden.shape))
-    return fwd, bwd
+        return {}
+    op = lambda name, fn: torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=())  # noqa: E731
+    ops = {"rnn": (op("rnn_loop", _rnn_loop_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)),
+           "lstm": (op("lstm_loop", _lstm_loop_eager), op("lstm_loop_backward", _lstm_loop_backward_eager))}
+    ops["rnn"][0].register_fake(lambda proj, weight_hh: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
+    ops["rnn"][1].register_fake(lambda grad_out, weight_hh, hidden: hidden.new_empty(hidden.shape))
+
+    def lstm_fake(proj, weight_hh):
+        B, T, H4 = proj.shape
+        return proj.new_empty(proj.shape), proj.new_empty(B, T, H4 // 4), proj.new_empty(B, T, H4 // 4)
+
+    ops["lstm"][0].register_fake(lstm_fake)
+    ops["lstm"][1].register_fake(lambda grad_out, pre, cell, weight_hh: pre.new_empty(pre.shape))
+    return ops
 
 
-_RNN_OPS = _register_rnn_ops()
+_LOOP_OPS = _register_loop_ops()
+# Read while Dynamo traces: a plain bool and tuples (torch 2.11's Dynamo breaks the graph on ``bool()`` of
+# this dict of operator objects).
+_HAVE_LOOP_OPS = bool(_LOOP_OPS)
+_RNN_OPS = _LOOP_OPS.get("rnn", (None, None))
+_LSTM_OPS = _LOOP_OPS.get("lstm", (None, None))
 
 
 def rnn_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
     """Whether a traced RNN on ``x`` runs its loops through ``torchloom::rnn_loop`` /
     ``rnn_loop_backward``: where ``rnn_loop_uses_triton`` and ``torch.library.custom_op`` exists."""
-    return _RNN_OPS[0] is not None and rnn_loop_uses_triton(x, batch, hidden, backend)
+    return _HAVE_LOOP_OPS and rnn_loop_uses_triton(x, batch, hidden, backend)
 
 
 def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor]:
@@ -653,3 +941,22 @@ def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
     """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_traced_available``):
     ``gPre [B, T, H]`` from one call of the opaque ``torchloom::rnn_loop_backward``."""
     return _RNN_OPS[1](grad_out, weight_hh, hidden)
+
+
+def lstm_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
+    """Whether a traced LSTM on ``x`` runs its loops through ``torchloom::lstm_loop`` /
+    ``lstm_loop_backward``: where ``lstm_loop_uses_triton`` and ``torch.library.custom_op`` exists."""
+    return _HAVE_LOOP_OPS and lstm_loop_uses_triton(x, batch, hidden, backend)
+
+
+def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The LSTM's forward loop for ``torch.compile`` (where ``lstm_loop_traced_available``): one call
+    of the opaque ``torchloom::lstm_loop``, ``proj [B, T, 4H]`` (input projections and bias) →
+    ``(pre [B, T, 4H], cell, hidden [B, T, H])``, ``proj`` not written."""
+    return _LSTM_OPS[0](proj, weight_hh)
+
+
+def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+    """The LSTM's backward loop for ``torch.compile`` (where ``lstm_loop_traced_available``):
+    ``gPre [B, T, 4H]`` from one call of the opaque ``torchloom::lstm_loop_backward``."""
+    return _LSTM_OPS[1](grad_out, pre, cell, weight_hh)

@@ -11,9 +11,11 @@ order i, f, g, o (rows ``[0:H]``, ``[H:2H]``, ``[2H:3H]``, ``[3H:4H]`` of every 
     c_t = f ⊙ c_{t−1} + i ⊙ g;   h_t = o ⊙ tanh(c_t)   (h_t returned for every t: [B, T, H])
 
 One bias ``b [4H]`` (Loom's merged bias): ``nn.LSTM`` with ``bias_ih = b`` and ``bias_hh = 0``
-computes the same. The input projections of all steps are one matmul; per step only the recurrent
-product (cuBLAS) and one fused kernel for the gates and the cell update run
-(``torchloom.kernels.recurrent``; its PyTorch reference on CPU and in float64).
+computes the same. The input projections of all steps are one matmul; the time loop then runs
+(``torchloom.kernels.recurrent``) as one launch of the persistent loop kernel per direction on CUDA,
+else per step the recurrent product (cuBLAS) and one fused kernel for the gates and the cell update
+(its PyTorch reference on CPU and in float64). Both round what they store and carry (pre-activations,
+cell states, ``dh``, the carry ``κ``) to the tensors' dtype: the same numbers up to the products' order.
 
 BPTT, backward over t (``dh``, ``dc`` carried from step t+1, zero after the last step)::
 
@@ -65,47 +67,45 @@ def _cell_kernels():
     return recurrent
 
 
-def _step_backend(x: Tensor, backend: str | None) -> str:
-    from ..kernels._triton import KERNEL_DTYPES, use_triton
-
-    return "triton" if use_triton(x, backend, KERNEL_DTYPES) else "reference"
-
-
 @torch.no_grad()
 def lstm_forward(
     x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None, backend: str | None = None
 ) -> tuple[Tensor, LSTMSaved]:
     """``x [B, T, I]`` → ``(h [B, T, H], saved)``, gates i, f, g, o; ``h_0 = c_0 = 0``. No autograd.
 
-    The input projections of all steps are one matmul; per step, ``h_{t−1} W_hhᵀ`` is added in place
-    (cuBLAS) and one fused kernel applies the gates and the cell update (``backend``: None = the
-    Triton kernel on CUDA, the PyTorch reference elsewhere; ``"triton"``; ``"reference"``). Every
-    buffer is allocated before the time loop."""
+    The input projections of all steps are one matmul. The time loop (``torchloom.kernels.recurrent``)
+    then adds ``h_{t−1} W_hhᵀ`` and applies the gates and the cell update: on CUDA one launch of the
+    persistent loop kernel; where that kernel does not apply (``lstm_loop_uses_triton``), per step a
+    cuBLAS product and one fused cell kernel, replayed as a CUDA graph; on the CPU and in float64 the
+    PyTorch reference of the same steps. ``backend``: None (that choice), ``"triton"`` (the Triton
+    kernels, on CPU through Triton's interpreter) or ``"reference"``."""
     B, T, I = x.shape
     H = weight_hh.shape[1]
     K = _cell_kernels()
-    step_backend = _step_backend(x, backend)
+    step_backend = K._cell_backend(x, backend)
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
-    if torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step (kernels/recurrent.py)
-        proj = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
-        pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh)
-    elif step_backend == "triton" and K.graphs_usable(x):
+    loop_kernel = K.lstm_loop_uses_triton(x, B, H, backend)
+    if step_backend == "triton" and not loop_kernel and K.graphs_usable(x):
         entry = _graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "forward", lambda: _forward_loop(K, buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
+        graph = K.ensure_graph(entry, "forward", lambda: K.lstm_forward_loop_steps(buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, 4 * H)
         torch.mm(x2, w_ih_t, out=out) if bias is None else torch.addmm(bias, x2, w_ih_t, out=out)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         pre, cell, hidden = buf["pre"].clone(), buf["cell"].clone(), buf["hbuf"].clone()
+        return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
+    # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ.
+    proj = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
+    if torch.compiler.is_compiling() and K.lstm_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
+        pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh)
+    elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
+        pre, cell, hidden = K.lstm_forward_loop_unrolled(proj, weight_hh)
     else:
-        # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ in place.
-        pre = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
-        cell = x.new_empty(B, T, H)
-        hidden = x.new_empty(B, T, H)
-        _forward_loop(K, pre, weight_hh, cell, hidden, step_backend)
+        pre, cell, hidden = proj, x.new_empty(B, T, H), x.new_empty(B, T, H)
+        K.lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
     return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
 
 
@@ -120,51 +120,33 @@ def _graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
     return K.graph_buffers(("lstm", B, T, H, x.dtype, x.device), make)
 
 
-def _forward_loop(K, pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, step_backend: str) -> None:
-    T = pre.shape[1]
-    w_hh_t = weight_hh.t()
-    for t in range(T):
-        if t > 0:  # h_0 = 0 contributes nothing
-            pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
-        K.lstm_cell(pre[:, t], cell[:, t - 1] if t > 0 else None, cell[:, t], hidden[:, t], backend=step_backend)
-
-
-def _backward_loop(K, grad_out, pre, cell, weight_hh, g_pre, kappa, dh_buf, step_backend: str) -> None:
-    T = pre.shape[1]
-    for t in range(T - 1, -1, -1):
-        if t == T - 1:
-            dh = grad_out[:, t]
-        else:
-            dh = torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh_buf)
-        K.lstm_cell_backward(
-            pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa, g_pre[:, t],
-            has_kappa=t < T - 1, backend=step_backend,
-        )
-
-
 @torch.no_grad()
 def lstm_backward(
     grad_out: Tensor, saved: LSTMSaved, needs_input_grad: bool = True, backend: str | None = None
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
-    """Hand-written BPTT (formulas in the module docstring). Per step one cuBLAS call
-    (``dh_t = gOut_t + gPre_{t+1} W_hh``, into a preallocated buffer) and one fused kernel (``dc_t``,
-    ``gPre_t`` and the carry ``dc_t ⊙ f_t``). Returns ``(dx [B, T, I] or None, (dW_ih [4H, I],
+    """Hand-written BPTT (formulas in the module docstring). The loop over t runs as in
+    ``lstm_forward`` (``backend`` likewise): one launch of the persistent loop kernel, or per step one
+    cuBLAS call (``dh_t = gOut_t + gPre_{t+1} W_hh``, into a preallocated buffer) and one fused kernel
+    (``dc_t``, ``gPre_t`` and the carry ``dc_t ⊙ f_t``). Returns ``(dx [B, T, I] or None, (dW_ih [4H, I],
     dW_hh [4H, H], db [4H] or None))``, the parameter gradients in ``saved.param_dtype`` when set."""
     x, weight_ih, weight_hh, pre, cell, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[1]
     K = _cell_kernels()
-    step_backend = _step_backend(x, backend)
+    step_backend = K._cell_backend(x, backend)
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
-    if torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step (kernels/recurrent.py)
+    loop_kernel = K.lstm_loop_uses_triton(x, B, H, backend)
+    if torch.compiler.is_compiling() and K.lstm_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
         g_pre = K.lstm_backward_loop_traced(grad_out, pre, cell, weight_hh)
-    elif step_backend == "triton" and K.graphs_usable(x):
+    elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
+        g_pre = K.lstm_backward_loop_unrolled(grad_out, pre, cell, weight_hh)
+    elif step_backend == "triton" and not loop_kernel and K.graphs_usable(x):
         entry = _graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "backward", lambda: _backward_loop(
-            K, buf["hbuf"], buf["pre"], buf["cell"], buf["w_hh"], buf["g_pre"], buf["kappa"], buf["dh"], "triton"))
+        graph = K.ensure_graph(entry, "backward", lambda: K.lstm_backward_loop_steps(
+            buf["hbuf"], buf["pre"], buf["cell"], buf["w_hh"], buf["g_pre"], buf["kappa"], buf["dh"], "triton"))
         buf["hbuf"].copy_(grad_out)
         buf["pre"].copy_(pre)
         buf["cell"].copy_(cell)
@@ -173,8 +155,7 @@ def lstm_backward(
         g_pre = buf["g_pre"]  # read by the products below before any other replay
     else:
         g_pre = torch.empty_like(pre)
-        kappa = x.new_empty(B, H)  # dc_{t+1} ⊙ f_{t+1}, carried backward
-        _backward_loop(K, grad_out, pre, cell, weight_hh, g_pre, kappa, x.new_empty(B, H), step_backend)
+        K.lstm_backward_loop(grad_out, pre, cell, weight_hh, g_pre, backend)
 
     g2 = g_pre.reshape(B * T, 4 * H)
     grad_w_ih = torch.mm(g2.t(), x.reshape(B * T, I))
