@@ -265,14 +265,14 @@ def test_rnn_loop_operators_under_opcheck():
     B, T, H = 3, 4, 5
     proj, g = torch.randn(B, T, H), torch.randn(B, T, H)
     w_hh = torch.randn(H, H) * 0.4
-    torch.library.opcheck(torch.ops.torchloom.rnn_loop.default, (proj, w_hh))
-    pre, hidden = torch.ops.torchloom.rnn_loop(proj, w_hh)
+    torch.library.opcheck(torch.ops.torchloom.rnn_loop.default, (proj, w_hh, "triton"))
+    pre, hidden = torch.ops.torchloom.rnn_loop(proj, w_hh, "triton")  # the kernel (on CPU: the interpreter)
     pre_ref, hidden_ref = proj.double(), torch.empty(B, T, H, dtype=torch.float64, device=proj.device)
     K.rnn_forward_loop_ref(pre_ref, w_hh.double(), hidden_ref)
     assert_close(hidden, hidden_ref.float(), name="hidden", rtol=1e-5, atol=1e-6)
     assert_close(pre, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
-    torch.library.opcheck(torch.ops.torchloom.rnn_loop_backward.default, (g, w_hh, hidden))
-    g_pre = torch.ops.torchloom.rnn_loop_backward(g, w_hh, hidden)
+    torch.library.opcheck(torch.ops.torchloom.rnn_loop_backward.default, (g, w_hh, hidden, "triton"))
+    g_pre = torch.ops.torchloom.rnn_loop_backward(g, w_hh, hidden, "triton")
     g_ref = (1 - hidden.double() ** 2)
     K.rnn_backward_loop_ref(g.double(), w_hh.double(), g_ref, torch.empty(B, H, dtype=torch.float64, device=proj.device))
     assert_close(g_pre, g_ref.float(), name="gPre", rtol=1e-5, atol=1e-6)

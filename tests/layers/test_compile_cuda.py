@@ -97,4 +97,6 @@ def test_compiled_recurrent_inductor_matches_eager_at_a_large_shape(cls):
     import torchloom
 
     make = {"LSTM": lambda: torchloom.LSTM(128, 256), "RNN": lambda: torchloom.RNN(128, 256)}[cls]
-    _compare_compiled(make, (64, 24, 128), rtol=2e-4, atol=2e-5)
+    codes = _compare_compiled(make, (64, 24, 128), rtol=2e-4, atol=2e-5)
+    for op in (f"{cls.lower()}_loop.default(", f"{cls.lower()}_loop_backward.default("):
+        assert any(f"torch.ops.torchloom.{op}" in c for c in codes), f"Inductor's code does not call torchloom.{op[:-1]}"

@@ -220,9 +220,9 @@ _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 
 
 def graphs_usable(t: Tensor) -> bool:
-    """True when the recurrent loops on ``t``'s device may run as CUDA graphs: never while
-    ``torch.compile`` traces (its tensors are fake: no buffer to keep, no graph to capture; the loop is
-    traced step by step into the compiled graph)."""
+    """True when the per-step recurrent loops on ``t``'s device may run as CUDA graphs: never while
+    ``torch.compile`` traces (its tensors are fake: no buffer to keep, no graph to capture; the traced
+    layer calls the loop operators or unrolls the loop instead, see "loops under torch.compile")."""
     if torch.compiler.is_compiling():
         return False
     return USE_CUDA_GRAPHS and t.is_cuda and not torch.cuda.is_current_stream_capturing()
@@ -505,7 +505,7 @@ def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None
         if backend == "triton":
             raise ValueError(f"backend='triton': no persistent-loop grid for batch {batch}, hidden {hidden} on {x.device}")
         return False
-    return True
+    return not _loop_failed("RNN", x, batch, hidden)
 
 
 def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool,
@@ -530,13 +530,19 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
         out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0),
         B, T, H,
     )
-    kw = dict(
+    _cooperative_launch(launch, args, _loop_constants(out, st, backward), out.is_cuda)
+
+
+def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool) -> dict:
+    """The compile-time arguments of a persistent loop kernel (``_rnn_loop_kernel``, ``_lstm_loop_kernel``)
+    whose output ``flags`` carries the sentinel: settings, product precision, the sentinel and its width."""
+    sentinel, int_dtype = _SENTINEL[flags.dtype]
+    return dict(
         BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
-        PRECISION=_dot_precision(out), DOT_F32=not out.is_cuda and out.dtype == torch.bfloat16,
+        PRECISION=_dot_precision(flags), DOT_F32=not flags.is_cuda and flags.dtype == torch.bfloat16,
         SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
         num_warps=st.num_warps,
     )
-    _cooperative_launch(launch, args, kw, out.is_cuda)
 
 
 def _cooperative_launch(launch, args: tuple, kw: dict, is_cuda: bool) -> None:
@@ -553,12 +559,19 @@ def _cooperative_launch(launch, args: tuple, kw: dict, is_cuda: bool) -> None:
 _failed: set = set()  # (layer, B, H, dtype, device) whose kernel could not launch: the per-step loop from then on
 
 
-def _launch_or_fallback(layer: str, out: Tensor, launch: Callable[[], None]) -> bool:
-    """``launch()`` (one persistent-loop launch writing ``out [B, T, ·]``), or False (with one
-    ``RuntimeWarning`` per shape) when the kernel cannot compile or launch for this shape on this GPU
-    (too many registers, a cooperative grid CUDA refuses...): the caller then runs the per-step loop.
-    Nothing was written but the sentinel, which that loop overwrites."""
-    key = (layer, out.shape[0], out.shape[2], out.dtype, out.device)
+def _loop_failed(layer: str, x: Tensor, batch: int, hidden: int) -> bool:
+    """Whether ``layer``'s loop kernel failed to launch at ``[batch, ·, hidden]`` on ``x``'s dtype and
+    device (either direction): its loops then run step by step, graphed where they can be."""
+    return (layer, batch, hidden, x.dtype, x.device) in _failed
+
+
+def _launch_or_fallback(layer: str, flags: Tensor, hidden: int, launch: Callable[[], None]) -> bool:
+    """``launch()`` (one persistent-loop launch writing ``flags [B, T, ·]``; ``hidden``: the layer's H),
+    or False (with one ``RuntimeWarning`` per layer and shape) when the kernel cannot compile or launch
+    for this shape on this GPU (too many registers, a cooperative grid CUDA refuses...): the caller then
+    runs the per-step loop, and both directions do from then on (``_loop_failed``). Nothing was written
+    but the sentinel, which that loop overwrites."""
+    key = (layer, flags.shape[0], hidden, flags.dtype, flags.device)
     if key in _failed:
         return False
     try:
@@ -567,7 +580,7 @@ def _launch_or_fallback(layer: str, out: Tensor, launch: Callable[[], None]) -> 
     except (ValueError, TypeError):  # the operands themselves: the caller's error
         raise
     except Exception as e:  # noqa: BLE001 - any compile/launch failure: the per-step loop instead
-        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        if flags.is_cuda and torch.cuda.is_current_stream_capturing():
             raise  # a capture cannot fall back mid-way; the engine's warm-up runs first and lands here
         _failed.add(key)
         import warnings
@@ -575,7 +588,7 @@ def _launch_or_fallback(layer: str, out: Tensor, launch: Callable[[], None]) -> 
         warnings.warn(
             f"{layer}: the persistent loop kernel could not run for batch {key[1]}, hidden {key[2]}, {key[3]} on {key[4]} "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the per-step loop",
-            RuntimeWarning, stacklevel=4,
+            RuntimeWarning, stacklevel=3,
         )
         return False
 
@@ -586,7 +599,7 @@ def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: st
     ``[B, T, H]`` with unit last stride."""
     B, _, H = pre.shape
     if not rnn_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
-            "RNN", hidden, lambda: _launch_rnn_loop(hidden, pre, pre, weight_hh, False)):
+            "RNN", hidden, H, lambda: _launch_rnn_loop(hidden, pre, pre, weight_hh, False)):
         rnn_forward_loop_ref(pre, weight_hh, hidden)
 
 
@@ -596,7 +609,7 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
     ``_rnn_loop_kernel`` where ``rnn_loop_uses_triton``, else ``rnn_backward_loop_ref``."""
     B, _, H = g_pre.shape
     if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(
-            "RNN", g_pre, lambda: _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True)):
+            "RNN", g_pre, H, lambda: _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True)):
         torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
 
@@ -652,7 +665,7 @@ def _lstm_loop_kernel(
                 if step > 0:
                     # dh += Σ_q gPre_{t+1}[:, q·H + k] W_hh[q·H + k, cols]: the four gate blocks of K as a
                     # batch of four products, summed at the end (one [BB, 4H] × [4H, BN] product keeps
-                    # one warp's tile busy over all of K: 1.5× the time on an H200)
+                    # one warp's tile busy over all of K: 1.55× the time in bf16 on an H200, about equal in fp32)
                     part = tl.zeros([4, BLOCK_B, BLOCK_N], dtype=tl.float32)
                     for k in range(0, H, BLOCK_K):
                         ks = k + tl.arange(0, BLOCK_K)
@@ -682,7 +695,8 @@ def _lstm_loop_kernel(
             else:
                 t = step
                 # the tile's four gate columns side by side, [BB, 4·BN] (column q·BN + n is gate q of
-                # cols[n]): one product per K chunk (four [BB, BN] products: 1.1–1.2× the time)
+                # cols[n]): one product per K chunk (four [BB, BN] products: 1.5× the time in fp32 and 1.7–1.9×
+                # in bf16 on an H200)
                 lane = tl.arange(0, 4 * BLOCK_N)
                 qcols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + lane % BLOCK_N
                 gcols = (lane // BLOCK_N) * H + qcols
@@ -716,7 +730,8 @@ def _lstm_loop_settings(x: Tensor, batch: int, hidden: int, backward: bool = Fal
     """Settings of ``_lstm_loop_kernel`` for ``[batch, ·, hidden]`` on ``x``'s device and dtype (the
     RNN loop's grid, ``_rnn_loop_settings``), or None where that grid's tiles are wider than 32 × 32 (the
     gates' accumulators would leave the registers). On CUDA 8 warps and K chunks of 128, or 256 for a
-    half-precision forward: the best of ``bench/bench_lstm_loop.py --sweep`` on an H200 at 64 × 256."""
+    half-precision forward: the best or within 7 % of the best of the sweep on an H200 at 64 × 256
+    (``bench/bench_lstm_loop.py --sweep``; bench/RESULTS.md §10 run C)."""
     st = _rnn_loop_settings(x, batch, hidden)
     if st is None or not x.is_cuda:
         return st
@@ -729,11 +744,12 @@ def _lstm_loop_settings(x: Tensor, batch: int, hidden: int, backward: bool = Fal
 def lstm_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
     """Whether the LSTM's loops on ``x``'s device and dtype at ``[batch, ·, hidden]`` run
     ``_lstm_loop_kernel``: where Triton runs (``backend`` as in ``use_triton``), ``USE_PERSISTENT_LSTM``
-    is set and a grid of at most one program per SM exists (``_lstm_loop_settings``). Elsewhere the
-    per-step loop runs (with ``backend="triton"``: its fused cell kernels)."""
+    is set, a grid of at most one program per SM exists (``_lstm_loop_settings``) and no launch at this
+    shape has failed. Elsewhere the per-step loop runs (with ``backend="triton"``: its fused cell
+    kernels, CUDA-graphed where they can be)."""
     if not USE_PERSISTENT_LSTM or not use_triton(x, backend, KERNEL_DTYPES):
         return False
-    return _lstm_loop_settings(x, batch, hidden) is not None
+    return _lstm_loop_settings(x, batch, hidden) is not None and not _loop_failed("LSTM", x, batch, hidden)
 
 
 def _launch_lstm_loop(pre: Tensor, cell: Tensor, weight_hh: Tensor, hidden: Tensor | None = None,
@@ -766,13 +782,7 @@ def _launch_lstm_loop(pre: Tensor, cell: Tensor, weight_hh: Tensor, hidden: Tens
         gout.stride(0), gout.stride(1), flags.stride(0), flags.stride(1), kappa.stride(1), kappa.stride(0), w.stride(0),
         B, T, H,
     )
-    kw = dict(
-        BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
-        PRECISION=_dot_precision(cell), DOT_F32=not cell.is_cuda and cell.dtype == torch.bfloat16,
-        SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
-        num_warps=st.num_warps,
-    )
-    _cooperative_launch(launch, args, kw, cell.is_cuda)
+    _cooperative_launch(launch, args, _loop_constants(flags, st, backward), cell.is_cuda)
 
 
 def lstm_forward_loop_steps(pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, backend: str | None = None) -> None:
@@ -803,7 +813,7 @@ def lstm_forward_loop(pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tens
     (input projections and bias on entry; updated in place), ``cell``, ``hidden [B, T, H]`` written."""
     B, _, H = cell.shape
     if not lstm_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
-            "LSTM", hidden, lambda: _launch_lstm_loop(pre, cell, weight_hh, hidden=hidden)):
+            "LSTM", hidden, H, lambda: _launch_lstm_loop(pre, cell, weight_hh, hidden=hidden)):
         lstm_forward_loop_steps(pre, weight_hh, cell, hidden, _cell_backend(pre, backend))
 
 
@@ -814,7 +824,7 @@ def lstm_backward_loop(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: T
     ``lstm_loop_uses_triton``, else step by step."""
     B, _, H = cell.shape
     if not lstm_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
-            "LSTM", g_pre, lambda: _launch_lstm_loop(pre, cell, weight_hh, grad_out=grad_out, g_pre=g_pre)):
+            "LSTM", g_pre, H, lambda: _launch_lstm_loop(pre, cell, weight_hh, grad_out=grad_out, g_pre=g_pre)):
         lstm_backward_loop_steps(grad_out, pre, cell, weight_hh, g_pre, cell.new_empty(B, H), cell.new_empty(B, H),
                                  _cell_backend(pre, backend))
 
@@ -867,52 +877,52 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
     return torch.stack(g_pres, 1)
 
 
-def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor]:
+def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
     pre = proj.clone(memory_format=torch.contiguous_format)
     hidden = torch.empty_like(pre)
-    rnn_forward_loop(pre, weight_hh, hidden)
+    rnn_forward_loop(pre, weight_hh, hidden, backend)
     return pre, hidden
 
 
-def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor) -> Tensor:
+def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
     hidden = hidden.contiguous()
     g_pre = torch.empty_like(hidden)
-    rnn_backward_loop(grad_out.contiguous(), weight_hh, hidden, g_pre)
+    rnn_backward_loop(grad_out.contiguous(), weight_hh, hidden, g_pre, backend)
     return g_pre
 
 
-def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor, Tensor]:
     pre = proj.clone(memory_format=torch.contiguous_format)
     B, T, H4 = pre.shape
     cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
-    lstm_forward_loop(pre, weight_hh, cell, hidden)
+    lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
     return pre, cell, hidden
 
 
-def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
     pre = pre.contiguous()
     g_pre = torch.empty_like(pre)
-    lstm_backward_loop(grad_out.contiguous(), pre, cell.contiguous(), weight_hh, g_pre)
+    lstm_backward_loop(grad_out.contiguous(), pre, cell.contiguous(), weight_hh, g_pre, backend)
     return g_pre
 
 
 def _register_loop_ops():
     """The persistent loops as opaque operators with fresh (contiguous) outputs: ``{"rnn": (forward,
     backward), "lstm": (forward, backward)}``, empty where ``torch.library.custom_op`` is missing."""
-    if not hasattr(torch.library, "custom_op"):
+    if not hasattr(torch.library, "custom_op"):  # torch < 2.4
         return {}
     op = lambda name, fn: torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=())  # noqa: E731
     ops = {"rnn": (op("rnn_loop", _rnn_loop_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)),
            "lstm": (op("lstm_loop", _lstm_loop_eager), op("lstm_loop_backward", _lstm_loop_backward_eager))}
-    ops["rnn"][0].register_fake(lambda proj, weight_hh: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
-    ops["rnn"][1].register_fake(lambda grad_out, weight_hh, hidden: hidden.new_empty(hidden.shape))
+    ops["rnn"][0].register_fake(lambda proj, weight_hh, backend: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
+    ops["rnn"][1].register_fake(lambda grad_out, weight_hh, hidden, backend: hidden.new_empty(hidden.shape))
 
-    def lstm_fake(proj, weight_hh):
+    def lstm_fake(proj, weight_hh, backend):
         B, T, H4 = proj.shape
         return proj.new_empty(proj.shape), proj.new_empty(B, T, H4 // 4), proj.new_empty(B, T, H4 // 4)
 
     ops["lstm"][0].register_fake(lstm_fake)
-    ops["lstm"][1].register_fake(lambda grad_out, pre, cell, weight_hh: pre.new_empty(pre.shape))
+    ops["lstm"][1].register_fake(lambda grad_out, pre, cell, weight_hh, backend: pre.new_empty(pre.shape))
     return ops
 
 
@@ -930,17 +940,17 @@ def rnn_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str |
     return _HAVE_LOOP_OPS and rnn_loop_uses_triton(x, batch, hidden, backend)
 
 
-def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor]:
+def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_traced_available``): one call of
     the opaque ``torchloom::rnn_loop`` — the persistent kernel, launched cooperatively at run time —
     ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``proj`` not written."""
-    return _RNN_OPS[0](proj, weight_hh)
+    return _RNN_OPS[0](proj, weight_hh, backend)
 
 
-def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor) -> Tensor:
+def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
     """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_traced_available``):
     ``gPre [B, T, H]`` from one call of the opaque ``torchloom::rnn_loop_backward``."""
-    return _RNN_OPS[1](grad_out, weight_hh, hidden)
+    return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
 
 
 def lstm_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
@@ -949,14 +959,14 @@ def lstm_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str 
     return _HAVE_LOOP_OPS and lstm_loop_uses_triton(x, batch, hidden, backend)
 
 
-def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM's forward loop for ``torch.compile`` (where ``lstm_loop_traced_available``): one call
     of the opaque ``torchloom::lstm_loop``, ``proj [B, T, 4H]`` (input projections and bias) →
     ``(pre [B, T, 4H], cell, hidden [B, T, H])``, ``proj`` not written."""
-    return _LSTM_OPS[0](proj, weight_hh)
+    return _LSTM_OPS[0](proj, weight_hh, backend)
 
 
-def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
+def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None = None) -> Tensor:
     """The LSTM's backward loop for ``torch.compile`` (where ``lstm_loop_traced_available``):
     ``gPre [B, T, 4H]`` from one call of the opaque ``torchloom::lstm_loop_backward``."""
-    return _LSTM_OPS[1](grad_out, pre, cell, weight_hh)
+    return _LSTM_OPS[1](grad_out, pre, cell, weight_hh, backend)
