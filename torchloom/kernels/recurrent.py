@@ -37,9 +37,9 @@ __all__ = [
     "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
     "rnn_forward_loop", "rnn_backward_loop", "rnn_forward_loop_ref", "rnn_backward_loop_ref", "rnn_loop_uses_triton",
     "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_unrolled", "lstm_backward_loop_unrolled",
-    "rnn_loop_traced_available", "rnn_forward_loop_traced", "rnn_backward_loop_traced",
+    "rnn_forward_loop_traced", "rnn_backward_loop_traced",
     "lstm_forward_loop", "lstm_backward_loop", "lstm_forward_loop_steps", "lstm_backward_loop_steps",
-    "lstm_loop_uses_triton", "lstm_loop_traced_available", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
+    "lstm_loop_uses_triton", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
 ]
 
 
@@ -62,6 +62,16 @@ def _gates(p, H, m):
     g = _tanh(tl.load(p + 2 * H, mask=m, other=0.0).to(tl.float32))
     o = _sigmoid(tl.load(p + 3 * H, mask=m, other=0.0).to(tl.float32))
     return i, f, g, o
+
+
+@jit
+def _store_gate_grads(gp, H, m, i, f, g, o, tc, dh, dc, cp):
+    """``gPre_t``'s four blocks (module doc) stored at ``gp`` (gate q at ``gp + q·H``) in its dtype."""
+    ty = gp.dtype.element_ty
+    tl.store(gp, (dc * g * i * (1.0 - i)).to(ty), mask=m)
+    tl.store(gp + H, (dc * cp * f * (1.0 - f)).to(ty), mask=m)
+    tl.store(gp + 2 * H, (dc * i * (1.0 - g * g)).to(ty), mask=m)
+    tl.store(gp + 3 * H, (dh * tc * o * (1.0 - o)).to(ty), mask=m)
 
 
 @jit
@@ -97,12 +107,7 @@ def _lstm_bwd_kernel(
     cp = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_PREV:
         cp = tl.load(C_PREV + row * s_cp + cols, mask=m, other=0.0).to(tl.float32)
-    gp = GPRE + row * s_g + cols
-    ty = GPRE.dtype.element_ty
-    tl.store(gp, (dc * g * i * (1.0 - i)).to(ty), mask=m)
-    tl.store(gp + H, (dc * cp * f * (1.0 - f)).to(ty), mask=m)
-    tl.store(gp + 2 * H, (dc * i * (1.0 - g * g)).to(ty), mask=m)
-    tl.store(gp + 3 * H, (dh * tc * o * (1.0 - o)).to(ty), mask=m)
+    _store_gate_grads(GPRE + row * s_g + cols, H, m, i, f, g, o, tc, dh, dc, cp)
     tl.store(KAPPA + row * s_k + cols, (dc * f).to(KAPPA.dtype.element_ty), mask=m)
 
 
@@ -330,34 +335,28 @@ def _round_tf32(x):
 
 
 @jit
-def _wait_state(S, rows, rm, s_sb, k, K, BLOCK_K: tl.constexpr, SENTINEL: tl.constexpr, BITS: tl.constexpr,
-                SPIN_LIMIT: tl.constexpr):
-    """``(S[rows, k:k+BLOCK_K], ks, km)``: the chunk read (volatile: from L2) once none of its elements,
-    read as ``BITS`` integers, is ``SENTINEL`` any more (zero outside ``K``), with its column indices
-    and mask. A wait that gives up after ``SPIN_LIMIT`` polls leaves NaN where the sentinels were."""
-    ks = k + tl.arange(0, BLOCK_K)
-    km = ks < K
-    ptrs = S + rows[:, None] * s_sb + ks[None, :]
-    sm = rm[:, None] & km[None, :]
-    s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
-    polls = 0
-    while (tl.max(tl.max((s.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), 1), 0) > 0) & (polls < SPIN_LIMIT):
-        s = tl.load(ptrs, mask=sm, other=0.0, volatile=True)
-        polls += 1
-    # a wait that gave up leaves sentinels: NaN, whatever the precision does with the pattern next
-    s = tl.where(s.to(BITS, bitcast=True) == SENTINEL, float("nan"), s.to(tl.float32)).to(s.dtype)
-    return s, ks, km
-
-
-@jit
 def _wait_load(ptrs, mask, SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
-    """``ptrs`` read (volatile) once none of its elements is ``SENTINEL``; NaN where a wait gave up."""
+    """``ptrs`` read (volatile: from L2, never a stale L1 line) once none of its elements, read as
+    ``BITS`` integers, is ``SENTINEL`` any more. A wait that gives up after ``SPIN_LIMIT`` polls leaves
+    NaN where the sentinels were."""
     s = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
     polls = 0
     while (tl.max((s.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=None) > 0) & (polls < SPIN_LIMIT):
         s = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         polls += 1
+    # a wait that gave up leaves sentinels: NaN, whatever the precision does with the pattern next
     return tl.where(s.to(BITS, bitcast=True) == SENTINEL, float("nan"), s.to(tl.float32)).to(s.dtype)
+
+
+@jit
+def _wait_state(S, rows, rm, s_sb, k, K, BLOCK_K: tl.constexpr, SENTINEL: tl.constexpr, BITS: tl.constexpr,
+                SPIN_LIMIT: tl.constexpr):
+    """``(S[rows, k:k+BLOCK_K], ks, km)``: the chunk once it holds no sentinel (``_wait_load``; zero
+    outside ``K``), with its column indices and mask."""
+    ks = k + tl.arange(0, BLOCK_K)
+    km = ks < K
+    s = _wait_load(S + rows[:, None] * s_sb + ks[None, :], rm[:, None] & km[None, :], SENTINEL, BITS, SPIN_LIMIT)
+    return s, ks, km
 
 
 @jit
@@ -559,10 +558,14 @@ def _cooperative_launch(launch, args: tuple, kw: dict, is_cuda: bool) -> None:
 _failed: set = set()  # (layer, B, H, dtype, device) whose kernel could not launch: the per-step loop from then on
 
 
+def _failure_key(layer: str, x: Tensor, batch: int, hidden: int) -> tuple:
+    return layer, batch, hidden, x.dtype, x.device
+
+
 def _loop_failed(layer: str, x: Tensor, batch: int, hidden: int) -> bool:
     """Whether ``layer``'s loop kernel failed to launch at ``[batch, ·, hidden]`` on ``x``'s dtype and
     device (either direction): its loops then run step by step, graphed where they can be."""
-    return (layer, batch, hidden, x.dtype, x.device) in _failed
+    return _failure_key(layer, x, batch, hidden) in _failed
 
 
 def _launch_or_fallback(layer: str, flags: Tensor, hidden: int, launch: Callable[[], None]) -> bool:
@@ -571,7 +574,7 @@ def _launch_or_fallback(layer: str, flags: Tensor, hidden: int, launch: Callable
     for this shape on this GPU (too many registers, a cooperative grid CUDA refuses...): the caller then
     runs the per-step loop, and both directions do from then on (``_loop_failed``). Nothing was written
     but the sentinel, which that loop overwrites."""
-    key = (layer, flags.shape[0], hidden, flags.dtype, flags.device)
+    key = _failure_key(layer, flags, flags.shape[0], hidden)
     if key in _failed:
         return False
     try:
@@ -685,12 +688,7 @@ def _lstm_loop_kernel(
                 cp = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
                 if t > 0:
                     cp = tl.load(CELL + r2 * s_cb + (t - 1) * s_ct + c2, mask=m, other=0.0).to(tl.float32)
-                gp = GPRE + r2 * s_qb + t * s_qt + c2
-                ty = GPRE.dtype.element_ty
-                tl.store(gp, (dc * gg * ig * (1.0 - ig)).to(ty), mask=m)
-                tl.store(gp + H, (dc * cp * fg * (1.0 - fg)).to(ty), mask=m)
-                tl.store(gp + 2 * H, (dc * ig * (1.0 - gg * gg)).to(ty), mask=m)
-                tl.store(gp + 3 * H, (dh * tc * og * (1.0 - og)).to(ty), mask=m)
+                _store_gate_grads(GPRE + r2 * s_qb + t * s_qt + c2, H, m, ig, fg, gg, og, tc, dh, dc, cp)
                 tl.store(KAPPA + step % 2 * s_ks + r2 * s_kb + c2, (dc * fg).to(KAPPA.dtype.element_ty), mask=m)
             else:
                 t = step
@@ -907,66 +905,47 @@ def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weigh
 
 
 def _register_loop_ops():
-    """The persistent loops as opaque operators with fresh (contiguous) outputs: ``{"rnn": (forward,
-    backward), "lstm": (forward, backward)}``, empty where ``torch.library.custom_op`` is missing."""
-    if not hasattr(torch.library, "custom_op"):  # torch < 2.4
-        return {}
+    """The persistent loops as opaque operators with fresh (contiguous) outputs: ``((rnn_loop,
+    rnn_loop_backward), (lstm_loop, lstm_loop_backward))``."""
     op = lambda name, fn: torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=())  # noqa: E731
-    ops = {"rnn": (op("rnn_loop", _rnn_loop_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)),
-           "lstm": (op("lstm_loop", _lstm_loop_eager), op("lstm_loop_backward", _lstm_loop_backward_eager))}
-    ops["rnn"][0].register_fake(lambda proj, weight_hh, backend: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
-    ops["rnn"][1].register_fake(lambda grad_out, weight_hh, hidden, backend: hidden.new_empty(hidden.shape))
+    rnn = op("rnn_loop", _rnn_loop_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)
+    lstm = op("lstm_loop", _lstm_loop_eager), op("lstm_loop_backward", _lstm_loop_backward_eager)
+    rnn[0].register_fake(lambda proj, weight_hh, backend: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
+    rnn[1].register_fake(lambda grad_out, weight_hh, hidden, backend: hidden.new_empty(hidden.shape))
 
     def lstm_fake(proj, weight_hh, backend):
         B, T, H4 = proj.shape
         return proj.new_empty(proj.shape), proj.new_empty(B, T, H4 // 4), proj.new_empty(B, T, H4 // 4)
 
-    ops["lstm"][0].register_fake(lstm_fake)
-    ops["lstm"][1].register_fake(lambda grad_out, pre, cell, weight_hh, backend: pre.new_empty(pre.shape))
-    return ops
+    lstm[0].register_fake(lstm_fake)
+    lstm[1].register_fake(lambda grad_out, pre, cell, weight_hh, backend: pre.new_empty(pre.shape))
+    return rnn, lstm
 
 
-_LOOP_OPS = _register_loop_ops()
-# Read while Dynamo traces: a plain bool and tuples (torch 2.11's Dynamo breaks the graph on ``bool()`` of
-# this dict of operator objects).
-_HAVE_LOOP_OPS = bool(_LOOP_OPS)
-_RNN_OPS = _LOOP_OPS.get("rnn", (None, None))
-_LSTM_OPS = _LOOP_OPS.get("lstm", (None, None))
-
-
-def rnn_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
-    """Whether a traced RNN on ``x`` runs its loops through ``torchloom::rnn_loop`` /
-    ``rnn_loop_backward``: where ``rnn_loop_uses_triton`` and ``torch.library.custom_op`` exists."""
-    return _HAVE_LOOP_OPS and rnn_loop_uses_triton(x, batch, hidden, backend)
+_RNN_OPS, _LSTM_OPS = _register_loop_ops()
 
 
 def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_traced_available``): one call of
+    """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``): one call of
     the opaque ``torchloom::rnn_loop`` — the persistent kernel, launched cooperatively at run time —
     ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``proj`` not written."""
     return _RNN_OPS[0](proj, weight_hh, backend)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
-    """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_traced_available``):
+    """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``):
     ``gPre [B, T, H]`` from one call of the opaque ``torchloom::rnn_loop_backward``."""
     return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
 
 
-def lstm_loop_traced_available(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
-    """Whether a traced LSTM on ``x`` runs its loops through ``torchloom::lstm_loop`` /
-    ``lstm_loop_backward``: where ``lstm_loop_uses_triton`` and ``torch.library.custom_op`` exists."""
-    return _HAVE_LOOP_OPS and lstm_loop_uses_triton(x, batch, hidden, backend)
-
-
 def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The LSTM's forward loop for ``torch.compile`` (where ``lstm_loop_traced_available``): one call
+    """The LSTM's forward loop for ``torch.compile`` (where ``lstm_loop_uses_triton``): one call
     of the opaque ``torchloom::lstm_loop``, ``proj [B, T, 4H]`` (input projections and bias) →
     ``(pre [B, T, 4H], cell, hidden [B, T, H])``, ``proj`` not written."""
     return _LSTM_OPS[0](proj, weight_hh, backend)
 
 
 def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None = None) -> Tensor:
-    """The LSTM's backward loop for ``torch.compile`` (where ``lstm_loop_traced_available``):
+    """The LSTM's backward loop for ``torch.compile`` (where ``lstm_loop_uses_triton``):
     ``gPre [B, T, 4H]`` from one call of the opaque ``torchloom::lstm_loop_backward``."""
     return _LSTM_OPS[1](grad_out, pre, cell, weight_hh, backend)

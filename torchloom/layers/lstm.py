@@ -99,7 +99,7 @@ def lstm_forward(
         return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
     # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ.
     proj = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, 4 * H)
-    if torch.compiler.is_compiling() and K.lstm_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
+    if torch.compiler.is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
         pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh, backend)
     elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
         pre, cell, hidden = K.lstm_forward_loop_unrolled(proj, weight_hh)
@@ -138,7 +138,7 @@ def lstm_backward(
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
     loop_kernel = K.lstm_loop_uses_triton(x, B, H, backend)
-    if torch.compiler.is_compiling() and K.lstm_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
+    if torch.compiler.is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
         g_pre = K.lstm_backward_loop_traced(grad_out, pre, cell, weight_hh, backend)
     elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
         g_pre = K.lstm_backward_loop_unrolled(grad_out, pre, cell, weight_hh)

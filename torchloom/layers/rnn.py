@@ -84,7 +84,7 @@ def rnn_forward(
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
     K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
+    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
         proj = (torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)).view(B, T, H)
         pre, hidden = K.rnn_forward_loop_traced(proj, weight_hh, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
@@ -141,7 +141,7 @@ def rnn_backward(
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
     K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_traced_available(x, B, H, backend):  # kernels/recurrent.py
+    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
         g_pre = K.rnn_backward_loop_traced(grad_out, weight_hh, hidden, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
