@@ -7,14 +7,18 @@ Layer rows (one step = gradients set to None, forward, backward of a fixed upstr
 * Conv2D 32→64 3×3 (padding 1) on 64×32×32×32 vs ``nn.Conv2d``;
 * LSTM and RNN 256→256, batch 64, 64 steps vs ``nn.LSTM`` / ``nn.RNN`` (cuDNN; ``bias_hh`` unused);
 * MultiHeadAttention d 1024, 16 heads, causal, RoPE, at S = 2,048 (batch 4) and S = 8,192 (batch 1)
-  vs the same projections + RoPE + ``F.scaled_dot_product_attention`` (PyTorch's flash kernel);
+  vs the same projections + RoPE + ``F.scaled_dot_product_attention`` (the fused kernel it picks: on
+  an H200 with torch 2.11, cuDNN's in bfloat16 and the memory-efficient one in float32 — which
+  torchloom's layer now runs as its core too);
 * SwiGLU 1024→2816 on 8×1024 tokens vs three ``nn.Linear`` + ``F.silu``;
 * RMSNorm / LayerNorm 1024 on 8×1024 tokens vs ``nn.RMSNorm`` / ``nn.LayerNorm``.
 
 Time: median of 5 runs (each about ``--target``/5 seconds of steps), eager (what a plain PyTorch loop
 pays, host launch overhead included) and *graphed* (ten steps captured in one CUDA graph and
 replayed: the device's time alone, what torchloom's ``train()`` device path and users' CUDA-graphed
-steps pay; a layer that cannot be captured shows —). Peak memory: the largest
+steps pay; a layer that cannot be captured shows —). On CUDA every case runs, and is captured, on one
+side stream (the parameters' gradient accumulators then live on the capturing stream; on the default
+stream the first float32 capture of a run failed for both sides). Peak memory: the largest
 ``torch.cuda.max_memory_allocated`` during one step above what was allocated before it (inputs and
 parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤ 1.0× PyTorch's time
 (LSTM/RNN ≤ 1.5× cuDNN) and ≤ 1.1× its peak memory.
@@ -105,7 +109,14 @@ def graphed_time(fn: Callable[[], object], dev: torch.device, target_s: float, s
             fn()
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured on the current stream when that is not the default one (``main`` runs every case on one
+    # side stream): autograd then finds the parameters' gradient accumulators (made by the first step,
+    # and kept alive by a compiled step) on the capturing stream. Otherwise their step on the legacy
+    # default stream ends the capture ("would make the legacy stream depend on a capturing blocking
+    # stream": the first float32 case of a run, both sides, on torch 2.11).
+    current = torch.cuda.current_stream(dev)
+    own = None if current == torch.cuda.default_stream(dev) else current
+    with torch.cuda.graph(graph, stream=own):
         for _ in range(steps):
             fn()
     try:
@@ -523,7 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         if d not in ("float32", "bfloat16", "float16"):
             raise SystemExit(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
     only = [o for o in args.only.split(",") if o]
+    if dev.type == "cuda":  # every case on one side stream, captured on it too (see graphed_time)
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            return _run(args, dev, dtypes, only, start)
+    return _run(args, dev, dtypes, only, start)
 
+
+def _run(args: argparse.Namespace, dev: torch.device, dtypes: list[str], only: list[str], start: float) -> int:
     header = [
         "",
         "Forward + backward per step. ratio = torchloom / PyTorch (time and peak memory above the inputs and",

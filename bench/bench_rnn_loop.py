@@ -277,12 +277,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="only the graphed (device-time) table")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; on CPU through Triton's interpreter")
+    ap.add_argument("--w-reload", action="store_true",
+                    help="the kernel re-reads W_hh every step (no W_RESIDENT): the A/B of holding it in registers")
     ap.add_argument("--out", default=None, help="also write the log here")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.smoke:
         print("needs a CUDA GPU (or --smoke)")
         return 0
+    K._RNN_W_RESIDENT = not args.w_reload
     lines = []
 
     def log(s=""):

@@ -129,3 +129,45 @@ def test_rope_kernel_in_place_on_a_strided_view(inverse):
     assert torch.equal(got[:, :, nq:], buf[:, :, nq:])
     K.rope_(got[:, :, :nq], cos, sin, not inverse, backend="triton")
     assert_close(got, buf, name="round trip", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rope_out_of_place_from_a_separate_tensor(backend):
+    """``rope_(dst, ..., src=src)`` rotates ``src`` (its own strides) into a strided view ``dst`` in one
+    pass: ``dst`` equals the in-place rotation of a copy of ``src``, ``src`` and the rest of the buffer
+    stay as they were; a ``src`` of another shape is a ValueError."""
+    b, s, nq, nv, d = 2, 7, 3, 2, 16
+    buf = torch.randn(b, s, nq + nv, d)
+    src = torch.randn(b, nq, s, d).transpose(1, 2)  # [B, S, nq, D], not contiguous
+    angle = torch.arange(s, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angle.cos().float(), angle.sin().float()
+    before_src, before_buf = src.clone(), buf.clone()
+    K.rope_(buf[:, :, :nq], cos, sin, True, backend=backend, src=src)
+    want = K.rope_ref_(src.clone(), cos, sin, True)
+    assert_close(buf[:, :, :nq], want, name="rotated into dst", rtol=1e-6, atol=1e-6)
+    assert torch.equal(src, before_src) and torch.equal(buf[:, :, nq:], before_buf[:, :, nq:])
+    with pytest.raises(ValueError, match="src must match"):
+        K.rope_(buf[:, :, :nq], cos, sin, True, backend=backend, src=src[:, :, :2])
+
+
+def test_pytorchs_fused_attention_operators_take_the_arguments_passed(monkeypatch):
+    """The private ATen operators behind ``sdpa_forward`` / ``sdpa_backward`` (and the chooser) take, in
+    the installed torch, exactly the arguments torchloom passes them; an operator of another signature
+    (an older or newer torch) is reported as not matching, and ``sdpa_choice`` then leaves the core to
+    the Triton kernel. On CPU tensors there is no fused kernel to choose."""
+    for choice in (0, K.SDPA_FLASH, K.SDPA_EFFICIENT, K.SDPA_CUDNN):
+        assert K.sdpa_ops_match(choice), choice
+    changed = {**K._SDPA_SCHEMAS, K.SDPA_CUDNN: {"_scaled_dot_product_cudnn_attention": "query key value dropout_p"}}
+    monkeypatch.setattr(K, "_SDPA_SCHEMAS", changed)
+    K.sdpa_ops_match.cache_clear()
+    try:
+        assert not K.sdpa_ops_match(K.SDPA_CUDNN)
+        assert K.sdpa_ops_match(K.SDPA_FLASH)
+        missing = {**K._SDPA_SCHEMAS, K.SDPA_FLASH: {"_no_such_attention_operator": "query"}}
+        monkeypatch.setattr(K, "_SDPA_SCHEMAS", missing)
+        K.sdpa_ops_match.cache_clear()
+        assert not K.sdpa_ops_match(K.SDPA_FLASH)
+    finally:
+        K.sdpa_ops_match.cache_clear()
+    q = torch.randn(1, 4, 2, 16)
+    assert K.sdpa_choice(q, q, q, True) is None

@@ -186,12 +186,9 @@ def test_trained_inside_captured_steps_like_eager_steps():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bb,bn,bk", [(32, 32, 64), (64, 64, 128), (64, 128, 256)])
-def test_the_wider_tiles_of_large_grids(bb, bn, bk):
-    """The tile shapes ``_rnn_loop_settings`` picks for large batches or hidden sizes (wider than the
-    16 × 16 of the default shapes), forward and backward against the float64 reference loops."""
-    B, T, H = 70, 3, 150
-    st = K.RNNLoopSettings(block_b=bb, block_n=bn, block_k=bk, col_tiles=-(-H // bn), col_programs=1, num_warps=4)
+def _check_both_loops(B: int, T: int, H: int, st) -> None:
+    """The kernel's forward and backward loops at ``[B, T, H]`` with settings ``st`` against the float64
+    reference loops."""
     pre, w_hh = torch.randn(B, T, H), torch.randn(H, H) * (1.5 / H**0.5)
     hidden = torch.empty(B, T, H)
     pre64, hid64 = pre.double(), torch.empty(B, T, H, dtype=torch.float64)
@@ -203,6 +200,30 @@ def test_the_wider_tiles_of_large_grids(bb, bn, bk):
     g64 = 1.0 - hid64 * hid64
     K.rnn_backward_loop_ref(g.double(), w_hh.double(), g64, torch.empty(B, H, dtype=torch.float64))
     assert_close(g_pre, g64, name="gPre", rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bb,bn,bk", [(32, 32, 64), (64, 64, 128), (64, 128, 256)])
+def test_the_wider_tiles_of_large_grids(bb, bn, bk):
+    """The tile shapes ``_rnn_loop_settings`` picks for large batches or hidden sizes (wider than the
+    16 × 16 of the default shapes), forward and backward against the float64 reference loops."""
+    B, T, H = 70, 3, 150
+    st = K.RNNLoopSettings(block_b=bb, block_n=bn, block_k=bk, col_tiles=-(-H // bn), col_programs=1, num_warps=4)
+    _check_both_loops(B, T, H, st)
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["held", "re-read"])
+def test_w_held_across_the_loop_or_re_read(resident, monkeypatch):
+    """One column tile and one K chunk covering H: the program's slice of W_hh is loaded once and held
+    across the loop (``W_RESIDENT``), or re-read every step; forward and backward against the float64
+    reference loops either way."""
+    B, T, H = 20, 4, 24
+    st = K.RNNLoopSettings(block_b=16, block_n=32, block_k=32, col_tiles=1, col_programs=1, num_warps=4)
+    monkeypatch.setattr(K, "_RNN_W_RESIDENT", resident)
+    assert K._w_resident(st, H, torch.float32) is resident
+    _check_both_loops(B, T, H, st)
+    # a slice too large to hold in registers is re-read whatever the switch says
+    wide = st._replace(block_b=32, block_n=256, block_k=256)
+    assert not K._w_resident(wide, 150, torch.float32)
 
 
 def test_tf32_rounding_keeps_nan_and_inf():

@@ -427,17 +427,47 @@ CORE_CASES = [(2, 5, 4, 2, 4, True, True), (1, 9, 2, 2, 8, False, False)]
 @pytest.mark.parametrize("case", CORE_CASES, ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}K{c[3]}D{c[4]}-{c[5]}-{c[6]}")
 def test_flash_core_operators(case):
     """``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (the flash path's core,
-    which a compiled layer calls as opaque operators): ``torch.library.opcheck`` passes (schema, the
-    declared write of ``qkv`` and nothing else, fake tensors, AOT dispatch), and against float64
-    autograd through the complex-number RoPE and SDPA: the forward leaves q and k rotated in ``qkv``
-    (v as it was) and returns ``o`` and the log-sum-exp; the backward gives the gradient with respect to
-    the projection before RoPE."""
+    which a compiled layer calls as opaque operators) on the Triton kernel: ``torch.library.opcheck``
+    passes (schema, the declared write of ``qkv`` and nothing else, fake tensors, AOT dispatch), and
+    against float64 autograd through the complex-number RoPE and SDPA: the forward leaves q and k
+    rotated in ``qkv`` (v as it was) and returns ``o`` and the log-sum-exp; the backward gives the
+    gradient with respect to the projection before RoPE."""
     _needs_interpreter_or_cuda()
+    _check_core(case, "triton", torch.float32, dict(rtol=1e-4, atol=1e-5), opcheck=case == CORE_CASES[0])
+
+
+# (B, S, H, K, D, causal, rope) on PyTorch's fused kernels: S ragged (77), plain and grouped heads
+FUSED_CASES = [(2, 77, 4, 4, 64, True, True), (2, 77, 4, 2, 64, True, True), (1, 77, 2, 2, 32, False, False)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}K{c[3]}D{c[4]}-{c[5]}-{c[6]}")
+def test_flash_core_on_pytorchs_fused_kernels(case, dtype):
+    """With ``backend`` None on CUDA the core runs the fused kernel ``F.scaled_dot_product_attention``
+    would pick (``sdpa_choice``: FlashAttention-2, the memory-efficient kernel or cuDNN's; the Triton
+    kernel only for grouped heads in float32), forward and backward as separate operators: the same
+    checks as the Triton core against float64 autograd, within the dtype's tolerance."""
+    from torchloom.kernels import flash_attention as FA
+
+    b, s, h, kv, hd, causal, rope = case
+    q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
+    k = torch.empty(b, s, kv, hd, device="cuda", dtype=dtype)
+    choice = FA.sdpa_choice(q, k, k, causal)
+    if dtype != torch.float32 or h == kv:
+        assert choice in (FA.SDPA_FLASH, FA.SDPA_EFFICIENT, FA.SDPA_CUDNN), choice
+    else:
+        assert choice is None  # grouped heads in float32: only the memory-efficient kernel, which does not take them
+    tol = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}.get(dtype, dict(rtol=5e-2, atol=5e-2))
+    _check_core(case, None, dtype, tol, opcheck=case == FUSED_CASES[0] and dtype == torch.bfloat16)
+
+
+def _check_core(case, backend, dtype, tol, opcheck):
     b, s, h, kv, hd, causal, rope = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    args = (s, h, kv, causal, rope, 500.0, "triton")
-    qkv0 = torch.randn(b * s, (h + 2 * kv) * hd, device=dev)
-    d_o = torch.randn(b * s, h * hd, device=dev)
+    args = (s, h, kv, causal, rope, 500.0, backend)
+    qkv0 = torch.randn(b * s, (h + 2 * kv) * hd, device=dev).to(dtype)
+    d_o = torch.randn(b * s, h * hd, device=dev).to(dtype)
 
     x = qkv0.double().cpu().requires_grad_()  # float64 truth, with autograd
     q, k, v = (t.transpose(1, 2) for t in x.view(b, s, h + 2 * kv, hd).split([h, kv, kv], dim=2))  # [B,n,S,D]
@@ -453,18 +483,18 @@ def test_flash_core_operators(case):
 
     qkv = qkv0.clone()
     o, lse = torch.ops.torchloom.flash_attention_core(qkv, *args)
-    tol = dict(rtol=1e-4, atol=1e-5)
     assert o.shape == (b, s, h, hd) and o.is_contiguous() and lse.shape == (b, h, s) and lse.dtype == torch.float32
     assert_close(o, o_ref, name="o", **tol)
     assert_close(lse, torch.logsumexp(scores, dim=-1), name="lse", **tol)
     assert_close(qkv, rotated, name="qkv after the forward (q, k rotated; v unchanged)", **tol)
     saved = (d_o.clone(), qkv.clone(), o.clone(), lse.clone())
-    d_qkv = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
-    assert d_qkv.shape == qkv.shape and d_qkv.is_contiguous()
-    assert_close(d_qkv, d_ref, name="d_qkv", **tol)
+    grads = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
+    assert [tuple(t.shape) for t in grads] == [(b * s, n * hd) for n in (h, kv, kv)]
+    assert all(t.is_contiguous() for t in grads)
+    assert_close(torch.cat(grads, dim=1), d_ref, name="dq | dk | dv", **tol)
     for name, before, after in zip(("d_o", "qkv", "o", "lse"), saved, (d_o, qkv, o, lse)):
         assert torch.equal(before, after), f"the backward wrote its input {name}"
-    if case == CORE_CASES[0]:  # opcheck runs each operator several times through the interpreter: once
+    if opcheck:  # opcheck runs each operator several times (through the interpreter on CPU): once
         torch.library.opcheck(torch.ops.torchloom.flash_attention_core.default, (qkv0.clone(), *args))
         torch.library.opcheck(torch.ops.torchloom.flash_attention_core_backward.default, (d_o, qkv, o, lse, *args))
 

@@ -26,6 +26,7 @@ is set, then TF32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,7 +35,10 @@ from torch import Tensor
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, use_triton
 
-__all__ = ["flash_attention", "flash_attention_backward", "attention_ref", "rope_", "rope_ref_", "MAX_HEAD_DIM"]
+__all__ = [
+    "flash_attention", "flash_attention_backward", "attention_ref", "rope_", "rope_ref_", "MAX_HEAD_DIM",
+    "sdpa_choice", "sdpa_ops_match", "sdpa_forward", "sdpa_backward", "SDPA_FLASH", "SDPA_EFFICIENT", "SDPA_CUDNN",
+]
 
 MAX_HEAD_DIM = 128
 _LOG2E = 1.4426950408889634
@@ -323,10 +327,11 @@ def _bwd_dq_kernel(
 
 @jit
 def _rope_kernel(
-    X, COS, SIN, sxb, sxs, sxh, S, NH,
+    X, SRC, COS, SIN, sxb, sxs, sxh, ssb, sss, ssh, S, NH,
     HALF: tl.constexpr, BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr,
 ):
-    # One (sample, position) per program: every head's pair (x_i, x_{i+D/2}) rotated in place.
+    # One (sample, position) per program: every head's pair (x_i, x_{i+D/2}) of SRC rotated into X
+    # (the same tensor for the in-place rotation).
     pid = tl.program_id(0)
     b = pid // S
     s = pid % S
@@ -335,8 +340,9 @@ def _rope_kernel(
     d_ok = offs_d < HALF
     mask = (offs_h < NH)[:, None] & d_ok[None, :]
     p1 = X + b * sxb + s * sxs + offs_h[:, None] * sxh + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    q1 = SRC + b * ssb + s * sss + offs_h[:, None] * ssh + offs_d[None, :]
+    x1 = tl.load(q1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(q1 + HALF, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(COS + s * HALF + offs_d, mask=d_ok, other=0.0)[None, :]
     sn = tl.load(SIN + s * HALF + offs_d, mask=d_ok, other=0.0)[None, :]
     if INVERSE:
@@ -364,20 +370,27 @@ def rope_ref_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Ten
     return x
 
 
-def rope_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, backend: str | None = None) -> Tensor:
+def rope_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, backend: str | None = None,
+          src: Tensor | None = None) -> Tensor:
     """Rotate-half RoPE in place on ``x [B, S, n, D]`` (any strides but unit stride on D) with float32
     tables ``cos, sin [S, D/2]``: the pair ``(x_i, x_{i+D/2})`` becomes ``(x_i cos − x_{i+D/2} sin,
-    x_i sin + x_{i+D/2} cos)`` (``inverse``: the opposite angle, the backward). Float32 math, one pass,
-    no temporaries on the kernel path. Returns ``x``."""
+    x_i sin + x_{i+D/2} cos)`` (``inverse``: the opposite angle, the backward). ``src`` (the shape of
+    ``x``, unit stride on D, not overlapping ``x``): rotate it into ``x`` instead, in the same one pass.
+    Float32 math, no temporaries on the kernel path. Returns ``x``."""
+    if src is not None and (src.shape != x.shape or src.dtype != x.dtype):
+        raise ValueError(f"rope_: src must match x ({list(x.shape)}, {x.dtype}), got {list(src.shape)}, {src.dtype}")
     if not use_triton(x, backend, KERNEL_DTYPES):
+        if src is not None:
+            x.copy_(src)
         return rope_ref_(x, cos, sin, inverse)
+    src = x if src is None else src
     b, s, n, d = x.shape
-    if x.stride(3) != 1:
-        raise ValueError("rope_: x must have unit stride on the head dimension")
+    if x.stride(3) != 1 or src.stride(3) != 1:
+        raise ValueError("rope_: x and src must have unit stride on the head dimension")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     half = d // 2
     _rope_kernel[(b * s,)](
-        x, cos, sin, x.stride(0), x.stride(1), x.stride(2), s, n,
+        x, src, cos, sin, x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2), s, n,
         HALF=half, BLOCK_NH=_pow2(n), BLOCK_HALF=_pow2(half), INVERSE=inverse, num_warps=4,
     )
     return x
@@ -503,6 +516,117 @@ def _backward_ref(do, q, k, v, causal, scale):
     dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
     dk, dv = (t.view(b, kv, g, s, d).sum(2) for t in (dk, dv))
     return tuple(t.permute(0, 2, 1, 3).to(q.dtype).contiguous() for t in (dq, dk, dv))
+
+
+# ------------------------------------------------------------------ PyTorch's fused attention kernels
+# ``F.scaled_dot_product_attention`` picks one of PyTorch's fused CUDA kernels for a call (FlashAttention-2,
+# the memory-efficient kernel, cuDNN's) by the inputs and the ``torch.backends.cuda`` switches. The flash
+# path of ``torchloom.layers.attention`` runs the very kernel it would pick, forward and backward called
+# as separate operators (its backward stays hand-written: RoPE, the projections), and the Triton kernel
+# above where none applies. On an H200 (bfloat16, B 4, S 2,048, 16 heads of 64, causal) PyTorch picks
+# cuDNN's; the Triton kernel takes 0.79× FlashAttention-2's time there but ~1.2–1.3× cuDNN's
+# (bench/RESULTS.md §10).
+SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend's values
+
+
+# The private operators called below, with the arguments this module passes them (torch 2.5 to 2.13);
+# an installed torch whose operator takes other arguments runs the Triton kernel instead.
+_SDPA_SCHEMAS = {
+    0: {"_fused_sdp_choice": "query key value attn_mask dropout_p is_causal scale enable_gqa"},
+    SDPA_FLASH: {
+        "_scaled_dot_product_flash_attention": "query key value dropout_p is_causal return_debug_mask scale",
+        "_scaled_dot_product_flash_attention_backward": "grad_out query key value out logsumexp cum_seq_q cum_seq_k "
+                                                         "max_q max_k dropout_p is_causal philox_seed philox_offset scale",
+    },
+    SDPA_EFFICIENT: {
+        "_scaled_dot_product_efficient_attention": "query key value attn_bias compute_log_sumexp dropout_p is_causal scale",
+        "_scaled_dot_product_efficient_attention_backward": "grad_out_ query key value attn_bias out logsumexp philox_seed "
+                                                             "philox_offset dropout_p grad_input_mask is_causal scale",
+    },
+    SDPA_CUDNN: {
+        "_scaled_dot_product_cudnn_attention": "query key value attn_bias compute_log_sumexp dropout_p is_causal "
+                                               "return_debug_mask scale",
+        "_scaled_dot_product_cudnn_attention_backward": "grad_out query key value out logsumexp philox_seed philox_offset "
+                                                        "attn_bias cum_seq_q cum_seq_k max_q max_k dropout_p is_causal scale",
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_ops_match(choice: int) -> bool:
+    """Whether this torch's operators for ``choice`` (0: the chooser ``torch._fused_sdp_choice``) take
+    the arguments ``sdpa_forward`` / ``sdpa_backward`` pass them (``_SDPA_SCHEMAS``)."""
+    for name, args in _SDPA_SCHEMAS[choice].items():
+        try:
+            schema = getattr(torch.ops.aten, name).default._schema
+        except (AttributeError, RuntimeError):
+            return False
+        if [a.name for a in schema.arguments] != args.split():
+            return False
+    return True
+
+
+def sdpa_choice(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = None) -> int | None:
+    """The fused kernel PyTorch's SDPA would run for ``q [B,S,H,D]``, ``k, v [B,S,K,D]`` (``SDPA_FLASH``,
+    ``SDPA_EFFICIENT`` or ``SDPA_CUDNN``), or None: none applies (CPU, its math fallback, grouped heads
+    where only the memory-efficient kernel would run, which does not take them, or operators of another
+    signature in this torch: ``sdpa_ops_match``)."""
+    if not q.is_cuda or not sdpa_ops_match(0):
+        return None
+    grouped = q.shape[2] != k.shape[2]
+    choice = int(torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, causal,
+                                         scale=scale, enable_gqa=grouped))
+    if choice in (SDPA_FLASH, SDPA_CUDNN) or (choice == SDPA_EFFICIENT and not grouped):
+        return choice if sdpa_ops_match(choice) else None
+    return None
+
+
+def sdpa_forward(choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``flash_attention``'s ``(o [B,S,H,D] contiguous, lse [B,H,S] float32)`` from PyTorch's fused
+    kernel ``choice`` (``sdpa_choice``)."""
+    b, s, h, _ = q.shape
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if choice == SDPA_FLASH:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
+    elif choice == SDPA_EFFICIENT:  # lse padded along S (to a multiple of 32)
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[..., :s]
+    elif choice == SDPA_CUDNN:  # lse [B, H, S, 1]
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]
+    else:
+        raise ValueError(f"sdpa_forward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+    # contiguous() and reshape() copy nothing where the kernel's layout is already this one
+    return o.transpose(1, 2).contiguous(), lse.reshape(b, h, s).contiguous()
+
+
+def sdpa_backward(
+    choice: int, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq [B,S,H,D], dk, dv [B,S,K,D])`` from the backward of PyTorch's fused kernel ``choice``, given
+    ``sdpa_forward``'s ``o`` and ``lse`` (no dropout: its random-state arguments are placeholders)."""
+    b, s, h, _ = q.shape
+    qt, kt, vt, ot, dot = (t.transpose(1, 2) for t in (q, k, v, o, do))
+    dev = q.device
+    if choice == SDPA_FLASH:
+        seed, offset = torch.empty(2, dtype=torch.uint64, device=dev), torch.empty((), dtype=torch.uint64, device=dev)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse, None, None, s, s, 0.0, causal, seed, offset, scale=scale)
+    elif choice == SDPA_EFFICIENT:
+        padded = -(-s // 32) * 32
+        if padded != s:  # the padding rows' +inf makes their probabilities exp(score − inf) = 0, never NaN
+            full = lse.new_full((b, h, padded), float("inf"))
+            full[..., :s] = lse
+            lse = full
+        seed = torch.empty((), dtype=torch.int64)
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, kt, vt, None, ot, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    elif choice == SDPA_CUDNN:
+        seed = torch.empty((), dtype=torch.int64, device=dev)
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse.view(b, h, s, 1), seed, seed, None, None, None, s, s, 0.0, causal, scale=scale)
+    else:
+        raise ValueError(f"sdpa_backward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+    return tuple(t.transpose(1, 2) for t in grads)
 
 
 def _pow2(n: int) -> int:

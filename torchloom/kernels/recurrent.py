@@ -319,6 +319,7 @@ from typing import NamedTuple  # noqa: E402
 _cooperative = [True]  # cleared when this Triton does not know ``launch_cooperative_grid``
 USE_PERSISTENT_RNN = True  # False: the RNN runs the CUDA-graphed cuBLAS loop (the benchmark's baseline)
 _FP32_PRODUCT = "ieee"  # tl.dot's input_precision for fp32 without TF32 (the benchmark also times "tf32x3")
+_RNN_W_RESIDENT = True  # W_hh's slice held in registers across the loop where one K chunk covers H (the benchmark's A/B)
 _RNN_MAX_HIDDEN = 1024  # larger H: one step's product fills the GPU well enough through cuBLAS
 _SPIN_LIMIT = 1 << 20  # polls per wait (~0.5 µs each): siblings are one step (µs) away, not half a second
 # Signalling NaNs (exponent all ones, mantissa 1), as the integers of the same width.
@@ -375,8 +376,10 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
                    SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
     """``acc + S[rows, k:k+BLOCK_K] @ W[k:k+BLOCK_K, cols]`` (fp32 accumulator; zero outside H; ``W``
     row-major with row stride ``s_wk``), once the ``S`` chunk holds no sentinel (``_wait_state``)."""
+    ks = k + tl.arange(0, BLOCK_K)
+    # W's chunk first: its load is in flight while the wait spins
+    w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=(ks < H)[:, None] & cm[None, :], other=0.0)
     s, ks, km = _wait_state(S, rows, rm, s_sb, k, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
-    w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
     return _chunk_dot(acc, s, w, PRECISION, DOT_F32)
 
 
@@ -387,14 +390,19 @@ def _rnn_loop_kernel(
     B, T, H,
     BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
-    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr,
 ):
     """Forward: ``IN`` = pre (updated in place), ``OUT`` = hidden, ``W`` = W_hhᵀ. Backward: ``IN`` =
     gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` row-major (row stride ``s_wk``).
-    ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry."""
+    ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry. ``W_RESIDENT`` (one column tile per
+    program, one K chunk covering H): the program's slice of W is loaded once, before the loop."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rm = rows < B
     rows = rows.to(tl.int64)
+    if W_RESIDENT:
+        wc = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        wk = tl.arange(0, BLOCK_K)
+        w_slice = tl.load(W + wk[:, None] * s_wk + wc[None, :], mask=(wk < H)[:, None] & (wc < H)[None, :], other=0.0)
     for i in range(T):
         if BACKWARD:
             t = T - 1 - i
@@ -411,9 +419,13 @@ def _rnn_loop_kernel(
             if BACKWARD:
                 h = tl.load(AUX + rows[:, None] * s_ab + t * s_at + cols[None, :], mask=m, other=0.0).to(tl.float32)
             if i > 0:
-                for k in range(0, H, BLOCK_K):
-                    acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
-                                         BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT)
+                if W_RESIDENT:
+                    s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
+                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32)
+                else:
+                    for k in range(0, H, BLOCK_K):
+                        acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
+                                             BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT)
             if BACKWARD:
                 out = acc * (1.0 - h * h)
             else:
@@ -529,7 +541,16 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
         out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0),
         B, T, H,
     )
-    _cooperative_launch(launch, args, _loop_constants(out, st, backward), out.is_cuda)
+    resident = _w_resident(st, H, w.dtype)
+    _cooperative_launch(launch, args, dict(_loop_constants(out, st, backward), W_RESIDENT=resident), out.is_cuda)
+
+
+def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether ``_rnn_loop_kernel`` holds its W_hh slice in registers across the loop: one column tile
+    per program, one K chunk covering ``hidden``, and a slice of at most 16 KB (B = 64, H = 256, fp32:
+    16 × 16 tiles, 256 × 16 × 4 bytes); a larger one would spill."""
+    return (_RNN_W_RESIDENT and st.col_tiles == 1 and st.block_k >= hidden
+            and st.block_k * st.block_n * dtype.itemsize <= 16384)
 
 
 def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool) -> dict:

@@ -23,13 +23,17 @@ Backward (the same steps in reverse):
     RoPE backward = rotation by −angle (a rotation's transpose is its inverse)
     dW_{q,k,v} = d{q,k,v}ᵀ x, db = Σ d{q,k,v},  dx = dq W_q + dk W_k + dv W_v
 
-On CUDA (float32/float16/bfloat16, head size ≤ 128) the attention runs in the flash kernel of
-``torchloom.kernels.flash_attention``: q, k and v come from one fused product, RoPE is applied in
-place, and only the softmax's log-sum-exp per query is saved, so memory is linear in S; its backward
-recomputes P block by block (same formulas as above). Elsewhere (CPU, float64) the materialised path
-above runs. Under ``torch.compile`` the flash path's attention core (RoPE, the kernel, and their
-backward) runs behind two opaque operators, ``torch.ops.torchloom.flash_attention_core`` and
-``flash_attention_core_backward``, so a compiled layer launches the very kernels of an eager one.
+On CUDA (float32/float16/bfloat16, head size ≤ 128) the flash path runs: q, k and v come from one
+fused product, RoPE is applied in place, and only the softmax's log-sum-exp per query is saved, so
+memory is linear in S; the backward recomputes P block by block (same formulas as above). Its core,
+softmax(q kᵀ/√D) v and that backward, is the fused kernel PyTorch's ``F.scaled_dot_product_attention``
+would pick for the same q, k, v (FlashAttention-2, the memory-efficient kernel or cuDNN's, following
+the ``torch.backends.cuda`` switches), called as separate forward and backward operators; where none
+applies (grouped heads in float32, or all disabled) and with ``backend="triton"``, the Triton kernel
+of ``torchloom.kernels.flash_attention``. Elsewhere (CPU, float64) the materialised path above runs.
+Under ``torch.compile`` the flash path's core (RoPE, the kernel, and their backward) runs behind two
+opaque operators, ``torch.ops.torchloom.flash_attention_core`` and ``flash_attention_core_backward``,
+so a compiled layer launches the very kernels of an eager one.
 
 Mixed precision: under ``torch.autocast`` the input and the parameters are cast to the autocast
 dtype, the layer computes in it (softmax statistics in float32) and the gradients come back in the
@@ -86,8 +90,9 @@ class AttentionSpec:
     causal: bool
     rope: bool
     rope_theta: float
-    backend: str | None = None  # None: the flash kernel on CUDA, the materialised path elsewhere;
-    # "triton": the flash kernel (on CPU through Triton's interpreter); "reference": materialised
+    backend: str | None = None  # None: on CUDA the flash path with PyTorch's fused kernel (else the Triton
+    # kernel), the materialised path elsewhere; "triton": the flash path with the Triton kernel (on CPU
+    # through Triton's interpreter); "reference": materialised
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -330,14 +335,15 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     x2 = x.reshape(b * s, d)
     d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
     core = _FLASH_OPS[1] if torch.compiler.is_compiling() else _flash_core_backward
-    d_qkv = core(torch.mm(gy, o_weight), qkv, pre, lse, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope,
-                 spec.rope_theta, spec.backend)  # [B·S, (H+2K)·D]: dq | dk | dv, before RoPE
-    d_w = torch.mm(d_qkv.t(), x2)  # [(H+2K)·D, d]: dW_q | dW_k | dW_v
-    grads: tuple[Tensor, ...] = (d_w[:d], d_w[d : d + kd], d_w[d + kd :], d_o_weight)
+    # dq [B·S, H·D], dk, dv [B·S, K·D], before RoPE
+    dq, dk, dv = core(torch.mm(gy, o_weight), qkv, pre, lse, s, spec.num_heads, spec.num_kv_heads, spec.causal,
+                      spec.rope, spec.rope_theta, spec.backend)
+    grads: tuple[Tensor, ...] = (torch.mm(dq.t(), x2), torch.mm(dk.t(), x2), torch.mm(dv.t(), x2), d_o_weight)
     if has_bias:
-        d_b = column_sum(d_qkv)
-        grads += (d_b[:d], d_b[d : d + kd], d_b[d + kd :], column_sum(gy))
-    dx = torch.mm(d_qkv, w_qkv).view(b, s, d) if needs_input_grad else None
+        grads += (column_sum(dq), column_sum(dk), column_sum(dv), column_sum(gy))
+    dx = None
+    if needs_input_grad:  # w_qkv's rows: W_q | W_k | W_v
+        dx = torch.mm(dq, w_qkv[:d]).addmm_(dk, w_qkv[d : d + kd]).addmm_(dv, w_qkv[d + kd :]).view(b, s, d)
     return dx, _to_param_dtype(grads, param_dtype)
 
 
@@ -345,7 +351,7 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
 # calls run these two functions directly; while ``torch.compile`` traces, the graph calls them through
 # the opaque operators ``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (below),
 # so a compiled layer runs the very kernels, buffers and RoPE tables of an eager one. (Traced instead,
-# each kernel writing into a view of ``qkv`` or ``d_qkv`` is a mutation Inductor must functionalise;
+# each kernel writing into a view of ``qkv`` is a mutation Inductor must functionalise;
 # with RoPE and the joins written as torch ops in their place, a compiled bfloat16 step took 1.49× /
 # 1.80× the device time of PyTorch's projections + RoPE + SDPA compiled alike at S = 8,192 / 2,048 on
 # an H200, and 1.24× its peak memory, where the eager path is at 1.02×: issue 36.)
@@ -369,27 +375,43 @@ def _flash_core(
     if rope:
         cos, sin = _rope_tables_kept(seq_len, heads.shape[3], rope_theta, qkv.device, torch.float32)
         _flash().rope_(heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=False, backend=backend)
+    fused = _fused_kernel(q, k, v, causal, backend)
+    if fused is not None:
+        return _flash().sdpa_forward(fused, q, k, v, causal, 1.0 / math.sqrt(heads.shape[3]))
     return _flash().flash_attention(q, k, v, causal, backend=backend)
+
+
+def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str | None) -> int | None:
+    """PyTorch's fused attention kernel for the core (``backend`` None on CUDA, where one applies:
+    ``flash_attention.sdpa_choice``), else None: the Triton flash kernel."""
+    return _flash().sdpa_choice(q, k, v, causal, 1.0 / math.sqrt(q.shape[3])) if backend is None else None
 
 
 def _flash_core_backward(
     d_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, seq_len: int, num_heads: int, num_kv_heads: int, causal: bool,
     rope: bool, rope_theta: float, backend: str | None,
-) -> Tensor:
-    """The backward of ``_flash_core``: ``d_qkv [B·S, (H+2K)·D]`` (fresh, contiguous; the gradient with
-    respect to the projection before RoPE) from ``d_o`` and ``o`` (``B·S·H·D`` elements each, rows
-    ``b·S + s``), the forward's ``qkv`` (after RoPE) and ``lse``. The kernel writes dq, dk, dv straight
-    into views of ``d_qkv``, whose q and k columns are then rotated back in place; no input is written."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``_flash_core``: ``(dq [B·S, H·D], dk, dv [B·S, K·D])`` (fresh, contiguous; the
+    gradients with respect to the projection before RoPE) from ``d_o`` and ``o`` (``B·S·H·D`` elements
+    each, rows ``b·S + s``), the forward's ``qkv`` (after RoPE) and ``lse``; dq and dk are rotated back
+    in place. Three tensors, not one joined ``[B·S, (H+2K)·D]``: PyTorch's fused kernels return their
+    own, and a join would hold both at once (1.39× PyTorch's peak memory at S = 2,048 in float32 on an
+    H200, against 0.94× apart). No input is written."""
     heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
     b, _, _, hd = heads.shape
-    d_qkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)  # contiguous, as the operator's fake
-    d_heads, dq, dk, dv = _heads(d_qkv, seq_len, num_heads, num_kv_heads)
     d_o, o = (t.reshape(b, seq_len, num_heads, hd) for t in (d_o, o))
-    _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=(dq, dk, dv))
+    fused = _fused_kernel(q, k, v, causal, backend)  # the forward's choice: the same inputs and switches
+    if fused is None:
+        grads = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+        _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=grads)
+    else:  # gradients in the kernel's own layout: made contiguous below, by RoPE's one pass where there is one
+        grads = _flash().sdpa_backward(fused, d_o, q, k, v, o, lse, causal, 1.0 / math.sqrt(hd))
     if rope:
         cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, torch.float32)
-        _flash().rope_(d_heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=True, backend=backend)
-    return d_qkv
+        grads = (*(_flash().rope_(t, cos, sin, inverse=True, backend=backend) if t.is_contiguous() else
+                   _flash().rope_(torch.empty(t.shape, device=t.device, dtype=t.dtype), cos, sin, inverse=True,
+                                  backend=backend, src=t) for t in grads[:2]), grads[2])
+    return tuple(t.contiguous().view(b * seq_len, -1) for t in grads)
 
 
 def _register_flash_ops():
@@ -409,7 +431,8 @@ def _register_flash_ops():
 
     @bwd.register_fake
     def _core_backward_fake(d_o, qkv, o, lse, seq_len, num_heads, num_kv_heads, causal, rope, rope_theta, backend):
-        return qkv.new_empty(qkv.shape)
+        hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        return tuple(qkv.new_empty(qkv.shape[0], n * hd) for n in (num_heads, num_kv_heads, num_kv_heads))
 
     return fwd, bwd
 
@@ -472,8 +495,9 @@ def multi_head_attention(
 ) -> Tensor:
     """Functional multi-head attention on ``x [B, S, d]`` (weights as ``MultiHeadAttention``'s);
     differentiable through the hand-written backward. Biases: all four or none. ``backend``: None
-    (the flash kernel on CUDA, the materialised softmax elsewhere), ``"triton"`` (the flash kernel;
-    on CPU through Triton's interpreter) or ``"reference"`` (materialised)."""
+    (on CUDA the flash path on the fused kernel PyTorch's SDPA would pick, else the Triton kernel; the
+    materialised softmax elsewhere), ``"triton"`` (the flash path on the Triton kernel; on CPU through
+    Triton's interpreter) or ``"reference"`` (materialised)."""
     biases = (q_bias, k_bias, v_bias, o_bias)
     if any(t is None for t in biases) and not all(t is None for t in biases):
         raise ValueError("multi_head_attention: pass all four biases (q, k, v, o) or none of them")
