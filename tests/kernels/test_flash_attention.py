@@ -169,5 +169,5 @@ def test_pytorchs_fused_attention_operators_take_the_arguments_passed(monkeypatc
         assert not K.sdpa_ops_match(K.SDPA_FLASH)
     finally:
         K.sdpa_ops_match.cache_clear()
-    q = torch.randn(1, 4, 2, 16)
+    q = torch.randn(1, 4, 2, 16, device="cpu")
     assert K.sdpa_choice(q, q, q, True) is None
