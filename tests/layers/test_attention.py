@@ -462,6 +462,41 @@ def test_flash_core_on_pytorchs_fused_kernels(case, dtype):
     _check_core(case, None, dtype, tol, opcheck=case == FUSED_CASES[0] and dtype == torch.bfloat16)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("forward_kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_fused_core_backward_fits_a_forward_under_another_kernel(forward_kernel):
+    """The backward chooses its kernel again; a forward run under ``sdpa_kernel`` (one kernel forced) and
+    a backward outside it (PyTorch's own pick) still give the float64 gradients: every kernel saves the
+    output and the natural-log log-sum-exp per query."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torchloom.kernels import flash_attention as FA
+
+    b, s, h, kv, hd = 2, 77, 4, 4, 64
+    dtype = torch.bfloat16
+    qkv0 = torch.randn(b * s, (h + 2 * kv) * hd, device="cuda").to(dtype)
+    d_o = torch.randn(b * s, h * hd, device="cuda").to(dtype)
+    args = (s, h, kv, True, True, 500.0, None)
+    kernel = getattr(SDPBackend, forward_kernel)
+    q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
+    with sdpa_kernel(kernel):
+        forced = FA.sdpa_choice(q, q, q, True)
+        qkv = qkv0.clone()
+        o, lse = torch.ops.torchloom.flash_attention_core(qkv, *args)
+    if forced != int(kernel):
+        pytest.skip(f"{forward_kernel} does not run on this GPU")
+    assert FA.sdpa_choice(q, q, q, True) is not None
+    grads = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
+
+    x = qkv0.double().cpu().requires_grad_()
+    qr, kr, vr = (t.transpose(1, 2) for t in x.view(b, s, h + 2 * kv, hd).split([h, kv, kv], dim=2))
+    qr, kr = _rope_reference(qr, 500.0), _rope_reference(kr, 500.0)
+    o_ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True).transpose(1, 2)
+    (d_ref,) = torch.autograd.grad(o_ref, x, d_o.double().cpu().view(b, s, h, hd))
+    assert_close(o, o_ref, name="o", rtol=5e-2, atol=5e-2)
+    assert_close(torch.cat(grads, dim=1), d_ref, name="dq | dk | dv", rtol=5e-2, atol=5e-2)
+
+
 def _check_core(case, backend, dtype, tol, opcheck):
     b, s, h, kv, hd, causal, rope = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -396,11 +396,15 @@ def _flash_core_backward(
     each, rows ``b·S + s``), the forward's ``qkv`` (after RoPE) and ``lse``; dq and dk are rotated back
     in place. Three tensors, not one joined ``[B·S, (H+2K)·D]``: PyTorch's fused kernels return their
     own, and a join would hold both at once (1.39× PyTorch's peak memory at S = 2,048 in float32 on an
-    H200, against 0.94× apart). No input is written."""
+    H200, against 1.04× apart). No input is written."""
     heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
     b, _, _, hd = heads.shape
     d_o, o = (t.reshape(b, seq_len, num_heads, hd) for t in (d_o, o))
-    fused = _fused_kernel(q, k, v, causal, backend)  # the forward's choice: the same inputs and switches
+    # Chosen again: the forward's choice where the switches are as they were then. Where they differ (an
+    # ``sdpa_kernel`` context around the forward alone), another kernel's backward still fits: every
+    # kernel's saved quantities are the output and the natural-log log-sum-exp per query (the tests check each
+    # against float64, and a forward under every forced kernel with the backward outside it).
+    fused = _fused_kernel(q, k, v, causal, backend)
     if fused is None:
         grads = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
         _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=grads)
