@@ -148,6 +148,8 @@ def test_rope_out_of_place_from_a_separate_tensor(backend):
     assert torch.equal(src, before_src) and torch.equal(buf[:, :, nq:], before_buf[:, :, nq:])
     with pytest.raises(ValueError, match="src must match"):
         K.rope_(buf[:, :, :nq], cos, sin, True, backend=backend, src=src[:, :, :2])
+    with pytest.raises(ValueError, match="must not share memory"):
+        K.rope_(buf[:, :, :nq], cos, sin, True, backend=backend, src=buf[:, :, nv:])
 
 
 def test_pytorchs_fused_attention_operators_take_the_arguments_passed(monkeypatch):
@@ -171,3 +173,19 @@ def test_pytorchs_fused_attention_operators_take_the_arguments_passed(monkeypatc
         K.sdpa_ops_match.cache_clear()
     q = torch.randn(1, 4, 2, 16, device="cpu")
     assert K.sdpa_choice(q, q, q, True) is None
+
+
+def test_fused_kernels_log_sum_exp_shapes_and_the_chooser_inputs():
+    """``_raw_lse_shape`` (from each operator's meta kernel): FlashAttention-2 ``[1, 1, S]``, the
+    memory-efficient kernel S padded to a multiple of 32, cuDNN ``[1, 1, S, 1]``; ``_as_trained`` hands
+    the chooser the same data requiring grad (left as it is where that is refused)."""
+    assert K._raw_lse_shape(K.SDPA_FLASH, 77) == (1, 1, 77)
+    assert K._raw_lse_shape(K.SDPA_EFFICIENT, 77) == (1, 1, 96)
+    assert K._raw_lse_shape(K.SDPA_EFFICIENT, 64) == (1, 1, 64)
+    assert K._raw_lse_shape(K.SDPA_CUDNN, 77) == (1, 1, 77, 1)
+    t = torch.randn(2, 3, device="cpu")
+    trained = K._as_trained(t)
+    assert trained.requires_grad and not t.requires_grad and trained.data_ptr() == t.data_ptr()
+    with torch.inference_mode():
+        inf = torch.randn(2, 3, device="cpu")
+    assert K._as_trained(inf) is inf  # an inference tensor outside inference mode: refused, left as it is

@@ -436,8 +436,10 @@ def test_flash_core_operators(case):
     _check_core(case, "triton", torch.float32, dict(rtol=1e-4, atol=1e-5), opcheck=case == CORE_CASES[0])
 
 
-# (B, S, H, K, D, causal, rope) on PyTorch's fused kernels: S ragged (77), plain and grouped heads
-FUSED_CASES = [(2, 77, 4, 4, 64, True, True), (2, 77, 4, 2, 64, True, True), (1, 77, 2, 2, 32, False, False)]
+# (B, S, H, K, D, causal, rope) on PyTorch's fused kernels: S ragged (77), plain and grouped heads, and a
+# head size that is not a multiple of 8 (FlashAttention-2's operator refuses it: never chosen for it)
+FUSED_CASES = [(2, 77, 4, 4, 64, True, True), (2, 77, 4, 2, 64, True, True), (1, 77, 2, 2, 32, False, False),
+               (2, 77, 4, 4, 12, True, True)]
 
 
 @pytest.mark.cuda
@@ -454,7 +456,9 @@ def test_flash_core_on_pytorchs_fused_kernels(case, dtype):
     q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
     k = torch.empty(b, s, kv, hd, device="cuda", dtype=dtype)
     choice = FA.sdpa_choice(q, k, k, causal)
-    if dtype != torch.float32 or h == kv:
+    if hd % 8:
+        assert choice != FA.SDPA_FLASH
+    elif dtype != torch.float32 or h == kv:
         assert choice in (FA.SDPA_FLASH, FA.SDPA_EFFICIENT, FA.SDPA_CUDNN), choice
     else:
         assert choice is None  # grouped heads in float32: only the memory-efficient kernel, which does not take them
@@ -462,12 +466,15 @@ def test_flash_core_on_pytorchs_fused_kernels(case, dtype):
     _check_core(case, None, dtype, tol, opcheck=case == FUSED_CASES[0] and dtype == torch.bfloat16)
 
 
+_KERNELS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("forward_kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
-def test_fused_core_backward_fits_a_forward_under_another_kernel(forward_kernel):
-    """The backward chooses its kernel again; a forward run under ``sdpa_kernel`` (one kernel forced) and
-    a backward outside it (PyTorch's own pick) still give the float64 gradients: every kernel saves the
-    output and the natural-log log-sum-exp per query."""
+@pytest.mark.parametrize("forward_kernel,backward_kernel", [(f, b) for f in _KERNELS for b in _KERNELS if f != b])
+def test_fused_core_backward_fits_a_forward_under_another_kernel(forward_kernel, backward_kernel):
+    """The backward chooses its kernel again; a forward under one forced kernel (``sdpa_kernel``) and the
+    backward under another still give the float64 gradients: every kernel saves the output and the
+    natural-log log-sum-exp per query."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from torchloom.kernels import flash_attention as FA
@@ -477,16 +484,17 @@ def test_fused_core_backward_fits_a_forward_under_another_kernel(forward_kernel)
     qkv0 = torch.randn(b * s, (h + 2 * kv) * hd, device="cuda").to(dtype)
     d_o = torch.randn(b * s, h * hd, device="cuda").to(dtype)
     args = (s, h, kv, True, True, 500.0, None)
-    kernel = getattr(SDPBackend, forward_kernel)
+    fwd, bwd = getattr(SDPBackend, forward_kernel), getattr(SDPBackend, backward_kernel)
     q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
-    with sdpa_kernel(kernel):
-        forced = FA.sdpa_choice(q, q, q, True)
+    for kernel in (fwd, bwd):
+        with sdpa_kernel(kernel):
+            if FA.sdpa_choice(q, q, q, True) != int(kernel):
+                pytest.skip(f"{kernel} does not run these inputs on this GPU")
+    with sdpa_kernel(fwd):
         qkv = qkv0.clone()
         o, lse = torch.ops.torchloom.flash_attention_core(qkv, *args)
-    if forced != int(kernel):
-        pytest.skip(f"{forward_kernel} does not run on this GPU")
-    assert FA.sdpa_choice(q, q, q, True) is not None
-    grads = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
+    with sdpa_kernel(bwd):
+        grads = torch.ops.torchloom.flash_attention_core_backward(d_o, qkv, o, lse, *args)
 
     x = qkv0.double().cpu().requires_grad_()
     qr, kr, vr = (t.transpose(1, 2) for t in x.view(b, s, h + 2 * kv, hd).split([h, kv, kv], dim=2))

@@ -375,10 +375,12 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, backend: s
     """Rotate-half RoPE in place on ``x [B, S, n, D]`` (any strides but unit stride on D) with float32
     tables ``cos, sin [S, D/2]``: the pair ``(x_i, x_{i+D/2})`` becomes ``(x_i cos − x_{i+D/2} sin,
     x_i sin + x_{i+D/2} cos)`` (``inverse``: the opposite angle, the backward). ``src`` (the shape of
-    ``x``, unit stride on D, not overlapping ``x``): rotate it into ``x`` instead, in the same one pass.
+    ``x``, unit stride on D, in memory of its own): rotate it into ``x`` instead, in the same one pass.
     Float32 math, no temporaries on the kernel path. Returns ``x``."""
     if src is not None and (src.shape != x.shape or src.dtype != x.dtype):
         raise ValueError(f"rope_: src must match x ({list(x.shape)}, {x.dtype}), got {list(src.shape)}, {src.dtype}")
+    if src is not None and src.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("rope_: src must not share memory with x (pass src=None to rotate x in place)")
     if not use_triton(x, backend, KERNEL_DTYPES):
         if src is not None:
             x.copy_(src)
@@ -529,8 +531,8 @@ def _backward_ref(do, q, k, v, causal, scale):
 SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend's values
 
 
-# The private operators called below, with the arguments this module passes them (torch 2.5 to 2.13);
-# an installed torch whose operator takes other arguments runs the Triton kernel instead.
+# The private operators called below, with the arguments this module passes them (as in torch 2.11, run
+# on CUDA, and 2.13); an installed torch whose operator takes other arguments runs the Triton kernel.
 _SDPA_SCHEMAS = {
     0: {"_fused_sdp_choice": "query key value attn_mask dropout_p is_causal scale enable_gqa"},
     SDPA_FLASH: {
@@ -574,11 +576,38 @@ def sdpa_choice(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | No
     if not q.is_cuda or not sdpa_ops_match(0):
         return None
     grouped = q.shape[2] != k.shape[2]
-    choice = int(torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, causal,
-                                         scale=scale, enable_gqa=grouped))
+    # as for training: the chooser then also checks that the kernel has a backward for these inputs
+    qt, kt, vt = (_as_trained(t).transpose(1, 2) for t in (q, k, v))
+    choice = int(torch._fused_sdp_choice(qt, kt, vt, None, 0.0, causal, scale=scale, enable_gqa=grouped))
+    if choice == SDPA_FLASH and q.shape[3] % 8:  # F.scaled_dot_product_attention pads D for it; its operator refuses
+        return None
     if choice in (SDPA_FLASH, SDPA_CUDNN) or (choice == SDPA_EFFICIENT and not grouped):
         return choice if sdpa_ops_match(choice) else None
     return None
+
+
+def _as_trained(t: Tensor) -> Tensor:
+    """``t``'s data as a tensor that requires grad (for the chooser's training checks), or ``t`` where
+    that is refused (an inference tensor outside inference mode)."""
+    try:
+        return t.detach().requires_grad_()
+    except RuntimeError:
+        return t
+
+
+@functools.lru_cache(maxsize=256)
+def _raw_lse_shape(choice: int, seq_len: int) -> tuple[int, ...]:
+    """The shape of the log-sum-exp the fused forward ``choice`` itself returns for one sample and head at
+    ``seq_len`` (its meta kernel: the memory-efficient one pads S, cuDNN's adds a unit dimension), which
+    its backward takes back."""
+    q = torch.empty(1, 1, seq_len, 16, device="meta", dtype=torch.float16)
+    if choice == SDPA_FLASH:
+        lse = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False, scale=0.25)[1]
+    elif choice == SDPA_EFFICIENT:
+        lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True, scale=0.25)[1]
+    else:
+        lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False, scale=0.25)[1]
+    return tuple(lse.shape)
 
 
 def sdpa_forward(choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -588,15 +617,16 @@ def sdpa_forward(choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     if choice == SDPA_FLASH:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
-    elif choice == SDPA_EFFICIENT:  # lse padded along S (to a multiple of 32)
+    elif choice == SDPA_EFFICIENT:
         o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
-        lse = lse[..., :s]
-    elif choice == SDPA_CUDNN:  # lse [B, H, S, 1]
+    elif choice == SDPA_CUDNN:
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]
     else:
         raise ValueError(f"sdpa_forward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
-    # contiguous() and reshape() copy nothing where the kernel's layout is already this one
-    return o.transpose(1, 2).contiguous(), lse.reshape(b, h, s).contiguous()
+    # [B, H, S] whatever the kernel's own shape (_raw_lse_shape: S padded, a unit dimension); contiguous()
+    # and reshape() copy nothing where the layout already is this one
+    lse = lse.reshape(b, h, -1)[..., :s]
+    return o.transpose(1, 2).contiguous(), lse.contiguous()
 
 
 def sdpa_backward(
@@ -607,23 +637,24 @@ def sdpa_backward(
     b, s, h, _ = q.shape
     qt, kt, vt, ot, dot = (t.transpose(1, 2) for t in (q, k, v, o, do))
     dev = q.device
+    raw = _raw_lse_shape(choice, s)
+    if raw[2] != s:  # padded rows: +inf makes their probabilities exp(score − inf) = 0, never NaN
+        full = lse.new_full((b, h, raw[2]), float("inf"))
+        full[..., :s] = lse
+        lse = full
+    lse = lse.view(b, h, *raw[2:])
     if choice == SDPA_FLASH:
         seed, offset = torch.empty(2, dtype=torch.uint64, device=dev), torch.empty((), dtype=torch.uint64, device=dev)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dot, qt, kt, vt, ot, lse, None, None, s, s, 0.0, causal, seed, offset, scale=scale)
     elif choice == SDPA_EFFICIENT:
-        padded = -(-s // 32) * 32
-        if padded != s:  # the padding rows' +inf makes their probabilities exp(score − inf) = 0, never NaN
-            full = lse.new_full((b, h, padded), float("inf"))
-            full[..., :s] = lse
-            lse = full
         seed = torch.empty((), dtype=torch.int64)
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dot, qt, kt, vt, None, ot, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
     elif choice == SDPA_CUDNN:
         seed = torch.empty((), dtype=torch.int64, device=dev)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dot, qt, kt, vt, ot, lse.view(b, h, s, 1), seed, seed, None, None, None, s, s, 0.0, causal, scale=scale)
+            dot, qt, kt, vt, ot, lse, seed, seed, None, None, None, s, s, 0.0, causal, scale=scale)
     else:
         raise ValueError(f"sdpa_backward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
     return tuple(t.transpose(1, 2) for t in grads)

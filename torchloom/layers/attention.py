@@ -415,7 +415,11 @@ def _flash_core_backward(
         grads = (*(_flash().rope_(t, cos, sin, inverse=True, backend=backend) if t.is_contiguous() else
                    _flash().rope_(torch.empty(t.shape, device=t.device, dtype=t.dtype), cos, sin, inverse=True,
                                   backend=backend, src=t) for t in grads[:2]), grads[2])
-    return tuple(t.contiguous().view(b * seq_len, -1) for t in grads)
+    out = [t.contiguous().view(b * seq_len, -1) for t in grads]
+    for i in (1, 2):  # an operator's outputs must not share memory (a kernel may hand back slices of one buffer)
+        if any(out[i].untyped_storage().data_ptr() == out[j].untyped_storage().data_ptr() for j in range(i)):
+            out[i] = out[i].clone()
+    return tuple(out)
 
 
 def _register_flash_ops():
