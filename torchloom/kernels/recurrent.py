@@ -379,7 +379,7 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
     ks = k + tl.arange(0, BLOCK_K)
     # W's chunk first: its load is in flight while the wait spins
     w = tl.load(W + ks[:, None] * s_wk + cols[None, :], mask=(ks < H)[:, None] & cm[None, :], other=0.0)
-    s, ks, km = _wait_state(S, rows, rm, s_sb, k, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
+    s, _, _ = _wait_state(S, rows, rm, s_sb, k, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
     return _chunk_dot(acc, s, w, PRECISION, DOT_F32)
 
 

@@ -412,9 +412,11 @@ def _flash_core_backward(
         grads = _flash().sdpa_backward(fused, d_o, q, k, v, o, lse, causal, 1.0 / math.sqrt(hd))
     if rope:
         cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, torch.float32)
-        grads = (*(_flash().rope_(t, cos, sin, inverse=True, backend=backend) if t.is_contiguous() else
-                   _flash().rope_(torch.empty(t.shape, device=t.device, dtype=t.dtype), cos, sin, inverse=True,
-                                  backend=backend, src=t) for t in grads[:2]), grads[2])
+        rotated = []
+        for t in grads[:2]:  # in place, or into a contiguous tensor in the same one pass
+            dst = t if t.is_contiguous() else torch.empty(t.shape, device=t.device, dtype=t.dtype)
+            rotated.append(_flash().rope_(dst, cos, sin, inverse=True, backend=backend, src=None if dst is t else t))
+        grads = (*rotated, grads[2])
     out = [t.contiguous().view(b * seq_len, -1) for t in grads]
     for i in (1, 2):  # an operator's outputs must not share memory (a kernel may hand back slices of one buffer)
         if any(out[i].untyped_storage().data_ptr() == out[j].untyped_storage().data_ptr() for j in range(i)):
