@@ -217,6 +217,10 @@ class Case:
 
 
 def _step(fn, x, gy, params):
+    """One training step of ``fn`` on ``x`` as a callable: gradients of ``x`` and ``params`` (any
+    iterable, read once) set to None, forward, backward of ``gy``."""
+    params = list(params)
+
     def run():
         x.grad = None
         for p in params:

@@ -79,16 +79,10 @@ def layer_ms(B, T, H, dtype, mode, cudnn_tf32, target, graphed) -> float:
     g = torch.randn(B, T, H, device=DEV, dtype=dtype)
     if mode == "cudnn":
         m = torch.nn.LSTM(H, H, batch_first=True, device=DEV, dtype=dtype)
-        fwd = lambda: m(x)[0]  # noqa: E731
+        step = BL._step(lambda x: m(x)[0], x, g, m.parameters())
     else:
         m = LSTM(H, H, device=DEV, dtype=dtype)
-        fwd = lambda: m(x)  # noqa: E731
-    params = [x, *m.parameters()]
-
-    def step():
-        for p in params:
-            p.grad = None
-        fwd().backward(g)
+        step = BL._step(m, x, g, m.parameters())
 
     old = K.USE_PERSISTENT_LSTM, torch.backends.cudnn.allow_tf32
     K.USE_PERSISTENT_LSTM, torch.backends.cudnn.allow_tf32 = mode != "steps", cudnn_tf32

@@ -206,18 +206,12 @@ def layer_ms(B, T, H, dtype, dev, mode, prec, target, graphed) -> float:
     x.requires_grad_()
     if mode == "cudnn":
         m = _cudnn(w_ih, w_hh, b)
-        fwd = lambda: m(x)[0]  # noqa: E731
+        step = BL._step(lambda x: m(x)[0], x, g, m.parameters())
     else:
         m = RNN(H, H, device=dev, dtype=dtype)
         with torch.no_grad():
             m.weight_ih.copy_(w_ih), m.weight_hh.copy_(w_hh), m.bias.copy_(b)
-        fwd = lambda: m(x)  # noqa: E731
-    params = [x, *m.parameters()]
-
-    def step():
-        for p in params:
-            p.grad = None
-        fwd().backward(g)
+        step = BL._step(m, x, g, m.parameters())
 
     with precision(prec), persistent(mode != "graphed"):
         return graphed_time(step, target) if graphed else time_fn(step, target)

@@ -129,3 +129,17 @@ def op_names():
             return func(*args, **(kwargs or {}))
 
     return OpNames()
+
+
+def refuse_loop_launches(monkeypatch, module, launcher: str) -> list:
+    """Make ``module.<launcher>`` (a persistent loop kernel's launcher) fail as CUDA refusing the
+    cooperative grid, with a fresh record of failed shapes; returns the list its calls are counted in."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+    monkeypatch.setattr(module, launcher, refuse)
+    monkeypatch.setattr(module, "_failed", set())
+    return calls

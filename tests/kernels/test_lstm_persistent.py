@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close, recurrent_truth
+from helpers import assert_close, recurrent_truth, refuse_loop_launches
 from torchloom.kernels import recurrent as K
 from torchloom.layers.lstm import LSTM, lstm_backward, lstm_forward
 
@@ -95,14 +95,7 @@ def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch)
     """A compile or launch failure runs the per-step loop, warns once per shape, and gives its numbers;
     from then on that shape dispatches to the per-step loop in both directions (``lstm_loop_uses_triton``
     false: CUDA-graphed where it can be), and other shapes still launch the kernel."""
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
-
-    monkeypatch.setattr(K, "_launch_lstm_loop", refuse)
-    monkeypatch.setattr(K, "_failed", set())
+    calls = refuse_loop_launches(monkeypatch, K, "_launch_lstm_loop")
     B, T, H = 5, 4, 16
     proj, w_hh = torch.randn(B, T, 4 * H), torch.randn(4 * H, H) * 0.2
     pre_ref, cell_ref, hid_ref = proj.clone(), torch.empty(B, T, H), torch.empty(B, T, H)

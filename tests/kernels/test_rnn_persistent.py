@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close, recurrent_truth
+from helpers import assert_close, recurrent_truth, refuse_loop_launches
 from torchloom.kernels import recurrent as K
 from torchloom.layers.rnn import RNN, rnn_backward, rnn_forward
 
@@ -252,14 +252,7 @@ def test_tf32_rounding_keeps_nan_and_inf():
 def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch):
     """A compile or launch failure (e.g. CUDA refusing the cooperative grid) runs the reference loop,
     warns once per shape, and gives the reference's numbers."""
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
-
-    monkeypatch.setattr(K, "_launch_rnn_loop", refuse)
-    monkeypatch.setattr(K, "_failed", set())
+    calls = refuse_loop_launches(monkeypatch, K, "_launch_rnn_loop")
     B, T, H = 5, 4, 16
     pre, w_hh = torch.randn(B, T, H), torch.randn(H, H) * 0.2
     pre_ref, hid_ref = pre.clone(), torch.empty(B, T, H)
