@@ -13,9 +13,10 @@ cuBLAS loop it replaces and against cuDNN's ``nn.RNN``.
 3. The tables: forward + backward of the layer (``y = RNN(x); y.backward(g)``, input gradient
    included) against ``nn.RNN`` (cuDNN, ``bias_hh`` zero), timed as bench/bench_layers.py does:
    "graphed" (ten steps in one CUDA graph, replayed: the device's time, the column issue 16 quotes)
-   and eager (host launch overhead included). ``torch.backends.cudnn.allow_tf32`` (cuDNN) and
-   ``torch.backends.cuda.matmul.allow_tf32`` (cuBLAS, torchloom's kernel) are both on ("tf32") or
-   both off ("ieee"; the kernel's "tf32x3" column is TF32 off with 3-pass TF32 products); "graphed"
+   and eager (host launch overhead included). ``torch.backends.cudnn.allow_tf32`` (cuDNN's RNN, and
+   torchloom's loop kernel and projections, which follow the same switch) and
+   ``torch.backends.cuda.matmul.allow_tf32`` (cuBLAS) are both on ("tf32") or both off ("ieee"; the
+   kernel's "tf32x3" column is TF32 off with 3-pass TF32 products); "graphed"
    is the per-step cuBLAS loop the kernel replaces (``recurrent.USE_PERSISTENT_RNN = False``).
    Target: ≤ 1.5× cuDNN.
 
@@ -48,8 +49,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @contextlib.contextmanager
 def precision(p: str | None):
-    """fp32 products of both sides: "tf32" turns TF32 on for cuDNN, cuBLAS and torchloom's kernel;
-    "ieee" / "tf32x3" turn it off (the kernel then uses that input precision); None: bf16/fp16."""
+    """fp32 products of both sides: "tf32" turns TF32 on for cuDNN (whose RNN switch torchloom's loop
+    kernel and projections follow) and cuBLAS; "ieee" / "tf32x3" turn it off (the kernel then uses
+    that input precision); None: bf16/fp16."""
     old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, K._FP32_PRODUCT
     on = p == "tf32"
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = on

@@ -57,6 +57,18 @@ def _seed_and_one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _exact_recurrent_float32():
+    """cuDNN's TF32 off around every test (the legacy switch: it sets every cuDNN op, so the settings
+    stay consistent whichever API a test reads): on CUDA the recurrent loop kernels follow PyTorch's RNN
+    switch, TF32 by default, and the tests compare them (and ``nn.RNN``/``nn.LSTM``) with exact
+    references. The default itself is tested where the switch is (tests/kernels/test_rnn_persistent.py)."""
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = old
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -121,15 +121,17 @@ def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch)
 def test_lstm_loop_operators_under_opcheck():
     """``torchloom::lstm_loop`` / ``lstm_loop_backward`` (the loops as opaque operators, which a compiled
     LSTM calls where the loop kernel applies): ``torch.library.opcheck`` passes (schema, fake tensors,
-    no mutation of the inputs), and with ``backend="triton"`` (the loop kernel) the values are those of
-    the float64 reference loops; a compiled functional LSTM hands its ``backend`` to them."""
+    the declared mutation: the forward writes the pre-activations into ``proj``), and with
+    ``backend="triton"`` (the loop kernel) the values are those of the float64 reference loops; a
+    compiled functional LSTM hands its ``backend`` to them."""
     torch.manual_seed(0)
     B, T, H = 3, 4, 5
     proj, g = torch.randn(B, T, 4 * H), torch.randn(B, T, H)
     w_hh = torch.randn(4 * H, H) * 0.4
     pre64, cell64, hid64, gpre64 = _reference_loops(proj, w_hh, g)
-    torch.library.opcheck(torch.ops.torchloom.lstm_loop.default, (proj, w_hh, "triton"))
-    pre, cell, hidden = torch.ops.torchloom.lstm_loop(proj, w_hh, "triton")  # the kernel (on CPU: the interpreter)
+    torch.library.opcheck(torch.ops.torchloom.lstm_loop.default, (proj.clone(), w_hh, "triton"))
+    pre = proj.clone()
+    cell, hidden = torch.ops.torchloom.lstm_loop(pre, w_hh, "triton")  # the kernel (on CPU: the interpreter); pre written
     for name, got, want in (("pre", pre, pre64), ("cell", cell, cell64), ("hidden", hidden, hid64)):
         assert_close(got, want.float(), name=name, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.torchloom.lstm_loop_backward.default, (g, pre, cell, w_hh, "triton"))
@@ -177,16 +179,16 @@ def test_cuda_kernel_matches_the_graphed_step_loop(B, T, H, monkeypatch):
         gx, grads = lstm_backward(g, saved)
         return (y, gx, *grads)
 
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = torch.backends.cudnn.allow_tf32
     try:
         for allow, tol in ((False, 2e-5), (True, 1e-2)):
-            torch.backends.cuda.matmul.allow_tf32 = allow
+            torch.backends.cudnn.allow_tf32 = allow  # PyTorch's RNN switch (the reference loop: cuBLAS, exact)
             ref = run(x, g, params, False)
             got = run(x, g, params, True)
             for n, a, r in zip(("hidden", "dx", "dW_ih", "dW_hh", "db"), got, ref):
                 assert_close(a, r, name=f"{n} (tf32={allow})", rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     bf = lambda t: t.bfloat16()  # noqa: E731
     ref = run(bf(x), bf(g), tuple(map(bf, params)), False)
     got = run(bf(x), bf(g), tuple(map(bf, params)), True)

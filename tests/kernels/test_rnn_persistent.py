@@ -6,6 +6,10 @@ hidden sizes that are not a power of two, one step, strided operands, half preci
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -113,6 +117,57 @@ def test_dispatch():
     assert K.rnn_loop_uses_triton(x, 2, 4) == x.is_cuda  # CPU: the reference unless forced
 
 
+_SWITCH_CASES = r"""
+import torch
+from torchloom.kernels import recurrent as K
+b = torch.backends
+got = [K._rnn_allows_tf32()]  # PyTorch's default
+b.cuda.matmul.allow_tf32 = True
+b.cudnn.allow_tf32 = False  # the legacy switch sets every cuDNN op
+got.append(K._rnn_allows_tf32())  # matmul's TF32 does not carry over
+b.cuda.matmul.allow_tf32 = False
+for rnn, cudnn, generic in CASES:  # the new API only from here on (PyTorch refuses some mixes)
+    b.fp32_precision, b.cudnn.fp32_precision, b.cudnn.rnn.fp32_precision = generic, cudnn, rnn
+    got.append(K._rnn_allows_tf32())
+print(got)
+"""
+
+
+def test_fp32_products_follow_pytorchs_rnn_switch():
+    """TF32 exactly where cuDNN's RNN would use it: ``torch.backends.cudnn.rnn.fp32_precision``,
+    "none" deferring to cuDNN's setting, then to the generic one; the legacy ``allow_tf32`` (which sets
+    every cuDNN op) agrees; cuBLAS's matmul switch plays no part. In a fresh interpreter: the settings
+    are process-wide, and PyTorch refuses to read some mixes of its two APIs afterwards."""
+    if not hasattr(getattr(torch.backends.cudnn, "rnn", None), "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision settings")
+    cases = [  # (rnn, cudnn, generic) → TF32?
+        (("ieee", "none", "none"), False), (("tf32", "ieee", "ieee"), True), (("none", "tf32", "ieee"), True),
+        (("none", "ieee", "tf32"), False), (("none", "none", "tf32"), True), (("none", "none", "none"), False),
+    ]
+    code = _SWITCH_CASES.replace("CASES", repr([c for c, _ in cases]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == repr([True, False] + [want for _, want in cases])
+    x = torch.randn(2, 3)
+    assert K._dot_precision(x) == "ieee"  # the interpreter multiplies in numpy's fp32 whatever the switch
+
+
+@pytest.mark.cuda
+def test_cuda_fp32_precision_of_the_kernel_follows_the_switch():
+    """On CUDA the kernel's fp32 product precision is the switch's (the test suite runs with cuDNN's
+    TF32 off: tests/conftest.py), half inputs whatever it says."""
+    x = torch.randn(2, 3, device="cuda")
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        for allow, want in ((True, "tf32"), (False, K._FP32_PRODUCT)):
+            torch.backends.cudnn.allow_tf32 = allow
+            assert K._dot_precision(x) == want
+            assert K._dot_precision(x.bfloat16()) == "ieee"  # tensor cores anyway
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
 # ------------------------------------------------------------------------------------ GPU only
 @pytest.mark.cuda
 @pytest.mark.parametrize("B,T,H", [(64, 64, 256), (32, 128, 256), (64, 16, 512), (5, 9, 1000)])
@@ -128,10 +183,10 @@ def test_cuda_kernel_matches_graphed_loop(B, T, H):
     params = (layer.weight_ih.detach(), layer.weight_hh.detach(), layer.bias.detach())
     y_ref, saved_ref = rnn_forward(x, *params, backend="reference")
     gx_ref, grads_ref = rnn_backward(g, saved_ref, backend="reference")
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = torch.backends.cudnn.allow_tf32
     try:
         for allow, tol in ((False, 2e-5), (True, 1e-2)):
-            torch.backends.cuda.matmul.allow_tf32 = allow
+            torch.backends.cudnn.allow_tf32 = allow  # PyTorch's RNN switch (the reference loop: cuBLAS, exact)
             y, saved = rnn_forward(x, *params)
             gx, grads = rnn_backward(g, saved)
             assert_close(y, y_ref, name=f"hidden (tf32={allow})", rtol=tol, atol=tol)
@@ -139,7 +194,7 @@ def test_cuda_kernel_matches_graphed_loop(B, T, H):
             for n, a, r in zip(("dW_ih", "dW_hh", "db"), grads, grads_ref):
                 assert_close(a, r, name=f"{n} (tf32={allow})", rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     # a race between the programs would show as run-to-run differences
     runs = []
     for _ in range(20):
@@ -272,17 +327,24 @@ def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch)
 def test_rnn_loop_operators_under_opcheck():
     """``torchloom::rnn_loop`` / ``rnn_loop_backward`` (the persistent loops as opaque operators, which a
     compiled RNN calls where the kernel applies): ``torch.library.opcheck`` passes (schema, fake
-    tensors, no mutation of the inputs), and the values are those of the reference loops in float64."""
+    tensors, the declared mutation: the forward writes the pre-activations into ``proj``, also one
+    of another layout, and nothing else), and the values are those of the reference loops in float64."""
     torch.manual_seed(0)
     B, T, H = 3, 4, 5
     proj, g = torch.randn(B, T, H), torch.randn(B, T, H)
     w_hh = torch.randn(H, H) * 0.4
-    torch.library.opcheck(torch.ops.torchloom.rnn_loop.default, (proj, w_hh, "triton"))
-    pre, hidden = torch.ops.torchloom.rnn_loop(proj, w_hh, "triton")  # the kernel (on CPU: the interpreter)
+    torch.library.opcheck(torch.ops.torchloom.rnn_loop.default, (proj.clone(), w_hh, "triton"))
     pre_ref, hidden_ref = proj.double(), torch.empty(B, T, H, dtype=torch.float64, device=proj.device)
+    w_before = w_hh.clone()
+    strided = torch.empty(T, B, H).transpose(0, 1).copy_(proj)
+    for pre in (proj, strided):
+        hidden = torch.ops.torchloom.rnn_loop(pre, w_hh, "triton")  # the kernel (on CPU: the interpreter)
+        assert hidden.is_contiguous() and torch.equal(w_hh, w_before)
     K.rnn_forward_loop_ref(pre_ref, w_hh.double(), hidden_ref)
     assert_close(hidden, hidden_ref.float(), name="hidden", rtol=1e-5, atol=1e-6)
-    assert_close(pre, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
+    assert_close(proj, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
+    assert_close(strided, pre_ref.float(), name="pre (strided proj)", rtol=1e-5, atol=1e-6)
+    pre = proj
     torch.library.opcheck(torch.ops.torchloom.rnn_loop_backward.default, (g, w_hh, hidden, "triton"))
     g_pre = torch.ops.torchloom.rnn_loop_backward(g, w_hh, hidden, "triton")
     g_ref = (1 - hidden.double() ** 2)

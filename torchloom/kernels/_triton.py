@@ -50,6 +50,12 @@ def triton_available() -> bool:
     return triton is not None
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The streaming multiprocessors of CUDA device ``index`` (kernels that size their grid to the GPU)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def interpreter_enabled() -> bool:
     """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

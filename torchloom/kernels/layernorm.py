@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, cast, compute_dtype, traced_as_reference, use_triton
+from ._triton import sm_count as _sm_count
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
 
@@ -204,11 +205,6 @@ def _settings(n_cols: int, is_cuda: bool) -> tuple[int, int, int]:
     rows = max(1, _TILE_ELEMS // block) if is_cuda else max(1, min(16, 1024 // block))
     num_warps = min(max(rows * block // (32 * _ELEMS_PER_THREAD), 1), 16) if is_cuda else 4
     return rows, block, num_warps
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _grid(n_rows, n_cols: int, element_size: int, device_index: int | None):

@@ -32,6 +32,8 @@ from torch import Tensor
 
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, use_triton
+from ._triton import sm_count as _sm_count
+from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
 __all__ = [
     "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
@@ -39,7 +41,7 @@ __all__ = [
     "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_unrolled", "lstm_backward_loop_unrolled",
     "rnn_forward_loop_traced", "rnn_backward_loop_traced",
     "lstm_forward_loop", "lstm_backward_loop", "lstm_forward_loop_steps", "lstm_backward_loop_steps",
-    "lstm_loop_uses_triton", "lstm_forward_loop_traced", "lstm_backward_loop_traced",
+    "lstm_loop_uses_triton", "lstm_forward_loop_traced", "lstm_backward_loop_traced", "projection_mm",
 ]
 
 
@@ -308,12 +310,15 @@ def clear_graph_cache() -> None:
 # runs programs one after another, so there one program per batch block loops over all column tiles
 # and never waits.
 #
-# Precision: fp32 products follow ``torch.backends.cuda.matmul.allow_tf32``, the switch of the cuBLAS
-# loop they replace: False (PyTorch's default) → ``_FP32_PRODUCT`` ("ieee": exact fp32 FMA, the
-# numbers of that loop); True → TF32 tensor cores (what ``nn.RNN`` does by default: cuDNN follows
-# ``torch.backends.cudnn.allow_tf32``, default True). Half inputs multiply on tensor cores; everything
-# accumulates in fp32 and is stored in the tensors' dtype.
-import functools  # noqa: E402
+# Precision: fp32 products follow PyTorch's switch for its own recurrent layers, the one ``nn.RNN`` and
+# ``nn.LSTM`` (cuDNN) obey: ``torch.backends.cudnn.rnn.fp32_precision`` (``_rnn_allows_tf32``; on a
+# torch without it, ``torch.backends.cudnn.allow_tf32``). "tf32", PyTorch's default → TF32 tensor
+# cores, as cuDNN's RNN; "ieee" → ``_FP32_PRODUCT`` ("ieee": exact fp32 FMA, the numbers of the
+# cuBLAS loop with TF32 off). The layers' input projections and weight gradients follow the same switch
+# (``projection_mm``: cuBLAS where its own switch agrees, else ``fp32_matmul.mm``). The per-step
+# cuBLAS loop (shapes the kernel does not take: H > 1,024, grids too large) multiplies ``h W_hh``
+# under cuBLAS's switch, ``torch.backends.cuda.matmul`` (default exact). Half inputs multiply on
+# tensor cores; everything accumulates in fp32 and is stored in the tensors' dtype.
 from typing import NamedTuple  # noqa: E402
 
 _cooperative = [True]  # cleared when this Triton does not know ``launch_cooperative_grid``
@@ -325,14 +330,6 @@ _SPIN_LIMIT = 1 << 20  # polls per wait (~0.5 µs each): siblings are one step (
 # Signalling NaNs (exponent all ones, mantissa 1), as the integers of the same width.
 _SENTINEL = {torch.float32: (0x7F800001, torch.int32), torch.bfloat16: (0x7F81, torch.int16),
              torch.float16: (0x7C01, torch.int16)}
-
-
-@jit
-def _round_tf32(x):
-    """fp32 → the nearest TF32 (10 mantissa bits; ties away from zero), still stored as fp32. NaN and
-    ±Inf stay as they are (the bit trick would carry a NaN's payload into the sign: −0)."""
-    rounded = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < float("inf"), rounded, x)
 
 
 @jit
@@ -466,11 +463,6 @@ class RNNLoopSettings(NamedTuple):
     num_warps: int
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -488,7 +480,7 @@ def _rnn_loop_settings(x: Tensor, batch: int, hidden: int) -> RNNLoopSettings | 
     # The whole previous state of a program's rows in one chunk up to H = 256 (one wait per step) and
     # 4 warps: the best of bench/bench_rnn_loop.py --sweep on an H100 for fp32, TF32 and bf16 (3-pass
     # TF32, whose split operands fill the registers: chunks of 128).
-    block_k = min(max(_next_pow2(hidden), 16), 128 if _dot_precision(x) == "tf32x3" else 256)
+    block_k = min(max(_next_pow2(hidden), 16), 128 if _FP32_PRODUCT == "tf32x3" else 256)
     num_warps = 4
     # 16 × 16 tiles (tl.dot's minimum): the most programs, so the least work per program between two
     # waits (B = 64, H = 256: 64 programs); wider tiles only where the grid would not fit on the GPU.
@@ -500,10 +492,64 @@ def _rnn_loop_settings(x: Tensor, batch: int, hidden: int) -> RNNLoopSettings | 
 
 
 def _dot_precision(t: Tensor) -> str:
-    """fp32 products: TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` (see the section note)."""
+    """fp32 products: TF32 where PyTorch's recurrent layers would use it (``_rnn_allows_tf32``; see
+    the section note), else ``_FP32_PRODUCT``."""
     if not t.is_cuda or t.dtype != torch.float32:
         return "ieee"  # half inputs: ignored; the interpreter: numpy's fp32
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else _FP32_PRODUCT
+    return "tf32" if _rnn_allows_tf32() else _FP32_PRODUCT
+
+
+def _rnn_allows_tf32() -> bool:
+    """Whether cuDNN's RNN (``nn.RNN``, ``nn.LSTM``) multiplies float32 in TF32 now:
+    ``torch.backends.cudnn.rnn.fp32_precision`` resolved as PyTorch resolves it ("none" defers to
+    ``torch.backends.cudnn.fp32_precision``, then to ``torch.backends.fp32_precision``; "none"
+    throughout is IEEE), or ``torch.backends.cudnn.allow_tf32`` on a torch without that setting."""
+    cudnn = torch.backends.cudnn
+    own = getattr(getattr(cudnn, "rnn", None), "fp32_precision", None)
+    if own is None:
+        return bool(cudnn.allow_tf32)
+    for precision in (own, cudnn.fp32_precision, torch.backends.fp32_precision):
+        if precision != "none":
+            return precision == "tf32"
+    return False
+
+
+def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``a @ b (+ bias)`` (``[M, K] @ [K, N]``, or ``[M, G, K] @ [G, K, N]`` summed over ``G`` and ``K``:
+    ``fp32_matmul.mm``'s forms) for the recurrent layers' input projections, input gradients and
+    weight gradients, in the precision cuDNN's RNN would compute them in (it computes the
+    whole layer, projections included, under ``torch.backends.cudnn.rnn``'s switch): float32 on CUDA
+    where that switch and cuBLAS's (``torch.backends.cuda.matmul``) disagree → ``fp32_matmul.mm`` in
+    the RNN switch's precision ("tf32" / "ieee"); anything else → cuBLAS (``torch.mm`` / ``addmm``,
+    into ``out`` when given). Under ``torch.compile`` a float32 CUDA product is the opaque
+    ``torchloom::recurrent_mm``, which decides the same at run time."""
+    fp32_cuda = a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
+    if fp32_cuda and torch.compiler.is_compiling() and out is None:
+        return _RECURRENT_MM(a, b, bias)
+    if fp32_cuda and use_triton(a, None, (torch.float32,)):
+        tf32 = _rnn_allows_tf32()
+        if tf32 != torch.backends.cuda.matmul.allow_tf32:
+            from . import fp32_matmul
+
+            r = fp32_matmul.mm(a, b, "tf32" if tf32 else "ieee", bias)
+            return r if out is None else out.copy_(r)
+    a, b = a.reshape(a.shape[0], -1), b.reshape(-1, b.shape[-1])  # [M, G, K]: a copy, as the rows need
+    if out is None:
+        return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+
+
+def _recurrent_mm_eager(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    return projection_mm(a, b, bias)  # a fresh tensor: every product it calls returns one
+
+
+def _register_recurrent_mm():
+    op = torch.library.custom_op("torchloom::recurrent_mm", _recurrent_mm_eager, mutates_args=())
+    op.register_fake(lambda a, b, bias: a.new_empty(a.shape[0], b.shape[-1]))
+    return op
+
+
+_RECURRENT_MM = _register_recurrent_mm()
 
 
 def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
@@ -896,11 +942,23 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
     return torch.stack(g_pres, 1)
 
 
-def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
-    pre = proj.clone(memory_format=torch.contiguous_format)
-    hidden = torch.empty_like(pre)
-    rnn_forward_loop(pre, weight_hh, hidden, backend)
-    return pre, hidden
+def _in_place(proj: Tensor, loop: Callable[[Tensor], Tensor | tuple[Tensor, ...]]):
+    """``loop(pre)`` on ``proj`` itself (the loops update their pre-activations in place), or on a
+    contiguous copy written back where ``proj`` has another layout."""
+    pre = proj if proj.is_contiguous() else proj.contiguous()
+    out = loop(pre)
+    if pre is not proj:
+        proj.copy_(pre)
+    return out
+
+
+def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
+    def loop(pre):
+        hidden = torch.empty_like(pre)
+        rnn_forward_loop(pre, weight_hh, hidden, backend)
+        return hidden
+
+    return _in_place(proj, loop)
 
 
 def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
@@ -910,12 +968,14 @@ def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
     return g_pre
 
 
-def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor, Tensor]:
-    pre = proj.clone(memory_format=torch.contiguous_format)
-    B, T, H4 = pre.shape
-    cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
-    lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
-    return pre, cell, hidden
+def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
+    def loop(pre):
+        B, T, H4 = pre.shape
+        cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
+        lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
+        return cell, hidden
+
+    return _in_place(proj, loop)
 
 
 def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
@@ -927,16 +987,19 @@ def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weigh
 
 def _register_loop_ops():
     """The persistent loops as opaque operators with fresh (contiguous) outputs: ``((rnn_loop,
-    rnn_loop_backward), (lstm_loop, lstm_loop_backward))``."""
-    op = lambda name, fn: torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=())  # noqa: E731
-    rnn = op("rnn_loop", _rnn_loop_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)
-    lstm = op("lstm_loop", _lstm_loop_eager), op("lstm_loop_backward", _lstm_loop_backward_eager)
-    rnn[0].register_fake(lambda proj, weight_hh, backend: (proj.new_empty(proj.shape), proj.new_empty(proj.shape)))
+    rnn_loop_backward), (lstm_loop, lstm_loop_backward))``. The forward loops are declared to write
+    ``proj`` (the input projections become the pre-activations in place, as eagerly): Inductor then
+    lets them write the projection's own buffer, which nothing else reads, where a copy of it cost a
+    4 / 16 MB device copy per compiled RNN / LSTM step at B = 64, T = 64, H = 256 in float32."""
+    op = lambda name, fn, mutates=(): torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=mutates)  # noqa: E731
+    rnn = op("rnn_loop", _rnn_loop_eager, ("proj",)), op("rnn_loop_backward", _rnn_loop_backward_eager)
+    lstm = op("lstm_loop", _lstm_loop_eager, ("proj",)), op("lstm_loop_backward", _lstm_loop_backward_eager)
+    rnn[0].register_fake(lambda proj, weight_hh, backend: proj.new_empty(proj.shape))
     rnn[1].register_fake(lambda grad_out, weight_hh, hidden, backend: hidden.new_empty(hidden.shape))
 
     def lstm_fake(proj, weight_hh, backend):
         B, T, H4 = proj.shape
-        return proj.new_empty(proj.shape), proj.new_empty(B, T, H4 // 4), proj.new_empty(B, T, H4 // 4)
+        return proj.new_empty(B, T, H4 // 4), proj.new_empty(B, T, H4 // 4)
 
     lstm[0].register_fake(lstm_fake)
     lstm[1].register_fake(lambda grad_out, pre, cell, weight_hh, backend: pre.new_empty(pre.shape))
@@ -949,8 +1012,9 @@ _RNN_OPS, _LSTM_OPS = _register_loop_ops()
 def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``): one call of
     the opaque ``torchloom::rnn_loop`` — the persistent kernel, launched cooperatively at run time —
-    ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``proj`` not written."""
-    return _RNN_OPS[0](proj, weight_hh, backend)
+    ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``pre`` being
+    ``proj`` itself, written."""
+    return proj, _RNN_OPS[0](proj, weight_hh, backend)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
@@ -962,8 +1026,8 @@ def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
 def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM's forward loop for ``torch.compile`` (where ``lstm_loop_uses_triton``): one call
     of the opaque ``torchloom::lstm_loop``, ``proj [B, T, 4H]`` (input projections and bias) →
-    ``(pre [B, T, 4H], cell, hidden [B, T, H])``, ``proj`` not written."""
-    return _LSTM_OPS[0](proj, weight_hh, backend)
+    ``(pre [B, T, 4H], cell, hidden [B, T, H])``, ``pre`` being ``proj`` itself, written."""
+    return (proj, *_LSTM_OPS[0](proj, weight_hh, backend))
 
 
 def lstm_backward_loop_traced(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None = None) -> Tensor:

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = [
     "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved", "FlashAttentionSaved",
@@ -291,7 +291,7 @@ def attention_backward(
         grads += (column_sum(d_q), column_sum(d_k), column_sum(d_v), column_sum(gy))
     dx = None
     if needs_input_grad:
-        dx = torch.mm(d_q, q_weight).addmm_(d_k, k_weight).addmm_(d_v, v_weight).view(b, s, d)
+        dx = mm_sum([d_q, d_k, d_v], [q_weight, k_weight, v_weight]).view(b, s, d)
     return dx, _to_param_dtype(grads, param_dtype)
 
 
@@ -343,7 +343,7 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
         grads += (column_sum(dq), column_sum(dk), column_sum(dv), column_sum(gy))
     dx = None
     if needs_input_grad:  # w_qkv's rows: W_q | W_k | W_v
-        dx = torch.mm(dq, w_qkv[:d]).addmm_(dk, w_qkv[d : d + kd]).addmm_(dv, w_qkv[d + kd :]).view(b, s, d)
+        dx = mm_sum([dq, dk, dv], [w_qkv[:d], w_qkv[d : d + kd], w_qkv[d + kd :]]).view(b, s, d)
     return dx, _to_param_dtype(grads, param_dtype)
 
 

@@ -219,6 +219,39 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     return t.sum(0) if out is None else torch.sum(t, 0, out=out)
 
 
+def mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """``Σ_i a[i] @ b[i]`` (``a[i] [n, k_i]``, ``b[i] [k_i, m]``) → a fresh ``[n, m]``: one ``mm``,
+    then each further product accumulated into it by ``addmm_`` (the GEMM's β = 1: the sum is never
+    written twice). An input gradient fed by several projections (attention's q, k, v; SwiGLU's
+    gate and up). Under ``torch.compile`` the same calls run inside the opaque operator
+    ``torchloom::mm_sum``: traced, ``addmm_`` becomes an out-of-place ``addmm``, which first copies its
+    addend into the new output — in attention's bfloat16 backward at B·S = 8,192 × 1,024 two 7.5 µs
+    device copies per step on an H200, 1.03–1.06× PyTorch's compiled step (issue 36)."""
+    if torch.compiler.is_compiling():
+        return _MM_SUM(a, b)
+    return _mm_sum(a, b)
+
+
+def _mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    out = torch.mm(a[0], b[0])
+    for x, w in zip(a[1:], b[1:]):
+        out.addmm_(x, w)
+    return out
+
+
+def _register_mm_sum():
+    op = torch.library.custom_op("torchloom::mm_sum", _mm_sum, mutates_args=())
+
+    @op.register_fake
+    def _mm_sum_fake(a, b):
+        return a[0].new_empty(a[0].shape[0], b[0].shape[1])
+
+    return op
+
+
+_MM_SUM = _register_mm_sum()
+
+
 def forbid_double_backward(layer: str) -> None:
     """Called first in a hand-written backward: raise ``RuntimeError`` when a second derivative is
     being asked for (``create_graph=True``; autograd runs the backward with grad mode on exactly

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
 
@@ -120,7 +120,7 @@ def swiglu_backward(
             grads += (column_sum(dg), column_sum(du), column_sum(gy))
         dx = None
         if needs_input_grad:
-            dx = torch.mm(dg, gate_weight).addmm_(du, up_weight).view(x.shape)
+            dx = mm_sum([dg, du], [gate_weight, up_weight]).view(x.shape)
     if dtypes is not None:
         grads = tuple(t.to(dtypes[1]) for t in grads)
         dx = dx.to(dtypes[0]) if dx is not None else None

@@ -1,0 +1,214 @@
+"""``fp32_matmul.mm`` (a float32 product in a precision chosen per call) against float64 products of
+the same operands (TF32-rounded by an independent bit operation for "tf32"), on CPU through Triton's
+interpreter and natively on CUDA; and ``recurrent.projection_mm``, which picks it for the recurrent
+layers where PyTorch's RNN switch and cuBLAS's disagree."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from helpers import assert_close
+from torchloom.kernels import fp32_matmul as MM
+from torchloom.kernels import recurrent as K
+from torchloom.layers.lstm import LSTM
+from torchloom.layers.rnn import RNN
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = "triton" if DEVICE == "cpu" else None  # the kernel either way: the interpreter or CUDA
+
+
+def _tf32_python(v: float) -> float:
+    """The nearest TF32 to a float32 (ties away from zero), by integer arithmetic on its bits in Python."""
+    bits = struct.unpack("<I", struct.pack("<f", v))[0]
+    sign, mag = bits & 0x80000000, bits & 0x7FFFFFFF
+    if mag >= 0x7F800000:  # NaN / Inf
+        return v
+    mag = ((mag + 0x1000) >> 13) << 13
+    return struct.unpack("<f", struct.pack("<I", sign | mag))[0]
+
+
+def test_tf32_rounding_reference_against_python_bits():
+    g = torch.Generator().manual_seed(1)
+    t = torch.cat([torch.randn(200, generator=g) * 10.0 ** torch.randint(-30, 30, (200,), generator=g),
+                   torch.tensor([0.0, -0.0, 1.0 + 2**-11, 1.0 + 2**-12, -(1.0 + 3 * 2**-12), float("inf"), -float("inf"),
+                                 3.4028234e38])])
+    want = torch.tensor([_tf32_python(v) for v in t.tolist()])
+    got = MM.round_tf32_ref(t)
+    assert torch.equal(got, want), (got - want).abs().max()
+    nan = MM.round_tf32_ref(torch.tensor([float("nan")]))
+    assert nan.isnan().all()
+
+
+def _operands(m, k, n, transposed, g, device="cpu"):
+    a = torch.randn(k, m, generator=g).t() if transposed else torch.randn(m, k, generator=g)
+    b = torch.randn(n, k, generator=g).t() if transposed else torch.randn(k, n, generator=g)
+    bias = torch.randn(n, generator=g)
+    return a.to(device), b.to(device), bias.to(device)
+
+
+def _truth(a, b, bias, precision):
+    if precision == "tf32":
+        a, b = MM.round_tf32_ref(a), MM.round_tf32_ref(b)
+    out = a.double() @ b.double()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("precision", MM.PRECISIONS)
+@pytest.mark.parametrize("m,k,n,splits", [(37, 70, 45, 1), (37, 70, 45, 3), (64, 96, 64, 2), (5, 1, 3, 1), (70, 33, 9, 5)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_kernel_against_float64(precision, m, k, n, splits, transposed):
+    """Ragged tiles, K splits (the last one ragged, or empty beyond K), transposed operands, a bias;
+    through Triton's interpreter on the CPU."""
+    a, b, bias = _operands(m, k, n, transposed, torch.Generator().manual_seed(m + k + n), DEVICE)
+    for bi in (None, bias):
+        got = MM.mm(a, b, precision, bi, backend=BACKEND, splits=splits)
+        assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+        want = _truth(a, b, bi, precision)
+        scale = (a.abs().double() @ b.abs().double()).max().item()
+        assert_close(got, want, name=f"{precision} splits={splits}", rtol=0, atol=8 * 2**-24 * scale * k**0.5)
+        assert_close(MM.mm_ref(a, b, precision, bi), want, name="reference", rtol=0, atol=8 * 2**-24 * scale * k**0.5)
+
+
+@pytest.mark.parametrize("precision", MM.PRECISIONS)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_grouped_contraction_reads_the_steps_in_place(precision, splits):
+    """``a [M, G, K] @ b [G, K, N]`` summed over G and K: a recurrent layer's ``dW_hh`` over the steps
+    ``t ≥ 1`` of ``gPre [B, T, 4H]`` against ``h_{t−1}`` of ``hidden [B, T, H]``, both slices read in
+    place (no 2-D view holds those rows)."""
+    g = torch.Generator().manual_seed(7)
+    B, T, H = 5, 7, 6
+    g_pre = torch.randn(B, T, 4 * H, generator=g).to(DEVICE)
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE)
+    a, b = g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1]
+    assert not a.is_contiguous() and not b.is_contiguous()
+    got = MM.mm(a, b, precision, backend=BACKEND, splits=splits)
+    a2, b2 = g_pre[:, 1:].reshape(-1, 4 * H).t(), hidden[:, :-1].reshape(-1, H)
+    want = _truth(a2, b2, None, precision)
+    scale = (a2.abs().double() @ b2.abs().double()).max().item()
+    assert_close(got, want, name="grouped", rtol=0, atol=8 * 2**-24 * scale * 6)
+    assert_close(MM.mm_ref(a, b, precision), want, name="reference", rtol=0, atol=8 * 2**-24 * scale * 6)
+    assert_close(K.projection_mm(a, b), a2.double() @ b2.double(), name="projection_mm", rtol=0, atol=1e-2 * scale)
+
+
+def test_tf32_products_differ_from_exact_ones():
+    """The "tf32" kernel really rounds its operands (an exact product would pass the other tests'
+    tolerance only by accident)."""
+    a = torch.full((16, 16), 1.0 + 2**-12, device=DEVICE)
+    b = torch.eye(16, device=DEVICE)
+    assert torch.equal(MM.mm(a, b, "tf32", backend=BACKEND), torch.full((16, 16), 1.0, device=DEVICE))
+    assert torch.equal(MM.mm(a, b, "ieee", backend=BACKEND), a)
+
+
+def test_empty_and_bad_inputs():
+    a, b = torch.randn(3, 0, device=DEVICE), torch.randn(0, 4, device=DEVICE)
+    bias = torch.randn(4, device=DEVICE)
+    assert torch.equal(MM.mm(a, b, "tf32", backend=BACKEND), torch.zeros(3, 4, device=DEVICE))
+    assert torch.equal(MM.mm(a, b, "tf32", bias, backend=BACKEND), bias.expand(3, 4))
+    x, y = torch.randn(3, 5), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        MM.mm(x, y, "bf16")
+    with pytest.raises(TypeError, match="b must be float32, got torch.float64"):
+        MM.mm(x, y.double())
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[K, N\], or .* needed, got \[3, 5\] and \[4, 4\]"):
+        MM.mm(x, torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"needed, got \[3, 2, 5\] and \[2, 4, 4\]"):
+        MM.mm(torch.randn(3, 2, 5), torch.randn(2, 4, 4))
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[4\], got \[5\]"):
+        MM.mm(x, y, bias=torch.randn(5))
+
+
+def test_projection_mm_off_cuda_is_cublas_or_cpu_mm():
+    g = torch.Generator().manual_seed(0)
+    a, b, bias = torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(4, generator=g)
+    assert torch.equal(K.projection_mm(a, b), torch.mm(a, b))
+    assert torch.equal(K.projection_mm(a, b, bias), torch.addmm(bias, a, b))
+    out = torch.empty(6, 4)
+    assert K.projection_mm(a, b, bias, out=out) is out and torch.equal(out, torch.addmm(bias, a, b))
+    assert torch.equal(K.projection_mm(a.double(), b.double()), torch.mm(a.double(), b.double()))
+
+
+def test_recurrent_mm_operator_under_opcheck():
+    g = torch.Generator().manual_seed(0)
+    a, b, bias = torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(4, generator=g)
+    torch.library.opcheck(torch.ops.torchloom.recurrent_mm.default, (a, b, bias))
+    torch.library.opcheck(torch.ops.torchloom.recurrent_mm.default, (a, b, None))
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,k,n", [(4096, 256, 256), (256, 4096, 256), (1024, 4032, 256), (4096, 256, 1024), (33, 7, 5)])
+def test_cuda_kernel_against_float64(m, k, n):
+    """The layers' shapes (projections, weight gradients summed over B·T rows: split along K) and a
+    ragged one; "tf32" within fp32 rounding of the float64 product of the TF32-rounded operands."""
+    g = torch.Generator().manual_seed(m)
+    for transposed in (False, True):
+        a, b, bias = _operands(m, k, n, transposed, g, "cuda")
+        for precision in MM.PRECISIONS:
+            got = MM.mm(a, b, precision, bias)
+            want = _truth(a, b, bias, precision)
+            scale = (a.abs().double() @ b.abs().double()).max().item()
+            assert_close(got, want, name=f"{precision} {m}x{k}x{n}", rtol=0, atol=4 * 2**-24 * scale * k**0.5)
+
+
+@pytest.mark.cuda
+def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not():
+    """cuDNN's TF32 switch on and cuBLAS's off (PyTorch's defaults): the TF32 kernel; the other way
+    round: the exact kernel; agreeing: cuBLAS itself."""
+    g = torch.Generator().manual_seed(0)
+    a, b, bias = _operands(512, 300, 96, False, g, "cuda")
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        for rnn, cublas, want in ((True, False, "tf32"), (False, True, "ieee"), (False, False, None), (True, True, None)):
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = rnn, cublas
+            got = K.projection_mm(a, b, bias)
+            expected = torch.addmm(bias, a, b) if want is None else MM.mm(a, b, want, bias)
+            assert torch.equal(got, expected), (rnn, cublas)
+            out = torch.empty(512, 96, device="cuda")
+            assert K.projection_mm(a, b, bias, out=out) is out and torch.equal(out, expected)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", [RNN, LSTM])
+def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls):
+    """With PyTorch's default switches an RNN/LSTM step computes in TF32 throughout, as cuDNN's: its
+    gradients equal a step with cuBLAS's TF32 on too (both switches agreeing) to TF32's error, and
+    differ from the exact step by more than fp32's; compiled, the projections are
+    ``torchloom.recurrent_mm`` and the numbers equal eager's."""
+    torch.manual_seed(0)
+    layer = cls(256, 256, device="cuda")
+    x, gy = torch.randn(64, 16, 256, device="cuda"), torch.randn(64, 16, 256, device="cuda")
+
+    def grads(fn):
+        xr = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        fn(xr).backward(gy)
+        return [xr.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        exact = grads(layer)
+        torch.backends.cudnn.allow_tf32 = True  # PyTorch's default: cuDNN's RNN in TF32, cuBLAS exact
+        ours = grads(layer)
+        graphs = []
+        compiled = torch.compile(layer, fullgraph=True, backend=aot_autograd(
+            fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward, bw_compiler=lambda gm, _: graphs.append(gm) or gm.forward))
+        compiled_grads = grads(compiled)
+        torch.backends.cuda.matmul.allow_tf32 = True  # both switches on: cuBLAS's own TF32 products
+        all_tf32 = grads(layer)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    targets = {n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.torchloom.recurrent_mm.default in targets
+    for got, e, t, c in zip(ours, exact, all_tf32, compiled_grads):
+        scale = e.abs().max().item()
+        assert_close(got, t, name="TF32 vs cuBLAS TF32", rtol=0, atol=2e-2 * scale)
+        assert_close(c, got, name="compiled vs eager", rtol=0, atol=1e-6 * scale)
+    d = max((o - e).abs().max().item() / e.abs().max().item() for o, e in zip(ours, exact))
+    assert d > 1e-5, f"TF32 step equals the exact one to {d:.1e}: the products were not TF32"

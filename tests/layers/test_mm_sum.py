@@ -1,0 +1,72 @@
+"""``mm_sum``: an input gradient fed by several projections, ``Σ a[i] @ b[i]``, against float64
+products; under ``torch.compile`` it stays one accumulating GEMM chain inside the opaque operator
+(a traced ``addmm_`` becomes an out-of-place ``addmm`` that copies its addend first)."""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from torchloom.layers.attention import MultiHeadAttention
+from torchloom.layers.base import mm_sum
+from torchloom.layers.swiglu import SwiGLU
+
+
+def _pairs(ks, n=9, m=5, dtype=torch.float32):
+    g = torch.Generator().manual_seed(len(ks))
+    return ([torch.randn(n, k, generator=g, dtype=dtype) for k in ks],
+            [torch.randn(k, m, generator=g, dtype=dtype) for k in ks])
+
+
+@pytest.mark.parametrize("ks", [(4,), (4, 6), (3, 3, 8)])
+def test_equals_float64_sum_of_products(ks):
+    a, b = _pairs(ks)
+    expected = sum(x.double() @ w.double() for x, w in zip(a, b))
+    got = mm_sum(a, b)
+    assert got.shape == (9, 5) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert all(got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in a + b)
+
+
+def test_operator_under_opcheck():
+    a, b = _pairs((4, 6))
+    torch.library.opcheck(torch.ops.torchloom.mm_sum.default, (a, b))
+
+
+def _backward_targets(layer, x):
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=keep),
+                             fullgraph=True)
+    x = x.clone().requires_grad_()
+    compiled(x).sum().backward()
+    assert graphs, "no backward graph compiled"
+    return {n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("make", [lambda: (MultiHeadAttention(16, 4), torch.randn(2, 5, 16)),
+                                  lambda: (SwiGLU(8, 12), torch.randn(6, 8))],
+                         ids=["attention", "swiglu"])
+def test_compiled_backward_accumulates_in_the_operator(make):
+    """The input gradient of the compiled backward: ``torchloom.mm_sum``, no ``aten.addmm`` (whose
+    traced form copies a [rows, features] addend before each GEMM)."""
+    torch._dynamo.reset()
+    layer, x = make()
+    targets = _backward_targets(layer, x)
+    assert torch.ops.torchloom.mm_sum.default in targets, sorted(map(str, targets))
+    assert torch.ops.aten.addmm.default not in targets, sorted(map(str, targets))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_flash_attention_backward_accumulates_in_the_operator(dtype):
+    """The same on CUDA, where attention takes its flash path (the fused q|k|v projection)."""
+    torch._dynamo.reset()
+    layer = MultiHeadAttention(64, 4, device="cuda", dtype=dtype)
+    targets = _backward_targets(layer, torch.randn(2, 33, 64, device="cuda", dtype=dtype))
+    assert torch.ops.torchloom.flash_attention_core_backward.default in targets, sorted(map(str, targets))
+    assert torch.ops.torchloom.mm_sum.default in targets, sorted(map(str, targets))
+    assert torch.ops.aten.addmm.default not in targets, sorted(map(str, targets))
