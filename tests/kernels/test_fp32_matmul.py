@@ -5,10 +5,14 @@ layers where PyTorch's RNN switch and cuBLAS's disagree."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from helpers import assert_close
@@ -64,7 +68,8 @@ def test_kernel_against_float64(precision, m, k, n, splits, transposed):
     """Ragged tiles, K splits (the last one ragged, or empty beyond K), transposed operands, a bias;
     through Triton's interpreter on the CPU."""
     a, b, bias = _operands(m, k, n, transposed, torch.Generator().manual_seed(m + k + n), DEVICE)
-    for bi in (None, bias):
+    strided_bias = torch.stack([bias, torch.full_like(bias, 1e6)], 1)[:, 0]  # every other element
+    for bi in (None, bias, strided_bias):
         got = MM.mm(a, b, precision, bi, backend=BACKEND, splits=splits)
         assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
         want = _truth(a, b, bi, precision)
@@ -80,7 +85,7 @@ def test_grouped_contraction_reads_the_steps_in_place(precision, splits):
     ``t ≥ 1`` of ``gPre [B, T, 4H]`` against ``h_{t−1}`` of ``hidden [B, T, H]``, both slices read in
     place (no 2-D view holds those rows)."""
     g = torch.Generator().manual_seed(7)
-    B, T, H = 5, 7, 6
+    B, T, H = 8, 17, 6  # K = 8 · 16 = 128: four splits of one 32-wide chunk each, crossing groups
     g_pre = torch.randn(B, T, 4 * H, generator=g).to(DEVICE)
     hidden = torch.randn(B, T, H, generator=g).to(DEVICE)
     a, b = g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1]
@@ -89,17 +94,17 @@ def test_grouped_contraction_reads_the_steps_in_place(precision, splits):
     a2, b2 = g_pre[:, 1:].reshape(-1, 4 * H).t(), hidden[:, :-1].reshape(-1, H)
     want = _truth(a2, b2, None, precision)
     scale = (a2.abs().double() @ b2.abs().double()).max().item()
-    assert_close(got, want, name="grouped", rtol=0, atol=8 * 2**-24 * scale * 6)
-    assert_close(MM.mm_ref(a, b, precision), want, name="reference", rtol=0, atol=8 * 2**-24 * scale * 6)
+    assert_close(got, want, name="grouped", rtol=0, atol=8 * 2**-24 * scale * 12)
+    assert_close(MM.mm_ref(a, b, precision), want, name="reference", rtol=0, atol=8 * 2**-24 * scale * 12)
     assert_close(K.projection_mm(a, b), a2.double() @ b2.double(), name="projection_mm", rtol=0, atol=1e-2 * scale)
 
 
 def test_tf32_products_differ_from_exact_ones():
-    """The "tf32" kernel really rounds its operands (an exact product would pass the other tests'
-    tolerance only by accident)."""
-    a = torch.full((16, 16), 1.0 + 2**-12, device=DEVICE)
+    """The "tf32" kernel rounds its operands to the nearest TF32 (1 + 3·2⁻¹², three quarters of a TF32
+    step, becomes 1 + 2⁻¹⁰; truncation would give 1), and "ieee" multiplies exactly."""
+    a = torch.full((16, 16), 1.0 + 3 * 2**-12, device=DEVICE)
     b = torch.eye(16, device=DEVICE)
-    assert torch.equal(MM.mm(a, b, "tf32", backend=BACKEND), torch.full((16, 16), 1.0, device=DEVICE))
+    assert torch.equal(MM.mm(a, b, "tf32", backend=BACKEND), torch.full((16, 16), 1.0 + 2**-10, device=DEVICE))
     assert torch.equal(MM.mm(a, b, "ieee", backend=BACKEND), a)
 
 
@@ -138,6 +143,44 @@ def test_recurrent_mm_operator_under_opcheck():
     torch.library.opcheck(torch.ops.torchloom.recurrent_mm.default, (a, b, None))
 
 
+_CUBLAS_CASES = r"""
+import torch
+from torchloom.kernels._triton import cublas_allows_tf32
+b = torch.backends
+got = [cublas_allows_tf32()]  # PyTorch's default: exact
+torch.set_float32_matmul_precision("high")
+got.append(cublas_allows_tf32())
+torch.set_float32_matmul_precision("highest")
+got.append(cublas_allows_tf32())
+b.cuda.matmul.fp32_precision = "tf32"  # the newer API: the legacy getter refuses to answer now
+try:
+    b.cuda.matmul.allow_tf32
+    got.append("legacy getter answered")
+except RuntimeError:
+    pass
+got.append(cublas_allows_tf32())
+b.cuda.matmul.fp32_precision = "ieee"
+got.append(cublas_allows_tf32())
+b.cuda.matmul.fp32_precision = "none"
+b.fp32_precision = "tf32"
+got.append(cublas_allows_tf32())
+print(got)
+"""
+
+
+def test_cublas_switch_read_as_cublas_reads_it():
+    """``cublas_allows_tf32``: PyTorch's default exact; ``set_float32_matmul_precision`` and the newer
+    ``fp32_precision`` settings (after which PyTorch's legacy ``allow_tf32`` getter raises) are read
+    without an error; "none" defers to the generic setting. In a fresh interpreter: the settings are
+    process-wide."""
+    if getattr(torch._C, "_get_fp32_precision_getter", None) is None:
+        pytest.skip("this torch has no fp32_precision settings")
+    out = subprocess.run([sys.executable, "-c", _CUBLAS_CASES], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == repr([False, True, False, True, False, True])
+
+
 # ------------------------------------------------------------------------------------ GPU only
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,k,n", [(4096, 256, 256), (256, 4096, 256), (1024, 4032, 256), (4096, 256, 1024), (33, 7, 5)])
@@ -155,7 +198,7 @@ def test_cuda_kernel_against_float64(m, k, n):
 
 
 @pytest.mark.cuda
-def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not():
+def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not(monkeypatch):
     """cuDNN's TF32 switch on and cuBLAS's off (PyTorch's defaults): the TF32 kernel; the other way
     round: the exact kernel; agreeing: cuBLAS itself."""
     g = torch.Generator().manual_seed(0)
@@ -169,6 +212,11 @@ def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not():
             assert torch.equal(got, expected), (rnn, cublas)
             out = torch.empty(512, 96, device="cuda")
             assert K.projection_mm(a, b, bias, out=out) is out and torch.equal(out, expected)
+            assert torch.equal(K.projection_mm(a, b, bias, backend="reference"), torch.addmm(bias, a, b))
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+        monkeypatch.setattr(K, "_tf32_capable", lambda t: False)  # a GPU without TF32: exact everywhere, as cuDNN's
+        assert torch.equal(K.projection_mm(a, b, bias), torch.addmm(bias, a, b))
+        assert K._dot_precision(a) == K._FP32_PRODUCT
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
@@ -197,8 +245,8 @@ def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls)
         torch.backends.cudnn.allow_tf32 = True  # PyTorch's default: cuDNN's RNN in TF32, cuBLAS exact
         ours = grads(layer)
         graphs = []
-        compiled = torch.compile(layer, fullgraph=True, backend=aot_autograd(
-            fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward, bw_compiler=lambda gm, _: graphs.append(gm) or gm.forward))
+        keep = lambda gm, _: graphs.append(gm) or make_boxed_func(gm.forward)  # noqa: E731
+        compiled = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
         compiled_grads = grads(compiled)
         torch.backends.cuda.matmul.allow_tf32 = True  # both switches on: cuBLAS's own TF32 products
         all_tf32 = grads(layer)

@@ -56,6 +56,28 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def tf32_capable(index: int) -> bool:
+    """Whether CUDA device ``index`` has TF32 tensor cores (compute capability 8.0 or later): below it
+    cuBLAS and cuDNN multiply float32 exactly whatever their switches say, and so do the kernels."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def cublas_allows_tf32() -> bool:
+    """Whether cuBLAS multiplies float32 in TF32 now, read as cuBLAS reads it:
+    ``torch.backends.cuda.matmul.fp32_precision``, "none" deferring to the CUDA backend's setting and
+    then the generic one (the legacy ``allow_tf32`` getter refuses to answer after some settings of
+    the newer API, which cuBLAS itself accepts), or ``allow_tf32`` on a torch without that API."""
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if getter is None:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    for backend, op in (("cuda", "matmul"), ("cuda", "all"), ("generic", "all")):
+        precision = getter(backend, op)
+        if precision != "none":
+            return precision == "tf32"  # "bf16" on CUDA: not TF32
+    return False
+
+
 def interpreter_enabled() -> bool:
     """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, use_triton
+from ._triton import KERNEL_DTYPES, cublas_allows_tf32, use_triton
 
 __all__ = [
     "flash_attention", "flash_attention_backward", "attention_ref", "rope_", "rope_ref_", "MAX_HEAD_DIM",
@@ -401,7 +401,7 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, backend: s
 def _precision(dtype: torch.dtype, is_cuda: bool) -> str:
     if dtype != torch.float32 or not is_cuda:
         return "ieee" if not is_cuda else "tf32"  # half inputs: the value is ignored by the MMA
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    return "tf32" if cublas_allows_tf32() else "tf32x3"
 
 
 def _settings(s: int, d: int, is_cuda: bool, dtype: torch.dtype, backward: bool) -> tuple[int, int, int, int]:

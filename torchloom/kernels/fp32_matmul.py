@@ -47,7 +47,7 @@ def _round_tf32(x):
 @jit
 def _mm_kernel(
     A, B, C, BIAS,
-    M, N, K, KI, s_am, s_ag, s_ak, s_bg, s_bk, s_bn, s_cs, s_cm, K_PER_SPLIT,
+    M, N, K, KI, s_am, s_ag, s_ak, s_bg, s_bk, s_bn, s_bias, s_cs, s_cm, K_PER_SPLIT,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -76,7 +76,7 @@ def _mm_kernel(
             a, b = _round_tf32(a), _round_tf32(b)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
-        bias = tl.load(BIAS + rn, mask=nm, other=0.0)
+        bias = tl.load(BIAS + rn64 * s_bias, mask=nm, other=0.0)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
     tl.store(C + split * s_cs + rm64[:, None] * s_cm + rn64[None, :], acc, mask=mm_[:, None] & nm[None, :])
 
@@ -157,7 +157,7 @@ def mm(a: Tensor, b: Tensor, precision: str = "tf32", bias: Tensor | None = None
         _mm_kernel[grid](
             a, b, out, bias if bias is not None else out,
             m, n, k, max(ki, 1), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            m * n, n, per_split,
+            bias.stride(0) if bias is not None else 0, m * n, n, per_split,
             HAS_BIAS=bias is not None, PRECISION=precision, ROUND=precision == "tf32" and _ROUND,
             BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )

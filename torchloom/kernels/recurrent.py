@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, use_triton
+from ._triton import KERNEL_DTYPES, cublas_allows_tf32, tf32_capable, use_triton
 from ._triton import sm_count as _sm_count
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
@@ -496,7 +496,11 @@ def _dot_precision(t: Tensor) -> str:
     the section note), else ``_FP32_PRODUCT``."""
     if not t.is_cuda or t.dtype != torch.float32:
         return "ieee"  # half inputs: ignored; the interpreter: numpy's fp32
-    return "tf32" if _rnn_allows_tf32() else _FP32_PRODUCT
+    return "tf32" if _rnn_allows_tf32() and _tf32_capable(t) else _FP32_PRODUCT
+
+
+def _tf32_capable(t: Tensor) -> bool:
+    return tf32_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def _rnn_allows_tf32() -> bool:
@@ -514,21 +518,23 @@ def _rnn_allows_tf32() -> bool:
     return False
 
 
-def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+                  backend: str | None = None) -> Tensor:
     """``a @ b (+ bias)`` (``[M, K] @ [K, N]``, or ``[M, G, K] @ [G, K, N]`` summed over ``G`` and ``K``:
     ``fp32_matmul.mm``'s forms) for the recurrent layers' input projections, input gradients and
     weight gradients, in the precision cuDNN's RNN would compute them in (it computes the
     whole layer, projections included, under ``torch.backends.cudnn.rnn``'s switch): float32 on CUDA
-    where that switch and cuBLAS's (``torch.backends.cuda.matmul``) disagree → ``fp32_matmul.mm`` in
-    the RNN switch's precision ("tf32" / "ieee"); anything else → cuBLAS (``torch.mm`` / ``addmm``,
-    into ``out`` when given). Under ``torch.compile`` a float32 CUDA product is the opaque
-    ``torchloom::recurrent_mm``, which decides the same at run time."""
-    fp32_cuda = a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
+    where that switch and cuBLAS's (``torch.backends.cuda.matmul``) disagree on a GPU with TF32 →
+    ``fp32_matmul.mm`` in the RNN switch's precision ("tf32" / "ieee"); anything else, and
+    ``backend="reference"`` → cuBLAS (``torch.mm`` / ``addmm``, into ``out`` when given). Under
+    ``torch.compile`` a float32 CUDA product is the opaque ``torchloom::recurrent_mm``, which decides
+    the same at run time."""
+    fp32_cuda = a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and backend != "reference"
     if fp32_cuda and torch.compiler.is_compiling() and out is None:
         return _RECURRENT_MM(a, b, bias)
-    if fp32_cuda and use_triton(a, None, (torch.float32,)):
+    if fp32_cuda and use_triton(a, None, (torch.float32,)) and _tf32_capable(a):
         tf32 = _rnn_allows_tf32()
-        if tf32 != torch.backends.cuda.matmul.allow_tf32:
+        if tf32 != cublas_allows_tf32():
             from . import fp32_matmul
 
             r = fp32_matmul.mm(a, b, "tf32" if tf32 else "ieee", bias)
@@ -540,7 +546,8 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
 
 
 def _recurrent_mm_eager(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
-    return projection_mm(a, b, bias)  # a fresh tensor: every product it calls returns one
+    with torch.autocast(a.device.type, enabled=False):  # a compiled backward may run under the caller's autocast
+        return projection_mm(a, b, bias)  # a fresh tensor: every product it calls returns one
 
 
 def _register_recurrent_mm():

@@ -239,8 +239,13 @@ def _mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
     return out
 
 
+def _mm_sum_operator(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    with torch.autocast(a[0].device.type, enabled=False):  # a compiled backward may run under the caller's autocast
+        return _mm_sum(a, b)
+
+
 def _register_mm_sum():
-    op = torch.library.custom_op("torchloom::mm_sum", _mm_sum, mutates_args=())
+    op = torch.library.custom_op("torchloom::mm_sum", _mm_sum_operator, mutates_args=())
 
     @op.register_fake
     def _mm_sum_fake(a, b):

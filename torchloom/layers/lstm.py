@@ -92,13 +92,13 @@ def lstm_forward(
         graph = K.ensure_graph(entry, "forward", lambda: K.lstm_forward_loop_steps(buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, 4 * H)
-        K.projection_mm(x2, w_ih_t, bias, out=out)
+        K.projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         pre, cell, hidden = buf["pre"].clone(), buf["cell"].clone(), buf["hbuf"].clone()
         return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
     # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ.
-    proj = K.projection_mm(x2, w_ih_t, bias).view(B, T, 4 * H)
+    proj = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, 4 * H)
     if torch.compiler.is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
         pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh, backend)
     elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
@@ -158,10 +158,10 @@ def lstm_backward(
         K.lstm_backward_loop(grad_out, pre, cell, weight_hh, g_pre, backend)
 
     g2 = g_pre.reshape(B * T, 4 * H)
-    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I))
-    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])  # Σ over (b, t ≥ 1)
+    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I), backend=backend)
+    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
     grad_b = column_sum(g2) if has_bias else None
-    grad_x = K.projection_mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
+    grad_x = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
         grad_b = None if grad_b is None else grad_b.to(param_dtype)

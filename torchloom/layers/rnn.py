@@ -85,7 +85,7 @@ def rnn_forward(
     w_ih_t = weight_ih.t()
     K = _kernels()
     if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
-        proj = K.projection_mm(x2, w_ih_t, bias).view(B, T, H)
+        proj = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, H)
         pre, hidden = K.rnn_forward_loop_traced(proj, weight_hh, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
@@ -93,12 +93,12 @@ def rnn_forward(
         graph = K.ensure_graph(entry, "forward", lambda: K.rnn_forward_loop_ref(buf["pre"], buf["w_hh"], buf["hidden"]))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, H)
-        K.projection_mm(x2, w_ih_t, bias, out=out)
+        K.projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         pre, hidden = buf["pre"].clone(), buf["hidden"].clone()
     else:
-        pre = K.projection_mm(x2, w_ih_t, bias).view(B, T, H)
+        pre = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, H)
         hidden = torch.empty_like(pre)
         K.rnn_forward_loop(pre, weight_hh, hidden, backend)
     return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
@@ -157,10 +157,10 @@ def rnn_backward(
         g_pre = torch.empty_like(hidden)
         K.rnn_backward_loop(grad_out, weight_hh, hidden, g_pre, backend)
     g2 = g_pre.reshape(B * T, H)
-    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I))
-    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])  # Σ over (b, t ≥ 1)
+    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I), backend=backend)
+    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
     grad_b = column_sum(g2) if has_bias else None
-    grad_x = K.projection_mm(g2, weight_ih).view(B, T, I) if needs_input_grad else None
+    grad_x = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
         grad_b = None if grad_b is None else grad_b.to(param_dtype)
