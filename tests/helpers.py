@@ -54,6 +54,19 @@ def recurrent_truth(module_cls, x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch
     return y.detach(), torch.autograd.grad(y, [xr, *params], g.double())
 
 
+def fresh_interpreter_output(code: str, timeout_s: float = 120) -> str:
+    """The last line ``code`` prints, run in a fresh Python interpreter that imports what this one does
+    (for process-wide settings a test must not leave behind); its exit status must be 0."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for a test's process group)."""
     import socket

@@ -5,17 +5,14 @@ layers where PyTorch's RNN switch and cuBLAS's disagree."""
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from helpers import assert_close
+from helpers import assert_close, fresh_interpreter_output
 from torchloom.kernels import fp32_matmul as MM
 from torchloom.kernels import recurrent as K
 from torchloom.layers.lstm import LSTM
@@ -168,6 +165,25 @@ print(got)
 """
 
 
+@pytest.mark.parametrize("op,settings,want", [
+    ("matmul", {("cuda", "matmul"): "tf32"}, True),
+    ("matmul", {("cuda", "matmul"): "ieee", ("generic", "all"): "tf32"}, False),
+    ("rnn", {("cuda", "all"): "tf32", ("generic", "all"): "ieee"}, True),  # "none" defers to the backend
+    ("rnn", {("cuda", "all"): "ieee", ("generic", "all"): "tf32"}, False),
+    ("rnn", {("generic", "all"): "tf32"}, True),  # ... and then to the generic setting
+    ("matmul", {("generic", "all"): "bf16"}, False),  # bfloat16 on CUDA: not TF32
+    ("rnn", {}, False),  # "none" throughout: IEEE
+])
+def test_precision_chain(op, settings, want, monkeypatch):
+    """``_triton._allows_tf32``'s resolution, PyTorch's ``Context::float32Precision``: the op's
+    setting, "none" deferring to the CUDA backend's, then the generic one (the getter stands in for
+    PyTorch's, whose setters hand a parent's setting down to its ops)."""
+    from torchloom.kernels import _triton
+
+    monkeypatch.setattr(torch._C, "_get_fp32_precision_getter", lambda backend, o: settings.get((backend, o), "none"))
+    assert _triton._allows_tf32(op, lambda: pytest.fail("the legacy getter was read")) is want
+
+
 def test_cublas_switch_read_as_cublas_reads_it():
     """``cublas_allows_tf32``: PyTorch's default exact; ``set_float32_matmul_precision`` and the newer
     ``fp32_precision`` settings (after which PyTorch's legacy ``allow_tf32`` getter raises) are read
@@ -175,10 +191,7 @@ def test_cublas_switch_read_as_cublas_reads_it():
     process-wide."""
     if getattr(torch._C, "_get_fp32_precision_getter", None) is None:
         pytest.skip("this torch has no fp32_precision settings")
-    out = subprocess.run([sys.executable, "-c", _CUBLAS_CASES], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == repr([False, True, False, True, False, True])
+    assert fresh_interpreter_output(_CUBLAS_CASES) == repr([False, True, False, True, False, True])
 
 
 # ------------------------------------------------------------------------------------ GPU only

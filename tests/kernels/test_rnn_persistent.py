@@ -6,15 +6,12 @@ hidden sizes that are not a power of two, one step, strided operands, half preci
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close, recurrent_truth, refuse_loop_launches
+from helpers import assert_close, fresh_interpreter_output, recurrent_truth, refuse_loop_launches
 from torchloom.kernels import recurrent as K
 from torchloom.layers.rnn import RNN, rnn_backward, rnn_forward
 
@@ -134,10 +131,12 @@ print(got)
 
 
 def test_fp32_products_follow_pytorchs_rnn_switch():
-    """TF32 exactly where cuDNN's RNN would use it: ``torch.backends.cudnn.rnn.fp32_precision``,
-    "none" deferring to cuDNN's setting, then to the generic one; the legacy ``allow_tf32`` (which sets
-    every cuDNN op) agrees; cuBLAS's matmul switch plays no part. In a fresh interpreter: the settings
-    are process-wide, and PyTorch refuses to read some mixes of its two APIs afterwards."""
+    """TF32 exactly where cuDNN's RNN would use it, after settings made through PyTorch's own API (the
+    generic, then cuDNN's, then the RNN's ``fp32_precision``; PyTorch hands a parent's setting down to
+    its ops, so an RNN set to "none" after them keeps what they gave it); the legacy ``allow_tf32``
+    (which sets every cuDNN op) agrees; cuBLAS's matmul switch plays no part. The resolution chain
+    itself: tests/kernels/test_fp32_matmul.py. In a fresh interpreter: the settings are process-wide,
+    and PyTorch refuses to read some mixes of its two APIs afterwards."""
     if not hasattr(getattr(torch.backends.cudnn, "rnn", None), "fp32_precision"):
         pytest.skip("this torch has no fp32_precision settings")
     cases = [  # (rnn, cudnn, generic) → TF32?
@@ -145,10 +144,7 @@ def test_fp32_products_follow_pytorchs_rnn_switch():
         (("none", "ieee", "tf32"), False), (("none", "none", "tf32"), True), (("none", "none", "none"), False),
     ]
     code = _SWITCH_CASES.replace("CASES", repr([c for c, _ in cases]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == repr([True, False] + [want for _, want in cases])
+    assert fresh_interpreter_output(code) == repr([True, False] + [want for _, want in cases])
     x = torch.randn(2, 3)
     assert K._dot_precision(x) == "ieee"  # the interpreter multiplies in numpy's fp32 whatever the switch
 

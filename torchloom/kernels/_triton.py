@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,19 +63,32 @@ def tf32_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def cublas_allows_tf32() -> bool:
-    """Whether cuBLAS multiplies float32 in TF32 now, read as cuBLAS reads it:
-    ``torch.backends.cuda.matmul.fp32_precision``, "none" deferring to the CUDA backend's setting and
-    then the generic one (the legacy ``allow_tf32`` getter refuses to answer after some settings of
-    the newer API, which cuBLAS itself accepts), or ``allow_tf32`` on a torch without that API."""
+def _allows_tf32(op: str, legacy: Callable[[], bool]) -> bool:
+    """Whether PyTorch's CUDA ``op`` ("matmul": cuBLAS; "rnn": cuDNN's RNN) multiplies float32 in TF32
+    now, resolved as PyTorch's own kernels resolve it: the op's ``fp32_precision``, "none" deferring to
+    the CUDA backend's setting (``torch.backends.cudnn.fp32_precision``) and then the generic one
+    (``torch.backends.fp32_precision``), "none" throughout meaning IEEE. The legacy ``allow_tf32``
+    getters refuse to answer after some settings of that API, which the kernels accept; ``legacy()``
+    answers on a torch without it."""
     getter = getattr(torch._C, "_get_fp32_precision_getter", None)
     if getter is None:
-        return bool(torch.backends.cuda.matmul.allow_tf32)
-    for backend, op in (("cuda", "matmul"), ("cuda", "all"), ("generic", "all")):
-        precision = getter(backend, op)
+        return bool(legacy())
+    for backend, each in (("cuda", op), ("cuda", "all"), ("generic", "all")):
+        precision = getter(backend, each)
         if precision != "none":
             return precision == "tf32"  # "bf16" on CUDA: not TF32
     return False
+
+
+def cublas_allows_tf32() -> bool:
+    """Whether cuBLAS multiplies float32 in TF32 now (``torch.backends.cuda.matmul``; ``_allows_tf32``)."""
+    return _allows_tf32("matmul", lambda: torch.backends.cuda.matmul.allow_tf32)
+
+
+def cudnn_rnn_allows_tf32() -> bool:
+    """Whether cuDNN's RNN (``nn.RNN``, ``nn.LSTM``) multiplies float32 in TF32 now
+    (``torch.backends.cudnn.rnn``; ``_allows_tf32``)."""
+    return _allows_tf32("rnn", lambda: torch.backends.cudnn.allow_tf32)
 
 
 def interpreter_enabled() -> bool:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, cublas_allows_tf32, tf32_capable, use_triton
+from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count as _sm_count
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
@@ -311,8 +312,8 @@ def clear_graph_cache() -> None:
 # and never waits.
 #
 # Precision: fp32 products follow PyTorch's switch for its own recurrent layers, the one ``nn.RNN`` and
-# ``nn.LSTM`` (cuDNN) obey: ``torch.backends.cudnn.rnn.fp32_precision`` (``_rnn_allows_tf32``; on a
-# torch without it, ``torch.backends.cudnn.allow_tf32``). "tf32", PyTorch's default → TF32 tensor
+# ``nn.LSTM`` (cuDNN) obey: ``torch.backends.cudnn.rnn.fp32_precision`` (``_triton.cudnn_rnn_allows_tf32``;
+# on a torch without it, ``torch.backends.cudnn.allow_tf32``). "tf32", PyTorch's default → TF32 tensor
 # cores, as cuDNN's RNN; "ieee" → ``_FP32_PRODUCT`` ("ieee": exact fp32 FMA, the numbers of the
 # cuBLAS loop with TF32 off). The layers' input projections and weight gradients follow the same switch
 # (``projection_mm``: cuBLAS where its own switch agrees, else ``fp32_matmul.mm``). The per-step
@@ -501,21 +502,6 @@ def _dot_precision(t: Tensor) -> str:
 
 def _tf32_capable(t: Tensor) -> bool:
     return tf32_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-def _rnn_allows_tf32() -> bool:
-    """Whether cuDNN's RNN (``nn.RNN``, ``nn.LSTM``) multiplies float32 in TF32 now:
-    ``torch.backends.cudnn.rnn.fp32_precision`` resolved as PyTorch resolves it ("none" defers to
-    ``torch.backends.cudnn.fp32_precision``, then to ``torch.backends.fp32_precision``; "none"
-    throughout is IEEE), or ``torch.backends.cudnn.allow_tf32`` on a torch without that setting."""
-    cudnn = torch.backends.cudnn
-    own = getattr(getattr(cudnn, "rnn", None), "fp32_precision", None)
-    if own is None:
-        return bool(cudnn.allow_tf32)
-    for precision in (own, cudnn.fp32_precision, torch.backends.fp32_precision):
-        if precision != "none":
-            return precision == "tf32"
-    return False
 
 
 def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
