@@ -275,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; on CPU through Triton's interpreter")
     ap.add_argument("--w-reload", action="store_true",
                     help="the kernel re-reads W_hh every step (no W_RESIDENT): the A/B of holding it in registers")
+    ap.add_argument("--w-copy", action="store_true",
+                    help="the kernel holds a row-major copy of W_hhᵀ (no in-place read): the A/B of reading it in place")
     ap.add_argument("--out", default=None, help="also write the log here")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,6 +284,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --smoke)")
         return 0
     K._RNN_W_RESIDENT = not args.w_reload
+    K._RNN_W_IN_PLACE = not args.w_copy
     lines = []
 
     def log(s=""):

@@ -96,6 +96,58 @@ def test_grouped_contraction_reads_the_steps_in_place(precision, splits):
     assert_close(K.projection_mm(a, b), a2.double() @ b2.double(), name="projection_mm", rtol=0, atol=1e-2 * scale)
 
 
+@pytest.mark.parametrize("precision", MM.PRECISIONS)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_many_products_in_one_launch_against_float64(precision, splits):
+    """``mm_many``: three products of different shapes in one launch, one with a bias, one grouped and
+    read in place, one with its ``a``'s row sums; each split along K (its partials then summed by the
+    second launch) or not; each against its own float64 product, the row sums against float64 sums;
+    the first also fills a tensor of its shape with a bit pattern (a persistent loop's flags)."""
+    g = torch.Generator().manual_seed(11)
+    a0, b0, bias0 = _operands(37, 70, 45, False, g, DEVICE)
+    x = torch.randn(5, 9, 20, generator=g).to(DEVICE)
+    a1, b1 = x[:, 1:].permute(2, 0, 1), torch.randn(5, 9, 13, generator=g).to(DEVICE)[:, :-1]  # [20, 5, 8] @ [5, 8, 13]
+    a2, b2, _ = _operands(70, 33, 9, True, g, DEVICE)
+    flags = torch.zeros(37, 45, dtype=torch.int32, device=DEVICE)
+    got = MM.mm_many([MM.Product(a0, b0, bias0, fill=flags, fill_value=0x7F800001), MM.Product(a1, b1),
+                      MM.Product(a2, b2, row_sums=True)], precision, backend=BACKEND, splits=splits)
+    assert (flags == 0x7F800001).all(), "fill: every element of the product's shape written"
+    a1_2d, b1_2d = x[:, 1:].reshape(-1, 20).t(), b1.reshape(-1, 13)
+    for i, ((out, rs), (a, b, bias), k) in enumerate(zip(got, [(a0, b0, bias0), (a1_2d, b1_2d, None), (a2, b2, None)],
+                                                         [70, 40, 33])):
+        want = _truth(a, b, bias, precision)
+        assert out.shape == want.shape and out.dtype == torch.float32 and out.is_contiguous()
+        scale = (a.abs().double() @ b.abs().double()).max().item()
+        assert_close(out, want, name=f"product {i}", rtol=0, atol=8 * 2**-24 * scale * k**0.5)
+        if i < 2:
+            assert rs is None
+    rs = got[2][1]
+    assert rs.shape == (70,) and rs.dtype == torch.float32
+    assert_close(rs, a2.double().sum(1), name="row sums", rtol=0, atol=8 * 2**-24 * a2.abs().double().sum(1).max().item())
+
+
+def test_many_products_bad_inputs_and_empty_ones():
+    x, y = torch.randn(3, 5), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"products must hold 1 to 3 Product, got 4"):
+        MM.mm_many([MM.Product(x, y)] * 4)
+    with pytest.raises(ValueError, match=r"products must hold 1 to 3 Product, got 0"):
+        MM.mm_many([])
+    with pytest.raises(TypeError, match="products must be Product tuples, got tuple"):
+        MM.mm_many([(x, y)])
+    with pytest.raises(TypeError, match=r"mm_many: a must be float32, got torch.float64"):
+        MM.mm_many([MM.Product(x, y), MM.Product(x.double(), y)])
+    for bad in (torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match=r"fill must be a contiguous int32 \[3, 4\], got"):
+            MM.mm_many([MM.Product(x, y, fill=bad)])
+    # an empty contraction beside a real one: zeros (and zero row sums) for it, the other computed
+    e, flags = torch.randn(3, 0, device=DEVICE), torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
+    (z, zs), (p, _) = MM.mm_many([MM.Product(e, torch.randn(0, 4, device=DEVICE), row_sums=True, fill=flags, fill_value=7),
+                                  MM.Product(x.to(DEVICE), y.to(DEVICE))], "ieee", backend=BACKEND)
+    assert torch.equal(z, torch.zeros(3, 4, device=DEVICE)) and torch.equal(zs, torch.zeros(3, device=DEVICE))
+    assert (flags == 7).all()
+    assert_close(p, x.double() @ y.double(), name="beside an empty one", rtol=0, atol=1e-5)
+
+
 def test_tf32_products_differ_from_exact_ones():
     """The "tf32" kernel rounds its operands to the nearest TF32 (1 + 3·2⁻¹², three quarters of a TF32
     step, becomes 1 + 2⁻¹⁰; truncation would give 1), and "ieee" multiplies exactly."""
@@ -138,6 +190,52 @@ def test_recurrent_mm_operator_under_opcheck():
     a, b, bias = torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(4, generator=g)
     torch.library.opcheck(torch.ops.torchloom.recurrent_mm.default, (a, b, bias))
     torch.library.opcheck(torch.ops.torchloom.recurrent_mm.default, (a, b, None))
+
+
+def _recurrent_case(B, T, I, H, gates, g):
+    g_pre = torch.randn(B, T, gates * H, generator=g).to(DEVICE)
+    x = torch.randn(B, I, T, generator=g).to(DEVICE).transpose(1, 2)  # a strided input, as a user's may be
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE)
+    w_ih = torch.randn(gates * H, I, generator=g).to(DEVICE)
+    return g_pre, x, hidden, w_ih
+
+
+@pytest.mark.parametrize("gates", [1, 4], ids=["rnn", "lstm"])
+@pytest.mark.parametrize("precision", [None, "ieee", "tf32"], ids=["cublas", "ieee", "tf32"])
+@pytest.mark.parametrize("has_bias,needs_input_grad", [(True, True), (False, False)])
+def test_recurrent_grads_against_float64(gates, precision, has_bias, needs_input_grad, monkeypatch):
+    """``layers.rnn.recurrent_grads``, the products after a recurrent layer's time loop, against their
+    float64 definitions: ``dx = gPre W_ih``, ``dW_ih = Σ_t gPre_tᵀ x_t``, ``dW_hh = Σ_{t ≥ 1} gPre_tᵀ
+    h_{t−1}``, ``db = Σ gPre``; through cuBLAS / PyTorch (``gemm_precision`` None) or in one
+    ``mm_many`` launch (the precision forced, the kernel run by Triton's interpreter on the CPU)."""
+    from torchloom.layers.rnn import recurrent_grads
+
+    monkeypatch.setattr(K, "gemm_precision", lambda a, b, backend: precision)
+    g_pre, x, hidden, w_ih = _recurrent_case(3, 7, 10, 6, gates, torch.Generator().manual_seed(gates))
+    dx, dw_ih, dw_hh, db = recurrent_grads(g_pre, x, hidden, w_ih, has_bias, needs_input_grad,
+                                           BACKEND if precision else None)
+    rd = (lambda t: MM.round_tf32_ref(t).double()) if precision == "tf32" else (lambda t: t.double())
+    gd, xd, hd = rd(g_pre), rd(x), rd(hidden)
+    want = {"dW_ih": torch.einsum("btg,bti->gi", gd, xd), "dW_hh": torch.einsum("btg,bth->gh", gd[:, 1:], hd[:, :-1])}
+    got = {"dW_ih": dw_ih, "dW_hh": dw_hh}
+    if needs_input_grad:
+        want["dx"], got["dx"] = gd @ rd(w_ih), dx
+    else:
+        assert dx is None
+    if has_bias:
+        want["db"], got["db"] = g_pre.double().sum((0, 1)), db  # the bias gradient: unrounded sums
+    else:
+        assert db is None
+    for name, w in want.items():
+        assert got[name].shape == w.shape and got[name].dtype == torch.float32, name
+        assert_close(got[name], w, name=name, rtol=0, atol=1e-5 * w.abs().max().item())
+
+
+def test_recurrent_grads_operator_under_opcheck():
+    g_pre, x, hidden, w_ih = _recurrent_case(2, 5, 4, 3, 4, torch.Generator().manual_seed(0))
+    g_pre, x, hidden, w_ih = (t.cpu() for t in (g_pre, x, hidden, w_ih))
+    for flags in ((True, True), (False, False), (True, False)):
+        torch.library.opcheck(torch.ops.torchloom.recurrent_grads.default, (g_pre, x, hidden, w_ih, *flags))
 
 
 _CUBLAS_CASES = r"""
@@ -239,8 +337,9 @@ def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not(monkeyp
 def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls):
     """With PyTorch's default switches an RNN/LSTM step computes in TF32 throughout, as cuDNN's: its
     gradients equal a step with cuBLAS's TF32 on too (both switches agreeing) to TF32's error, and
-    differ from the exact step by more than fp32's; compiled, the projections are
-    ``torchloom.recurrent_mm`` and the numbers equal eager's."""
+    differ from the exact step by more than fp32's; compiled, the projection is in
+    ``torchloom.rnn_forward`` / is ``torchloom.recurrent_mm``, the backward's products ``torchloom.recurrent_grads``, and the numbers
+    equal eager's."""
     torch.manual_seed(0)
     layer = cls(256, 256, device="cuda")
     x, gy = torch.randn(64, 16, 256, device="cuda"), torch.randn(64, 16, 256, device="cuda")
@@ -266,7 +365,9 @@ def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
     targets = {n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert torch.ops.torchloom.recurrent_mm.default in targets
+    projection = torch.ops.torchloom.rnn_forward.default if cls is RNN else torch.ops.torchloom.recurrent_mm.default
+    assert projection in targets  # the RNN's forward operator computes its projection itself
+    assert torch.ops.torchloom.recurrent_grads.default in targets  # the backward's products after the loop
     for got, e, t, c in zip(ours, exact, all_tf32, compiled_grads):
         scale = e.abs().max().item()
         assert_close(got, t, name="TF32 vs cuBLAS TF32", rtol=0, atol=2e-2 * scale)

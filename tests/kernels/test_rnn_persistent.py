@@ -262,14 +262,16 @@ def test_the_wider_tiles_of_large_grids(bb, bn, bk):
     _check_both_loops(B, T, H, st)
 
 
-@pytest.mark.parametrize("resident", [True, False], ids=["held", "re-read"])
-def test_w_held_across_the_loop_or_re_read(resident, monkeypatch):
+@pytest.mark.parametrize("resident,in_place", [(True, True), (True, False), (False, True)],
+                         ids=["held-in-place", "held-copy", "re-read"])
+def test_w_held_across_the_loop_or_re_read(resident, in_place, monkeypatch):
     """One column tile and one K chunk covering H: the program's slice of W_hh is loaded once and held
-    across the loop (``W_RESIDENT``), or re-read every step; forward and backward against the float64
-    reference loops either way."""
+    across the loop (``W_RESIDENT``; the forward's W_hhᵀ read in place, or from a row-major copy), or
+    re-read every step; forward and backward against the float64 reference loops either way."""
     B, T, H = 20, 4, 24
     st = K.RNNLoopSettings(block_b=16, block_n=32, block_k=32, col_tiles=1, col_programs=1, num_warps=4)
     monkeypatch.setattr(K, "_RNN_W_RESIDENT", resident)
+    monkeypatch.setattr(K, "_RNN_W_IN_PLACE", in_place)
     assert K._w_resident(st, H, torch.float32) is resident
     _check_both_loops(B, T, H, st)
     # a slice too large to hold in registers is re-read whatever the switch says
@@ -320,29 +322,32 @@ def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch)
     assert len(calls) == 1
 
 
-def test_rnn_loop_operators_under_opcheck():
-    """``torchloom::rnn_loop`` / ``rnn_loop_backward`` (the persistent loops as opaque operators, which a
-    compiled RNN calls where the kernel applies): ``torch.library.opcheck`` passes (schema, fake
-    tensors, the declared mutation: the forward writes the pre-activations into ``proj``, also one
-    of another layout, and nothing else), and the values are those of the reference loops in float64."""
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas-projection", "fp32_matmul-projection"])
+def test_rnn_forward_operators_under_opcheck(fused, monkeypatch):
+    """``torchloom::rnn_forward`` / ``rnn_loop_backward`` (the RNN's forward from its input, and its
+    backward loop, as opaque operators, which a compiled RNN calls where the kernel applies):
+    ``torch.library.opcheck`` passes (schema, fake tensors, no input written), and the values are those
+    of the float64 projection and reference loops. ``fused``: the projection is ``fp32_matmul``'s, which
+    also writes the loop's sentinel flags (forced here; on CPU the interpreter runs both kernels)."""
+    if fused:
+        monkeypatch.setattr(K, "gemm_precision", lambda a, b, backend: "ieee")
     torch.manual_seed(0)
-    B, T, H = 3, 4, 5
-    proj, g = torch.randn(B, T, H), torch.randn(B, T, H)
+    B, T, I, H = 3, 4, 6, 5
+    x2, w_ih_t, bias, g = torch.randn(B * T, I), torch.randn(I, H) * 0.4, torch.randn(H), torch.randn(B, T, H)
     w_hh = torch.randn(H, H) * 0.4
-    torch.library.opcheck(torch.ops.torchloom.rnn_loop.default, (proj.clone(), w_hh, "triton"))
-    pre_ref, hidden_ref = proj.double(), torch.empty(B, T, H, dtype=torch.float64, device=proj.device)
-    w_before = w_hh.clone()
-    strided = torch.empty(T, B, H).transpose(0, 1).copy_(proj)
-    for pre in (proj, strided):
-        hidden = torch.ops.torchloom.rnn_loop(pre, w_hh, "triton")  # the kernel (on CPU: the interpreter)
-        assert hidden.is_contiguous() and torch.equal(w_hh, w_before)
+    for b in (bias, None):
+        torch.library.opcheck(torch.ops.torchloom.rnn_forward.default, (x2, w_ih_t, b, w_hh, B, T, "triton"))
+    before = [t.clone() for t in (x2, w_ih_t, bias, w_hh)]
+    pre, hidden = torch.ops.torchloom.rnn_forward(x2, w_ih_t, bias, w_hh, B, T, "triton")
+    assert all(torch.equal(t, u) for t, u in zip((x2, w_ih_t, bias, w_hh), before))
+    assert pre.shape == hidden.shape == (B, T, H) and pre.is_contiguous() and hidden.is_contiguous()
+    pre_ref = (x2.double() @ w_ih_t.double() + bias.double()).view(B, T, H)
+    hidden_ref = torch.empty(B, T, H, dtype=torch.float64, device=pre.device)
     K.rnn_forward_loop_ref(pre_ref, w_hh.double(), hidden_ref)
     assert_close(hidden, hidden_ref.float(), name="hidden", rtol=1e-5, atol=1e-6)
-    assert_close(proj, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
-    assert_close(strided, pre_ref.float(), name="pre (strided proj)", rtol=1e-5, atol=1e-6)
-    pre = proj
+    assert_close(pre, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.torchloom.rnn_loop_backward.default, (g, w_hh, hidden, "triton"))
     g_pre = torch.ops.torchloom.rnn_loop_backward(g, w_hh, hidden, "triton")
     g_ref = (1 - hidden.double() ** 2)
-    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g_ref, torch.empty(B, H, dtype=torch.float64, device=proj.device))
+    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g_ref, torch.empty(B, H, dtype=torch.float64, device=g.device))
     assert_close(g_pre, g_ref.float(), name="gPre", rtol=1e-5, atol=1e-6)

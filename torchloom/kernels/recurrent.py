@@ -40,9 +40,10 @@ __all__ = [
     "lstm_cell", "lstm_cell_backward", "lstm_cell_ref", "lstm_cell_backward_ref",
     "rnn_forward_loop", "rnn_backward_loop", "rnn_forward_loop_ref", "rnn_backward_loop_ref", "rnn_loop_uses_triton",
     "lstm_cell_values", "lstm_cell_backward_values", "lstm_forward_loop_unrolled", "lstm_backward_loop_unrolled",
-    "rnn_forward_loop_traced", "rnn_backward_loop_traced",
+    "rnn_forward_traced", "rnn_backward_loop_traced", "rnn_projected_forward",
     "lstm_forward_loop", "lstm_backward_loop", "lstm_forward_loop_steps", "lstm_backward_loop_steps",
     "lstm_loop_uses_triton", "lstm_forward_loop_traced", "lstm_backward_loop_traced", "projection_mm",
+    "gemm_precision", "compiled_fp32",
 ]
 
 
@@ -326,6 +327,7 @@ _cooperative = [True]  # cleared when this Triton does not know ``launch_coopera
 USE_PERSISTENT_RNN = True  # False: the RNN runs the CUDA-graphed cuBLAS loop (the benchmark's baseline)
 _FP32_PRODUCT = "ieee"  # tl.dot's input_precision for fp32 without TF32 (the benchmark also times "tf32x3")
 _RNN_W_RESIDENT = True  # W_hh's slice held in registers across the loop where one K chunk covers H (the benchmark's A/B)
+_RNN_W_IN_PLACE = True  # that slice read from W_hh's own layout (False: from a row-major copy; the benchmark's A/B)
 _RNN_MAX_HIDDEN = 1024  # larger H: one step's product fills the GPU well enough through cuBLAS
 _SPIN_LIMIT = 1 << 20  # polls per wait (~0.5 µs each): siblings are one step (µs) away, not half a second
 # Signalling NaNs (exponent all ones, mantissa 1), as the integers of the same width.
@@ -359,13 +361,24 @@ def _wait_state(S, rows, rm, s_sb, k, K, BLOCK_K: tl.constexpr, SENTINEL: tl.con
 
 
 @jit
-def _chunk_dot(acc, s, w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc + s @ w`` on tensor cores or fp32 FMA (``PRECISION``, see the section note)."""
+def _chunk_dot(acc, s, w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, W_ROUNDED: tl.constexpr = False):
+    """``acc + s @ w`` on tensor cores or fp32 FMA (``PRECISION``, see the section note); ``W_ROUNDED``:
+    ``w`` already rounded for it (``_round_w``)."""
     if DOT_F32:  # the interpreter multiplies bfloat16's raw bits (numpy has no bfloat16)
         s, w = s.to(tl.float32), w.to(tl.float32)
     if PRECISION == "tf32":  # rounded operands: 1.2× the error of cuDNN's TF32 on an H100, unrounded 2.5×
-        s, w = _round_tf32(s), _round_tf32(w)
+        s = _round_tf32(s)
+        if not W_ROUNDED:
+            w = _round_tf32(w)
     return tl.dot(s, w, acc, input_precision=PRECISION)
+
+
+@jit
+def _round_w(w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """A weight slice held across the loop, rounded once as ``_chunk_dot`` would round it every step."""
+    if PRECISION == "tf32" and not DOT_F32:
+        w = _round_tf32(w)
+    return w
 
 
 @jit
@@ -384,23 +397,27 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
 @jit
 def _rnn_loop_kernel(
     OUT, IN, AUX, W,
-    s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk,
+    s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn,
     B, T, H,
     BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
     BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr,
 ):
     """Forward: ``IN`` = pre (updated in place), ``OUT`` = hidden, ``W`` = W_hhᵀ. Backward: ``IN`` =
-    gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` row-major (row stride ``s_wk``).
-    ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry. ``W_RESIDENT`` (one column tile per
-    program, one K chunk covering H): the program's slice of W is loaded once, before the loop."""
+    gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` with strides ``s_wk, s_wn``
+    (``s_wn = 1`` unless ``W_RESIDENT``). ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry.
+    ``W_RESIDENT`` (one column tile per program, one K chunk covering H): the program's slice of W is
+    loaded once, before the loop, in any layout (the forward reads W_hh's transpose in place), and
+    rounded once for TF32 products."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rm = rows < B
     rows = rows.to(tl.int64)
     if W_RESIDENT:
         wc = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         wk = tl.arange(0, BLOCK_K)
-        w_slice = tl.load(W + wk[:, None] * s_wk + wc[None, :], mask=(wk < H)[:, None] & (wc < H)[None, :], other=0.0)
+        w_slice = tl.load(W + wk[:, None] * s_wk + wc[None, :] * s_wn, mask=(wk < H)[:, None] & (wc < H)[None, :],
+                          other=0.0)
+        w_slice = _round_w(w_slice, PRECISION, DOT_F32)
     for i in range(T):
         if BACKWARD:
             t = T - 1 - i
@@ -419,7 +436,7 @@ def _rnn_loop_kernel(
             if i > 0:
                 if W_RESIDENT:
                     s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
-                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32)
+                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, not DOT_F32)
                 else:
                     for k in range(0, H, BLOCK_K):
                         acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
@@ -504,27 +521,44 @@ def _tf32_capable(t: Tensor) -> bool:
     return tf32_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def gemm_precision(a: Tensor, b: Tensor, backend: str | None) -> str | None:
+    """The product precision (``"tf32"`` / ``"ieee"``) in which ``fp32_matmul`` computes a recurrent
+    layer's product of ``a`` and ``b``: float32 on a CUDA GPU with TF32 where PyTorch's RNN switch and
+    cuBLAS's (``torch.backends.cuda.matmul``) disagree; None where cuBLAS computes it (anything else,
+    and ``backend="reference"``)."""
+    if not (a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and backend != "reference"):
+        return None
+    if not use_triton(a, None, (torch.float32,)) or not _tf32_capable(a):
+        return None
+    tf32 = _rnn_allows_tf32()
+    return None if tf32 == cublas_allows_tf32() else ("tf32" if tf32 else "ieee")
+
+
+def compiled_fp32(a: Tensor, b: Tensor, backend: str | None) -> bool:
+    """Whether a recurrent product of ``a`` and ``b`` is traced as one of the opaque operators
+    (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads`` in ``layers.rnn``), which choose
+    cuBLAS or ``fp32_matmul`` at run time: float32 on CUDA under ``torch.compile`` (not ``backend="reference"``)."""
+    return (torch.compiler.is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
+            and backend != "reference")
+
+
 def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                   backend: str | None = None) -> Tensor:
     """``a @ b (+ bias)`` (``[M, K] @ [K, N]``, or ``[M, G, K] @ [G, K, N]`` summed over ``G`` and ``K``:
-    ``fp32_matmul.mm``'s forms) for the recurrent layers' input projections, input gradients and
-    weight gradients, in the precision cuDNN's RNN would compute them in (it computes the
-    whole layer, projections included, under ``torch.backends.cudnn.rnn``'s switch): float32 on CUDA
-    where that switch and cuBLAS's (``torch.backends.cuda.matmul``) disagree on a GPU with TF32 →
-    ``fp32_matmul.mm`` in the RNN switch's precision ("tf32" / "ieee"); anything else, and
-    ``backend="reference"`` → cuBLAS (``torch.mm`` / ``addmm``, into ``out`` when given). Under
-    ``torch.compile`` a float32 CUDA product is the opaque ``torchloom::recurrent_mm``, which decides
-    the same at run time."""
-    fp32_cuda = a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and backend != "reference"
-    if fp32_cuda and torch.compiler.is_compiling() and out is None:
+    ``fp32_matmul.mm``'s forms) for the recurrent layers' input projections, in the precision cuDNN's
+    RNN would compute them in (it computes the whole layer, projections included, under
+    ``torch.backends.cudnn.rnn``'s switch): ``fp32_matmul.mm`` where ``gemm_precision`` names one (float32
+    on CUDA where that switch and cuBLAS's disagree), else cuBLAS (``torch.mm`` / ``addmm``, into ``out``
+    when given). Under ``torch.compile`` a float32 CUDA product is the opaque ``torchloom::recurrent_mm``,
+    which decides the same at run time."""
+    if out is None and compiled_fp32(a, b, backend):
         return _RECURRENT_MM(a, b, bias)
-    if fp32_cuda and use_triton(a, None, (torch.float32,)) and _tf32_capable(a):
-        tf32 = _rnn_allows_tf32()
-        if tf32 != cublas_allows_tf32():
-            from . import fp32_matmul
+    precision = gemm_precision(a, b, backend)
+    if precision is not None:
+        from . import fp32_matmul
 
-            r = fp32_matmul.mm(a, b, "tf32" if tf32 else "ieee", bias)
-            return r if out is None else out.copy_(r)
+        r = fp32_matmul.mm(a, b, precision, bias)
+        return r if out is None else out.copy_(r)
     a, b = a.reshape(a.shape[0], -1), b.reshape(-1, b.shape[-1])  # [M, G, K]: a copy, as the rows need
     if out is None:
         return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
@@ -559,28 +593,30 @@ def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None
 
 
 def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool,
-                     settings: RNNLoopSettings | None = None) -> None:
+                     settings: RNNLoopSettings | None = None, filled: bool = False) -> None:
     """One launch of ``_rnn_loop_kernel`` (``settings``: the benchmark's sweep, else
-    ``_rnn_loop_settings``), after filling ``out`` with the sentinel."""
+    ``_rnn_loop_settings``), after filling ``out`` with the sentinel (``filled``: it holds it already)."""
     B, T, H = out.shape
     for name, t in (("output", out), ("input", inp), ("aux", aux)):
         if t.shape != out.shape or t.stride(-1) != 1:
             raise ValueError(f"RNN loop: {name} must be [B, T, H] = {list(out.shape)} with unit last stride, "
                              f"got {list(t.shape)} strides {t.stride()}")
     st = settings or _rnn_loop_settings(out, B, H)
-    sentinel, int_dtype = _SENTINEL[out.dtype]
-    out.view(int_dtype).fill_(sentinel)  # a view of the same bytes (unit last stride), whatever the strides
-    # Row-major K × N: forward multiplies by W_hhᵀ, backward by W_hh. A transposed tile costs the fp32
-    # FMA product a layout change every step (forward 2.4× the backward's time on an H100); the copy
-    # costs a few µs once.
-    w = weight_hh.contiguous() if backward else weight_hh.t().contiguous()
+    if not filled:
+        sentinel, int_dtype = _SENTINEL[out.dtype]
+        out.view(int_dtype).fill_(sentinel)  # a view of the same bytes (unit last stride), whatever the strides
+    # K × N: forward multiplies by W_hhᵀ, backward by W_hh (``_w_in_place``: read where it lies, else
+    # from a row-major copy).
+    w = weight_hh if backward else weight_hh.t()
+    if not _w_in_place(st, H, out):
+        w = w.contiguous()
     launch = _rnn_loop_kernel[(-(-B // st.block_b), st.col_programs)]
     args = (
         out, inp, aux, w,
-        out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0),
+        out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0), w.stride(1),
         B, T, H,
     )
-    resident = _w_resident(st, H, w.dtype)
+    resident = _w_resident(st, H, out.dtype)
     _cooperative_launch(launch, args, dict(_loop_constants(out, st, backward), W_RESIDENT=resident), out.is_cuda)
 
 
@@ -590,6 +626,17 @@ def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
     16 × 16 tiles, 256 × 16 × 4 bytes); a larger one would spill."""
     return (_RNN_W_RESIDENT and st.col_tiles == 1 and st.block_k >= hidden
             and st.block_k * st.block_n * dtype.itemsize <= 16384)
+
+
+def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor) -> bool:
+    """Whether ``_rnn_loop_kernel`` reads W_hh (or its transpose) where it lies rather than from a
+    row-major copy: where it holds the slice across the loop (``_w_resident``) and multiplies on
+    tensor cores (TF32, half inputs; the interpreter alike), which take it in any layout at the same
+    speed (the forward's copy cost a launch: 0.328 vs 0.329 ms for the TF32 loops at 64 × 64 × 256 on
+    an H200). fp32 FMA products ("ieee") on CUDA read the copy: a transposed tile cost them a layout
+    change every step (0.647 vs 0.419 ms there; 2.4× the backward's time on an H100 re-reading W)."""
+    fma = out.is_cuda and out.dtype == torch.float32 and _dot_precision(out) != "tf32"
+    return _RNN_W_IN_PLACE and _w_resident(st, hidden, out.dtype) and not fma
 
 
 def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool) -> dict:
@@ -656,14 +703,41 @@ def _launch_or_fallback(layer: str, flags: Tensor, hidden: int, launch: Callable
         return False
 
 
-def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> None:
+def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None,
+                     filled: bool = False) -> None:
     """The RNN's forward loop (``rnn_forward_loop_ref``) in one launch of ``_rnn_loop_kernel`` where
     ``rnn_loop_uses_triton``, else the reference. ``pre`` (updated in place) and ``hidden``
-    ``[B, T, H]`` with unit last stride."""
+    ``[B, T, H]`` with unit last stride; ``filled``: ``hidden`` holds the kernel's sentinel already."""
     B, _, H = pre.shape
     if not rnn_loop_uses_triton(pre, B, H, backend) or not _launch_or_fallback(
-            "RNN", hidden, H, lambda: _launch_rnn_loop(hidden, pre, pre, weight_hh, False)):
+            "RNN", hidden, H, lambda: _launch_rnn_loop(hidden, pre, pre, weight_hh, False, filled=filled)):
         rnn_forward_loop_ref(pre, weight_hh, hidden)
+
+
+def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int,
+                          steps: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """The RNN's forward from its input: ``pre = x2 @ w_ih_t (+ bias)`` (``x2 [B·T, I]``, ``w_ih_t
+    [I, H]``: ``projection_mm``) viewed ``[B, T, H]`` (``batch``, ``steps``), then ``rnn_forward_loop``
+    → ``(pre, hidden)``,
+    fresh ``[B, T, H]`` tensors. Where the product is ``fp32_matmul``'s (``gemm_precision``) and the loop
+    the kernel's, the product also writes the loop's sentinel over ``hidden`` (``Product.fill``): one
+    launch fewer."""
+    H, T = w_ih_t.shape[1], steps
+    precision = gemm_precision(x2, w_ih_t, backend)
+    if precision is not None and rnn_loop_uses_triton(x2, batch, H, backend):
+        from .fp32_matmul import Product, mm_many
+
+        hidden = x2.new_empty(batch, T, H)
+        sentinel, int_dtype = _SENTINEL[hidden.dtype]
+        flags = hidden.view(int_dtype).view(-1, H)
+        (pre, _), = mm_many([Product(x2, w_ih_t, bias, fill=flags, fill_value=sentinel)], precision, backend)
+        pre = pre.view(batch, T, H)
+        rnn_forward_loop(pre, weight_hh, hidden, backend, filled=True)
+        return pre, hidden
+    pre = projection_mm(x2, w_ih_t, bias, backend=backend).view(batch, T, H)
+    hidden = torch.empty_like(pre)
+    rnn_forward_loop(pre, weight_hh, hidden, backend)
+    return pre, hidden
 
 
 def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre: Tensor, backend: str | None = None) -> None:
@@ -945,13 +1019,10 @@ def _in_place(proj: Tensor, loop: Callable[[Tensor], Tensor | tuple[Tensor, ...]
     return out
 
 
-def _rnn_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
-    def loop(pre):
-        hidden = torch.empty_like(pre)
-        rnn_forward_loop(pre, weight_hh, hidden, backend)
-        return hidden
-
-    return _in_place(proj, loop)
+def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
+                       backend: str | None) -> tuple[Tensor, Tensor]:
+    with torch.autocast(x2.device.type, enabled=False):  # as ``_recurrent_mm_eager``
+        return rnn_projected_forward(x2, w_ih_t, bias, weight_hh, batch, steps, backend)
 
 
 def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
@@ -979,15 +1050,21 @@ def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weigh
 
 
 def _register_loop_ops():
-    """The persistent loops as opaque operators with fresh (contiguous) outputs: ``((rnn_loop,
-    rnn_loop_backward), (lstm_loop, lstm_loop_backward))``. The forward loops are declared to write
+    """The persistent loops as opaque operators with fresh (contiguous) outputs: ``((rnn_forward,
+    rnn_loop_backward), (lstm_loop, lstm_loop_backward))``. The RNN's forward operator takes the input
+    and computes the projection itself (``rnn_projected_forward``: the projection also writes the loop's
+    sentinel flags, where it is ``fp32_matmul``'s). The LSTM's forward loop is declared to write
     ``proj`` (the input projections become the pre-activations in place, as eagerly): Inductor then
-    lets them write the projection's own buffer, which nothing else reads, where a copy of it cost a
-    4 / 16 MB device copy per compiled RNN / LSTM step at B = 64, T = 64, H = 256 in float32."""
+    lets it write the projection's own buffer, which nothing else reads, where a copy of it cost a
+    16 MB device copy per compiled LSTM step at B = 64, T = 64, H = 256 in float32."""
     op = lambda name, fn, mutates=(): torch.library.custom_op(f"torchloom::{name}", fn, mutates_args=mutates)  # noqa: E731
-    rnn = op("rnn_loop", _rnn_loop_eager, ("proj",)), op("rnn_loop_backward", _rnn_loop_backward_eager)
+    rnn = op("rnn_forward", _rnn_forward_eager), op("rnn_loop_backward", _rnn_loop_backward_eager)
     lstm = op("lstm_loop", _lstm_loop_eager, ("proj",)), op("lstm_loop_backward", _lstm_loop_backward_eager)
-    rnn[0].register_fake(lambda proj, weight_hh, backend: proj.new_empty(proj.shape))
+
+    def rnn_fake(x2, w_ih_t, bias, weight_hh, batch, steps, backend):
+        return x2.new_empty(batch, steps, w_ih_t.shape[1]), x2.new_empty(batch, steps, w_ih_t.shape[1])
+
+    rnn[0].register_fake(rnn_fake)
     rnn[1].register_fake(lambda grad_out, weight_hh, hidden, backend: hidden.new_empty(hidden.shape))
 
     def lstm_fake(proj, weight_hh, backend):
@@ -1002,12 +1079,12 @@ def _register_loop_ops():
 _RNN_OPS, _LSTM_OPS = _register_loop_ops()
 
 
-def rnn_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """The RNN's forward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``): one call of
-    the opaque ``torchloom::rnn_loop`` — the persistent kernel, launched cooperatively at run time —
-    ``proj [B, T, H]`` (input projections and bias) → ``(pre, hidden [B, T, H])``, ``pre`` being
-    ``proj`` itself, written."""
-    return proj, _RNN_OPS[0](proj, weight_hh, backend)
+def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
+                       backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """The RNN's forward for ``torch.compile`` (where ``rnn_loop_uses_triton``): one call of the opaque
+    ``torchloom::rnn_forward`` — ``rnn_projected_forward``: the input projection, then the persistent
+    kernel launched cooperatively at run time — ``x2 [B·T, I]`` → ``(pre, hidden [B, T, H])``."""
+    return _RNN_OPS[0](x2, w_ih_t, bias, weight_hh, batch, steps, backend)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:

@@ -38,8 +38,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import column_sum, autocast_off, forbid_double_backward
-from .rnn import RecurrentLayer, autocast_recurrent_forward
+from .base import autocast_off, forbid_double_backward
+from .rnn import RecurrentLayer, autocast_recurrent_forward, recurrent_grads
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
 
@@ -157,11 +157,7 @@ def lstm_backward(
         g_pre = torch.empty_like(pre)
         K.lstm_backward_loop(grad_out, pre, cell, weight_hh, g_pre, backend)
 
-    g2 = g_pre.reshape(B * T, 4 * H)
-    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I), backend=backend)
-    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
-    grad_b = column_sum(g2) if has_bias else None
-    grad_x = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
+    grad_x, grad_w_ih, grad_w_hh, grad_b = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, backend)
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
         grad_b = None if grad_b is None else grad_b.to(param_dtype)

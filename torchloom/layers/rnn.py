@@ -85,8 +85,7 @@ def rnn_forward(
     w_ih_t = weight_ih.t()
     K = _kernels()
     if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
-        proj = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, H)
-        pre, hidden = K.rnn_forward_loop_traced(proj, weight_hh, backend)
+        pre, hidden = K.rnn_forward_traced(x2, w_ih_t, bias, weight_hh, B, T, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
         buf = entry["buffers"]
@@ -98,9 +97,7 @@ def rnn_forward(
         graph.replay()
         pre, hidden = buf["pre"].clone(), buf["hidden"].clone()
     else:
-        pre = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, H)
-        hidden = torch.empty_like(pre)
-        K.rnn_forward_loop(pre, weight_hh, hidden, backend)
+        pre, hidden = K.rnn_projected_forward(x2, w_ih_t, bias, weight_hh, B, T, backend)
     return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
 
 
@@ -156,15 +153,70 @@ def rnn_backward(
     else:
         g_pre = torch.empty_like(hidden)
         K.rnn_backward_loop(grad_out, weight_hh, hidden, g_pre, backend)
-    g2 = g_pre.reshape(B * T, H)
-    grad_w_ih = K.projection_mm(g2.t(), x.reshape(B * T, I), backend=backend)
-    grad_w_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
-    grad_b = column_sum(g2) if has_bias else None
-    grad_x = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
+    grad_x, grad_w_ih, grad_w_hh, grad_b = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, backend)
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
         grad_b = None if grad_b is None else grad_b.to(param_dtype)
     return grad_x, (grad_w_ih, grad_w_hh, grad_b)
+
+
+def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                    needs_input_grad: bool = True, backend: str | None = None
+                    ) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
+    """The products of a recurrent layer's backward after its time loop, from ``gPre [B, T, G]``
+    (``G = H`` for the RNN, ``4H`` for the LSTM), the input ``x [B, T, I]``, the hidden states
+    ``hidden [B, T, H]`` and ``weight_ih [G, I]``: ``(dx [B, T, I] or None, dW_ih = Σ_t gPre_tᵀ x_t
+    [G, I], dW_hh = Σ_{t ≥ 1} gPre_tᵀ h_{t−1} [G, H], db = Σ_{b,t} gPre_t [G] or None)``, fresh tensors in
+    ``g_pre``'s dtype, computed in the precision of ``kernels.recurrent.projection_mm``. Where ``gemm_precision`` picks
+    ``fp32_matmul``: one launch for all of them (``kernels.fp32_matmul.mm_many``; ``db`` as the row sums of
+    ``dW_ih``'s operand) and one summing their K splits, where cuBLAS and a column sum took seven;
+    elsewhere cuBLAS and ``column_sum``. Under ``torch.compile`` a float32 CUDA backward calls the
+    opaque ``torchloom::recurrent_grads``, which decides the same at run time."""
+    K = _kernels()
+    if K.compiled_fp32(g_pre, weight_ih, backend):
+        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
+        return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
+    B, T, G = g_pre.shape
+    I = x.shape[-1]
+    g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, I)
+    w_hh_operands = g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1]  # Σ over (b, t ≥ 1), read in place
+    precision = K.gemm_precision(g_pre, weight_ih, backend)
+    if precision is None:
+        dw_ih = K.projection_mm(g2.t(), x2, backend=backend)
+        dw_hh = K.projection_mm(*w_hh_operands, backend=backend)
+        db = column_sum(g2) if has_bias else None
+        dx = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
+        return dx, dw_ih, dw_hh, db
+    from ..kernels.fp32_matmul import Product, mm_many
+
+    products = [Product(g2.t(), x2, row_sums=has_bias), Product(*w_hh_operands)]
+    if needs_input_grad:
+        products.append(Product(g2, weight_ih))
+    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend)
+    return (dx[0][0].view(B, T, I) if dx else None), dw_ih, dw_hh, db
+
+
+def _recurrent_grads_eager(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                           needs_input_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    with torch.autocast(g_pre.device.type, enabled=False):  # as ``_recurrent_mm_eager``
+        dx, dw_ih, dw_hh, db = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
+    empty = g_pre.new_empty(0)  # an operator returns tensors: empty where the caller asked for none
+    return (empty if dx is None else dx), dw_ih, dw_hh, (empty.clone() if db is None else db)
+
+
+def _register_recurrent_grads():
+    op = torch.library.custom_op("torchloom::recurrent_grads", _recurrent_grads_eager, mutates_args=())
+
+    def fake(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad):
+        (B, T, G), I, H = g_pre.shape, x.shape[-1], hidden.shape[-1]
+        new = g_pre.new_empty
+        return new(B, T, I) if needs_input_grad else new(0), new(G, I), new(G, H), new(G) if has_bias else new(0)
+
+    op.register_fake(fake)
+    return op
+
+
+_RECURRENT_GRADS = _register_recurrent_grads()
 
 
 class RNNFunction(torch.autograd.Function):
