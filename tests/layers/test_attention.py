@@ -187,10 +187,15 @@ def test_rope_tables_under_a_dispatch_mode_are_neither_kept_nor_read(monkeypatch
 
 
 @pytest.mark.cuda
-def test_rope_tables_made_during_a_capture_are_not_kept(monkeypatch):
+def test_rope_tables_in_a_capture_kept_ones_read_and_pinned_others_not_kept(monkeypatch):
+    """A CUDA graph capture reads the tables kept for its stream (no sin/cos kernels in every replay)
+    and pins them: a later flood of the store never drops them, and a replay still computes with
+    them. Tables the store does not hold (another stream's, or none) are made in the capture and not
+    kept."""
     from torchloom.layers import attention as A
 
     monkeypatch.setattr(A, "_ROPE_CACHE", {})
+    monkeypatch.setattr(A, "_ROPE_PINNED", set())
     dev = torch.device("cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -198,16 +203,27 @@ def test_rope_tables_made_during_a_capture_are_not_kept(monkeypatch):
     assert A._ROPE_CACHE == {}
     cos, _ = A._rope_tables_kept(9, 4, 10.0, dev, torch.float32)
     assert torch.equal(cos, A.rope_tables(9, 4, 10.0, dev, torch.float32)[0]) and len(A._ROPE_CACHE) == 1
-    # nor read: a capture on the very stream that made kept tables gets tables from its own pool (the
-    # graph must not hold the address of tables a later drop from the store frees)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         kept, _ = A._rope_tables_kept(7, 4, 10.0, dev, torch.float32)
     torch.cuda.synchronize()
+    out = torch.empty(7, 2, device=dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         captured, _ = A._rope_tables_kept(7, 4, 10.0, dev, torch.float32)
-    assert captured is not kept
+        torch.mul(captured, 2.0, out=out)
+    assert captured is kept
+    key = (7, 4, 10.0, dev, torch.float32, side.stream_id)
+    assert A._ROPE_PINNED == {key}
+    # a budget for two pairs: filling it again drops every table but the pinned one
+    monkeypatch.setattr(A, "_ROPE_CACHE_BYTES", 2 * 2 * 14 * 4)
+    for theta in (1.0, 2.0, 3.0):
+        A._rope_tables_kept(7, 4, theta, dev, torch.float32)
+    assert key in A._ROPE_CACHE and A._ROPE_CACHE[key][0] is kept
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, 2.0 * A.rope_tables(7, 4, 10.0, dev, torch.float32)[0])
 
 
 def test_functional_matches_module_and_rejects_partial_biases():
