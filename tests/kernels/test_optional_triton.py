@@ -91,3 +91,34 @@ def test_everything_runs_on_references_without_triton():
         """
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_the_kernel_choice_traces_under_compile_without_a_warning(monkeypatch):
+    """``use_triton`` (with ``triton_available``) and the recurrent loops' SM count run while
+    ``torch.compile`` traces a CUDA layer: Dynamo must not trace through a ``functools.lru_cache``
+    function there, which it warns every user about ("Dynamo detected a call to a
+    `functools.lru_cache`-wrapped function"). The device's properties are stand-ins here."""
+    import types
+    import warnings
+
+    import torch
+
+    from torchloom.kernels import _triton
+    from torchloom.kernels import recurrent as K
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=7))
+    _triton.sm_count.cache_clear()
+
+    def fn(x):
+        x = x * (2.0 if _triton.triton_available() else 1.0) + (1.0 if _triton.use_triton(x) else 0.0)
+        return x * K._sm_count(0)
+
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(3))
+        assert torch.equal(out, fn(torch.ones(3)))
+    finally:
+        _triton.sm_count.cache_clear()  # the stand-in's answer must not outlive the test
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in caught]

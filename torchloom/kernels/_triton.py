@@ -42,9 +42,10 @@ BACKENDS = (None, "triton", "reference")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """True when the ``triton`` package imports (imported here, on the first question)."""
+    """True when the ``triton`` package imports (imported here, on the first question; then a lookup in
+    ``sys.modules``). No ``functools.lru_cache``: ``use_triton`` runs while ``torch.compile`` traces a
+    CUDA layer, and Dynamo warns the user about every cached function it traces through."""
     from ._tl import triton
 
     return triton is not None

@@ -33,7 +33,7 @@ from torch import Tensor
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, cublas_allows_tf32, tf32_capable, use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
-from ._triton import sm_count as _sm_count
+from ._triton import sm_count
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
 __all__ = [
@@ -322,6 +322,14 @@ def clear_graph_cache() -> None:
 # under cuBLAS's switch, ``torch.backends.cuda.matmul`` (default exact). Half inputs multiply on
 # tensor cores; everything accumulates in fp32 and is stored in the tensors' dtype.
 from typing import NamedTuple  # noqa: E402
+
+@torch.compiler.assume_constant_result
+def _sm_count(index: int) -> int:
+    """``_triton.sm_count``, which the loops' settings ask while ``torch.compile`` traces the layers:
+    marked constant, Dynamo calls it and keeps the answer (traced through, its ``functools.lru_cache``
+    drew a warning to the user from Dynamo on every compile)."""
+    return sm_count(index)
+
 
 _cooperative = [True]  # cleared when this Triton does not know ``launch_cooperative_grid``
 USE_PERSISTENT_RNN = True  # False: the RNN runs the CUDA-graphed cuBLAS loop (the benchmark's baseline)
