@@ -337,15 +337,17 @@ def test_rnn_forward_operators_under_opcheck(fused, monkeypatch):
     w_hh = torch.randn(H, H) * 0.4
     for b in (bias, None):
         torch.library.opcheck(torch.ops.torchloom.rnn_forward.default, (x2, w_ih_t, b, w_hh, B, T, "triton"))
-    before = [t.clone() for t in (x2, w_ih_t, bias, w_hh)]
-    pre, hidden = torch.ops.torchloom.rnn_forward(x2, w_ih_t, bias, w_hh, B, T, "triton")
-    assert all(torch.equal(t, u) for t, u in zip((x2, w_ih_t, bias, w_hh), before))
-    assert pre.shape == hidden.shape == (B, T, H) and pre.is_contiguous() and hidden.is_contiguous()
     pre_ref = (x2.double() @ w_ih_t.double() + bias.double()).view(B, T, H)
-    hidden_ref = torch.empty(B, T, H, dtype=torch.float64, device=pre.device)
+    hidden_ref = torch.empty(B, T, H, dtype=torch.float64, device=x2.device)
     K.rnn_forward_loop_ref(pre_ref, w_hh.double(), hidden_ref)
-    assert_close(hidden, hidden_ref.float(), name="hidden", rtol=1e-5, atol=1e-6)
-    assert_close(pre, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
+    strided = torch.empty(I, B * T, device=x2.device).t().copy_(x2)  # an input of another layout, as a user's may be
+    for x_in in (x2, strided):
+        before = [t.clone() for t in (x_in, w_ih_t, bias, w_hh)]
+        pre, hidden = torch.ops.torchloom.rnn_forward(x_in, w_ih_t, bias, w_hh, B, T, "triton")
+        assert all(torch.equal(t, u) for t, u in zip((x_in, w_ih_t, bias, w_hh), before))
+        assert pre.shape == hidden.shape == (B, T, H) and pre.is_contiguous() and hidden.is_contiguous()
+        assert_close(hidden, hidden_ref.float(), name="hidden", rtol=1e-5, atol=1e-6)
+        assert_close(pre, pre_ref.float(), name="pre", rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.torchloom.rnn_loop_backward.default, (g, w_hh, hidden, "triton"))
     g_pre = torch.ops.torchloom.rnn_loop_backward(g, w_hh, hidden, "triton")
     g_ref = (1 - hidden.double() ** 2)

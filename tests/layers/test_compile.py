@@ -531,3 +531,23 @@ def test_cast_returns_the_tensor_itself_when_its_dtype_fits():
     assert cast(t, torch.float32) is t
     h = cast(t, torch.bfloat16)
     assert h.dtype == torch.bfloat16 and torch.equal(h, t.to(torch.bfloat16))
+
+
+def test_compiled_rnn_reads_no_precision_switch_while_tracing(monkeypatch):
+    """While Dynamo traces an RNN, the projections' precision (``kernels.recurrent.gemm_precision``,
+    whose reads of PyTorch's switches Dynamo cannot trace: a graph break on a float32 CUDA RNN whose
+    loop kernel does not apply) is not asked: the opaque operators ask at run time. Asking fails here."""
+    from torchloom.kernels import recurrent as K
+
+    def asked(a, b, backend):
+        if torch.compiler.is_compiling():
+            raise AssertionError("gemm_precision was asked while tracing")
+        return None
+
+    monkeypatch.setattr(K, "gemm_precision", asked)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer, x = RNN(5, 7), torch.randn(3, 4, 5)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert_close(got, layer(x), name="compiled RNN", rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()

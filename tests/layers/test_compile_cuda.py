@@ -18,7 +18,7 @@ import torch
 
 from helpers import assert_close
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _grads(module, x):
@@ -97,10 +97,25 @@ def test_compiled_recurrent_inductor_matches_eager_at_a_large_shape(cls):
     """LSTM and RNN at batch 64, hidden 256, 24 steps (the benchmark's batch and width; the buffers far
     larger than one allocator block) compiled by Inductor: outputs and gradients equal eager's (the
     persistent loop kernels, which the compiled graph calls through ``torchloom::lstm_loop`` /
-    ``rnn_loop``)."""
+    ``rnn_forward`` and their backwards)."""
     import torchloom
 
     make = {"LSTM": lambda: torchloom.LSTM(128, 256), "RNN": lambda: torchloom.RNN(128, 256)}[cls]
     codes = _compare_compiled(make, (64, 24, 128), rtol=2e-4, atol=2e-5)
-    for op in (f"{cls.lower()}_loop.default(", f"{cls.lower()}_loop_backward.default("):
+    forward = "lstm_loop.default(" if cls == "LSTM" else "rnn_forward.default("
+    for op in (forward, f"{cls.lower()}_loop_backward.default("):
         assert any(f"torch.ops.torchloom.{op}" in c for c in codes), f"Inductor's code does not call torchloom.{op[:-1]}"
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["rnn-switch-tf32", "rnn-switch-ieee"])
+def test_compiled_float32_rnn_without_its_loop_kernel_has_no_graph_break(tf32, monkeypatch):
+    """A float32 RNN whose loop kernel does not apply (here switched off; hidden sizes above 1,024
+    alike) traces the cuBLAS step loop with ``fullgraph=True`` and equals eager, whichever precision
+    PyTorch's RNN switch asks of its projections (they are ``torchloom::recurrent_mm``, which reads
+    the switches at run time: read while tracing, the switch's getter is a graph break)."""
+    import torchloom
+    from torchloom.kernels import recurrent as K
+
+    monkeypatch.setattr(K, "USE_PERSISTENT_RNN", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    _compare_compiled(lambda: torchloom.RNN(48, 64), (8, 6, 48), rtol=2e-3 if tf32 else 2e-4, atol=2e-4 if tf32 else 2e-5)

@@ -561,7 +561,8 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
     which decides the same at run time."""
     if out is None and compiled_fp32(a, b, backend):
         return _RECURRENT_MM(a, b, bias)
-    precision = gemm_precision(a, b, backend)
+    # traced otherwise only where cuBLAS computes it (not float32 on CUDA): no switch read while tracing
+    precision = None if torch.compiler.is_compiling() else gemm_precision(a, b, backend)
     if precision is not None:
         from . import fp32_matmul
 
@@ -726,13 +727,16 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
                           steps: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """The RNN's forward from its input: ``pre = x2 @ w_ih_t (+ bias)`` (``x2 [B·T, I]``, ``w_ih_t
     [I, H]``: ``projection_mm``) viewed ``[B, T, H]`` (``batch``, ``steps``), then ``rnn_forward_loop``
-    → ``(pre, hidden)``,
-    fresh ``[B, T, H]`` tensors. Where the product is ``fp32_matmul``'s (``gemm_precision``) and the loop
-    the kernel's, the product also writes the loop's sentinel over ``hidden`` (``Product.fill``): one
-    launch fewer."""
+    → ``(pre, hidden)``, fresh ``[B, T, H]`` tensors. Where the loop is the kernel's and the product
+    ``fp32_matmul``'s (``gemm_precision``), the product also writes the loop's sentinel over ``hidden``
+    (``Product.fill``): one launch fewer. While ``torch.compile`` traces (a compiled RNN reaches this
+    only where the loop kernel does not apply) the switches are not read here: ``projection_mm`` traces
+    its own operator, which reads them at run time."""
     H, T = w_ih_t.shape[1], steps
-    precision = gemm_precision(x2, w_ih_t, backend)
-    if precision is not None and rnn_loop_uses_triton(x2, batch, H, backend):
+    precision = None
+    if not torch.compiler.is_compiling() and rnn_loop_uses_triton(x2, batch, H, backend):
+        precision = gemm_precision(x2, w_ih_t, backend)
+    if precision is not None:
         from .fp32_matmul import Product, mm_many
 
         hidden = x2.new_empty(batch, T, H)
@@ -981,9 +985,9 @@ def _cell_backend(x: Tensor, backend: str | None) -> str:
 # proves the view free); a compiled LSTM at 64×64×256×256 on an H200 ended in an illegal memory access
 # (issue 36). The persistent loops need a cooperative launch (every program resident), which
 # Inductor's launcher does not promise, so where they apply they run behind opaque operators with
-# fresh outputs (``torchloom::rnn_loop`` / ``rnn_loop_backward``, ``torchloom::lstm_loop`` /
-# ``lstm_loop_backward``): the compiled graph calls the eager launcher at run time, and the compiled
-# layer runs the very kernels of the eager one. Where the LSTM's loop kernel does not apply but its
+# fresh outputs (``torchloom::rnn_forward``, which computes the input projection too, and
+# ``rnn_loop_backward``; ``torchloom::lstm_loop`` / ``lstm_loop_backward``): the compiled graph calls
+# the eager launcher at run time, and the compiled layer runs the very kernels of the eager one. Where the LSTM's loop kernel does not apply but its
 # fused cell kernels would, the loop is unrolled from fresh tensors instead (``*_unrolled``: the
 # formulas of ``lstm_cell_values`` / ``lstm_cell_backward_values``, which the references also use,
 # written as PyTorch ops that Inductor fuses into one kernel per step, stacked at the end). On the CPU

@@ -116,7 +116,9 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     and making them is ~9 small kernels of host launch time per call. Read only on the stream that made
     them (their kernels are ordered before every later use) and never written. During a CUDA graph
     capture, tables kept for the capturing stream (made on it before the capture began) are read and
-    pinned: never dropped from then on, since the graph holds their address; tables the store does not
+    pinned: never dropped from then on, since a graph holds their address (pinned tables stay for the
+    process, one pair per captured (S, D, θ, dtype, stream), and may take the store past its budget:
+    2 × S × D/2 × 4 bytes each, 0.5 MB at S = 2,048, D = 64); tables the store does not
     hold are made in the capture (from the graph's own pool: ~30 µs of sin/cos and copy kernels in every
     replay of an attention step, 4 % of a bfloat16 step at S = 2,048 on an H200) and not kept. The store is
     neither read nor filled under a ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are
@@ -144,6 +146,9 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     if size > _ROPE_CACHE_BYTES:  # larger than the whole store: made each time, the kept ones stay
         return tables
     with _ROPE_LOCK:
+        kept = _ROPE_CACHE.get(key)
+        if kept is not None:  # another thread made them meanwhile (and a capture may have pinned them)
+            return kept
         droppable = [k for k in _ROPE_CACHE if k not in _ROPE_PINNED]  # oldest first
         while droppable and size + sum(map(_nbytes, _ROPE_CACHE.values())) > _ROPE_CACHE_BYTES:
             _ROPE_CACHE.pop(droppable.pop(0))

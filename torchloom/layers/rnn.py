@@ -171,7 +171,8 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     ``fp32_matmul``: one launch for all of them (``kernels.fp32_matmul.mm_many``; ``db`` as the row sums of
     ``dW_ih``'s operand) and one summing their K splits, where cuBLAS and a column sum took seven;
     elsewhere cuBLAS and ``column_sum``. Under ``torch.compile`` a float32 CUDA backward calls the
-    opaque ``torchloom::recurrent_grads``, which decides the same at run time."""
+    opaque ``torchloom::recurrent_grads``, which decides the same at run time (``backend`` is not passed
+    to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
     K = _kernels()
     if K.compiled_fp32(g_pre, weight_ih, backend):
         dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
@@ -180,7 +181,8 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     I = x.shape[-1]
     g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, I)
     w_hh_operands = g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1]  # Σ over (b, t ≥ 1), read in place
-    precision = K.gemm_precision(g_pre, weight_ih, backend)
+    # traced only where cuBLAS computes the products (not float32 on CUDA): no switch read while tracing
+    precision = None if torch.compiler.is_compiling() else K.gemm_precision(g_pre, weight_ih, backend)
     if precision is None:
         dw_ih = K.projection_mm(g2.t(), x2, backend=backend)
         dw_hh = K.projection_mm(*w_hh_operands, backend=backend)
