@@ -92,6 +92,24 @@ def cudnn_rnn_allows_tf32() -> bool:
     return _allows_tf32("rnn", lambda: torch.backends.cudnn.allow_tf32)
 
 
+def device_index(t: torch.Tensor) -> int | None:
+    """The CUDA device index of ``t`` (the current device for a bare ``"cuda"``), or None off CUDA: the
+    key of ``sm_count`` and ``tf32_capable``."""
+    if not t.is_cuda:
+        return None
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled on ``device_type``: the hand-written backwards run in the
+    dtypes their forward saved, whether or not the caller's ``backward()`` sits inside autocast; and
+    an opaque operator of a compiled graph computes in its inputs' dtypes, whether or not the graph
+    runs under the caller's autocast."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def interpreter_enabled() -> bool:
     """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

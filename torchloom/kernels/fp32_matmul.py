@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import sm_count as _sm_count, use_triton
+from ._triton import device_index, sm_count as _sm_count, use_triton
 
 __all__ = ["MAX_PRODUCTS", "PRECISIONS", "Product", "mm", "mm_many", "mm_ref", "round_tf32_ref"]
 
@@ -227,7 +227,7 @@ def _splits(a: Tensor, m: int, n: int, k: int) -> int:
     if not a.is_cuda:
         return 1
     tiles = -(-m // _BLOCK_M) * -(-n // _BLOCK_N)
-    sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device_index(a))
     split = 1
     while split < _MAX_SPLIT and tiles * split * 2 <= sms and k >= split * 2 * _MIN_K_PER_SPLIT:
         split *= 2

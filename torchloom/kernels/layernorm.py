@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, cast, compute_dtype, traced_as_reference, use_triton
-from ._triton import sm_count as _sm_count
+from ._triton import device_index, sm_count as _sm_count
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
 
@@ -230,12 +230,6 @@ def _dense(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _device_index(t: Tensor) -> int | None:
-    if not t.is_cuda:
-        return None
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
 # ------------------------------------------------------------------------------------ operators
 OP_NAMES = ("torchloom::norm_forward", "torchloom::norm_backward")
 
@@ -268,7 +262,7 @@ def _norm_backward_op(
     n = x2.shape[-1]
     n_rows = x2.numel() // n
     rows, block, num_warps = _settings(int(n), x2.is_cuda)
-    programs, tiles_per_program = _grid(n_rows, int(n), x2.element_size(), _device_index(x2))
+    programs, tiles_per_program = _grid(n_rows, int(n), x2.element_size(), device_index(x2))
     dx = torch.empty_like(x2)
     partial = torch.empty(programs, 2 if has_bias else 1, n, device=x2.device, dtype=torch.float32)
     rstd2 = rstd.to(torch.float32).contiguous()
@@ -328,7 +322,7 @@ def tiled_backward(
     n = x2.shape[-1]
     n_rows = x2.numel() // n
     rows, block, num_warps = _settings(n, x2.is_cuda)
-    programs, tiles_per_program = _backward_grid(n_rows, n, x2.element_size(), _device_index(x2))
+    programs, tiles_per_program = _backward_grid(n_rows, n, x2.element_size(), device_index(x2))
     dx = torch.empty_like(x2)
     partial = torch.empty(programs, 2 if has_bias else 1, n, device=x.device, dtype=torch.float32)
     rstd2 = _dense(rstd if rstd.dtype == torch.float32 else rstd.to(torch.float32))

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, cublas_allows_tf32, tf32_capable, use_triton
+from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, tf32_capable, use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
@@ -371,7 +371,7 @@ def _wait_state(S, rows, rm, s_sb, k, K, BLOCK_K: tl.constexpr, SENTINEL: tl.con
 @jit
 def _chunk_dot(acc, s, w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, W_ROUNDED: tl.constexpr = False):
     """``acc + s @ w`` on tensor cores or fp32 FMA (``PRECISION``, see the section note); ``W_ROUNDED``:
-    ``w`` already rounded for it (``_round_w``)."""
+    ``w`` already rounded for it (a slice held across the loop, rounded once)."""
     if DOT_F32:  # the interpreter multiplies bfloat16's raw bits (numpy has no bfloat16)
         s, w = s.to(tl.float32), w.to(tl.float32)
     if PRECISION == "tf32":  # rounded operands: 1.2× the error of cuDNN's TF32 on an H100, unrounded 2.5×
@@ -379,14 +379,6 @@ def _chunk_dot(acc, s, w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, W_ROUN
         if not W_ROUNDED:
             w = _round_tf32(w)
     return tl.dot(s, w, acc, input_precision=PRECISION)
-
-
-@jit
-def _round_w(w, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """A weight slice held across the loop, rounded once as ``_chunk_dot`` would round it every step."""
-    if PRECISION == "tf32" and not DOT_F32:
-        w = _round_tf32(w)
-    return w
 
 
 @jit
@@ -425,7 +417,8 @@ def _rnn_loop_kernel(
         wk = tl.arange(0, BLOCK_K)
         w_slice = tl.load(W + wk[:, None] * s_wk + wc[None, :] * s_wn, mask=(wk < H)[:, None] & (wc < H)[None, :],
                           other=0.0)
-        w_slice = _round_w(w_slice, PRECISION, DOT_F32)
+        if PRECISION == "tf32":  # rounded once, as ``_chunk_dot`` would round it every step
+            w_slice = _round_tf32(w_slice)
     for i in range(T):
         if BACKWARD:
             t = T - 1 - i
@@ -444,7 +437,7 @@ def _rnn_loop_kernel(
             if i > 0:
                 if W_RESIDENT:
                     s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
-                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, not DOT_F32)
+                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, True)
                 else:
                     for k in range(0, H, BLOCK_K):
                         acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
@@ -502,7 +495,7 @@ def _rnn_loop_settings(x: Tensor, batch: int, hidden: int) -> RNNLoopSettings | 
         return RNNLoopSettings(16, 16, 16, cdiv(hidden, 16), 1, 4)
     if hidden > _RNN_MAX_HIDDEN:
         return None
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device_index(x))
     # The whole previous state of a program's rows in one chunk up to H = 256 (one wait per step) and
     # 4 warps: the best of bench/bench_rnn_loop.py --sweep on an H100 for fp32, TF32 and bf16 (3-pass
     # TF32, whose split operands fill the registers: chunks of 128).
@@ -526,7 +519,7 @@ def _dot_precision(t: Tensor) -> str:
 
 
 def _tf32_capable(t: Tensor) -> bool:
-    return tf32_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return tf32_capable(device_index(t))
 
 
 def gemm_precision(a: Tensor, b: Tensor, backend: str | None) -> str | None:
@@ -575,7 +568,7 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
 
 
 def _recurrent_mm_eager(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
-    with torch.autocast(a.device.type, enabled=False):  # a compiled backward may run under the caller's autocast
+    with autocast_off(a.device.type):  # a compiled backward may run under the caller's autocast
         return projection_mm(a, b, bias)  # a fresh tensor: every product it calls returns one
 
 
@@ -1021,19 +1014,9 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
     return torch.stack(g_pres, 1)
 
 
-def _in_place(proj: Tensor, loop: Callable[[Tensor], Tensor | tuple[Tensor, ...]]):
-    """``loop(pre)`` on ``proj`` itself (the loops update their pre-activations in place), or on a
-    contiguous copy written back where ``proj`` has another layout."""
-    pre = proj if proj.is_contiguous() else proj.contiguous()
-    out = loop(pre)
-    if pre is not proj:
-        proj.copy_(pre)
-    return out
-
-
 def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
                        backend: str | None) -> tuple[Tensor, Tensor]:
-    with torch.autocast(x2.device.type, enabled=False):  # as ``_recurrent_mm_eager``
+    with autocast_off(x2.device.type):  # as ``_recurrent_mm_eager``
         return rnn_projected_forward(x2, w_ih_t, bias, weight_hh, batch, steps, backend)
 
 
@@ -1045,13 +1028,15 @@ def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
 
 
 def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
-    def loop(pre):
-        B, T, H4 = pre.shape
-        cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
-        lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
-        return cell, hidden
-
-    return _in_place(proj, loop)
+    # the loop updates the pre-activations in place: in ``proj`` itself, or in a contiguous copy
+    # written back where ``proj`` has another layout
+    pre = proj if proj.is_contiguous() else proj.contiguous()
+    B, T, H4 = pre.shape
+    cell, hidden = pre.new_empty(B, T, H4 // 4), pre.new_empty(B, T, H4 // 4)
+    lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
+    if pre is not proj:
+        proj.copy_(pre)
+    return cell, hidden
 
 
 def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:

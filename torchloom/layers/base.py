@@ -44,6 +44,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..kernels._triton import autocast_off  # noqa: F401 - the layers' and methods' name for it
+
 __all__ = [
     "Layer",
     "LayerFunction",
@@ -158,14 +160,6 @@ def cast_for_autocast(device_type: str, *tensors: Tensor | None) -> tuple[torch.
     )
 
 
-def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """A context with autocast disabled on ``device_type``: the hand-written backwards run in the
-    dtypes their forward saved, whether or not the caller's ``backward()`` sits inside autocast."""
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
@@ -240,7 +234,7 @@ def _mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
 
 
 def _mm_sum_operator(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    with torch.autocast(a[0].device.type, enabled=False):  # a compiled backward may run under the caller's autocast
+    with autocast_off(a[0].device.type):  # a compiled backward may run under the caller's autocast
         return _mm_sum(a, b)
 
 

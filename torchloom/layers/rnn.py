@@ -200,7 +200,7 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
 
 def _recurrent_grads_eager(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
                            needs_input_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    with torch.autocast(g_pre.device.type, enabled=False):  # as ``_recurrent_mm_eager``
+    with autocast_off(g_pre.device.type):  # as ``_recurrent_mm_eager``
         dx, dw_ih, dw_hh, db = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
     empty = g_pre.new_empty(0)  # an operator returns tensors: empty where the caller asked for none
     return (empty if dx is None else dx), dw_ih, dw_hh, (empty.clone() if db is None else db)
