@@ -453,6 +453,61 @@ def test_compiled_flash_attention_runs_the_eager_core(name):
     _assert_hand_written_backward_kept(counter, name)
 
 
+class _Traced(Exception):
+    """Raised by ``_capture_only``'s backend once it holds the graph (the graph is not run)."""
+
+
+def _capture_only(module, x, dynamic):
+    """The calls in the forward and backward graphs AOTAutograd makes of ``torch.compile(module,
+    fullgraph=True)`` for ``module(x)``, not compiled further nor run (a CUDA operator in them could not
+    run on the CPU): a graph break, or a failure of AOTAutograd's tracing, raises here."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    graphs = []
+
+    def partition(joint, inputs, **kwargs):
+        graphs.extend(default_partition(joint, inputs, **kwargs))
+        raise _Traced
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
+    with pytest.raises(Exception) as caught:
+        torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(x)
+    inner = getattr(caught.value, "inner_exception", caught.value)  # Dynamo wraps the backend's exception
+    assert isinstance(inner, _Traced), repr(caught.value)
+    torch._dynamo.reset()
+    # an operator that writes an input is called through auto_functionalized(operator, ...)
+    return [" ".join(map(str, (n.target, *n.args[:1]))) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("choice", ["flash", "efficient", "cudnn"])
+def test_compiled_flash_path_traces_pytorchs_fused_kernel(choice, monkeypatch):
+    """Where PyTorch's fused attention kernel serves the flash path's core (CUDA; forced here on the
+    CPU, where only the capture is checked: tests/layers/test_compile_cuda.py runs it), a compiled
+    layer traces it with no graph break: its forward and backward graphs call the kernel's ATen
+    operators and none of torchloom's opaque ones; the RoPE tables are a constant of the graph (no
+    sin/cos traced). With ``dynamic=True`` (symbolic sizes: the kernel cannot be chosen while
+    tracing) the opaque operators run instead."""
+    from torchloom.kernels import flash_attention as FA
+    from torchloom.layers import _traced_attention as TRACED
+
+    code = {"flash": FA.SDPA_FLASH, "efficient": FA.SDPA_EFFICIENT, "cudnn": FA.SDPA_CUDNN}[choice]
+    monkeypatch.setattr(ATTENTION, "_use_flash", lambda x, spec: True)  # the opaque path, with dynamic=True
+    monkeypatch.setattr(TRACED, "sdpa_choice_constant", torch.compiler.assume_constant_result(lambda *args: code))
+    layer = MultiHeadAttention(16, 4, num_kv_heads=4 if choice == "efficient" else 2)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    targets = _capture_only(layer, x, dynamic=False)
+    for op in (f"aten._scaled_dot_product_{choice}_attention.default",
+               f"aten._scaled_dot_product_{choice}_attention_backward.default"):
+        assert any(t.startswith(op) for t in targets), f"the graph does not call {op}: {sorted(set(targets))}"
+    assert not [t for t in targets if "torchloom" in t or "flash_attention_core" in t], sorted(set(targets))
+    assert not [t for t in targets if re.search(r"\b(cos|sin)\b", t)], f"RoPE tables traced: {sorted(set(targets))}"
+    dynamic = _capture_only(layer, x, dynamic=True)
+    assert any("torchloom.flash_attention_core.default" in t for t in dynamic), sorted(set(dynamic))
+    assert not [t for t in dynamic if "_scaled_dot_product" in t], sorted(set(dynamic))
+
+
 def test_compiled_flash_attention_inductor_writes_the_projection_in_place():
     """Inductor (the default backend) on the flash path: output and gradients equal eager's, and RoPE
     writes the q|k|v projection's own buffer: the buffer the fused product is written into (``out=``)

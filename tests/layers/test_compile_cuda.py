@@ -70,10 +70,11 @@ def _compare_compiled(make, x_shape, rtol, atol, seed=0):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_compiled_attention_inductor_matches_eager(causal):
-    """MultiHeadAttention (grouped-query, RoPE, ragged sequence length) compiled by Inductor: its
-    generated code calls the flash path's core as the opaque operators (which launch the eager RoPE
-    and flash kernels at run time; no traced copy of them), hands the forward one the q|k|v product's
-    own buffer (RoPE in place, no copy), and matches eager."""
+    """MultiHeadAttention (grouped-query in float32, where no PyTorch fused kernel applies: the Triton
+    one runs; RoPE, ragged sequence length) compiled by Inductor: its generated code calls the flash
+    path's core as the opaque operators (which launch the eager RoPE and flash kernels at run time; no
+    traced copy of them), hands the forward one the q|k|v product's own buffer (RoPE in place, no
+    copy), and matches eager."""
     import re
 
     from torchloom import MultiHeadAttention
@@ -90,6 +91,97 @@ def test_compiled_attention_inductor_matches_eager(causal):
     assert call, f"flash_attention_core is not handed a buffer as it is (a copy between?): {line.strip()}"
     buf = call.group(1) or call.group(2)
     assert not re.search(rf"(clone|copy_)\w*(\.run)?\([^\n]*\b{buf}\b", forward), f"{buf} is copied"
+
+
+def _attention_errors(module, x, gy, reference):
+    """Relative errors (Frobenius) of ``module``'s output and gradients on ``x`` against ``reference``'s
+    ``(y, [dx, *param grads])`` in float64."""
+    x = x.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    y = module(x)
+    y.backward(gy)
+    got = [y.detach(), x.grad, *(p.grad for p in module.parameters())]
+    want = [reference[0], *reference[1]]
+    return [float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("dtype,kv,bias,rope,causal,autocast", [
+    (torch.bfloat16, 2, True, True, True, False),
+    (torch.bfloat16, 4, False, True, False, False),
+    (torch.float32, 4, True, True, True, False),
+    (torch.float32, 4, True, False, True, True),
+], ids=["bf16-grouped", "bf16-nobias-noncausal", "fp32", "fp32-autocast-norope"])
+def test_compiled_attention_traces_pytorchs_fused_kernel(dtype, kv, bias, rope, causal, autocast):
+    """Where PyTorch's fused attention kernel serves the core, a compiled layer traces its flash path:
+    Inductor's code calls the fused kernel's ATen operators (forward and backward) directly and no
+    torchloom operator, with no graph break; the output and every gradient are as close to a float64
+    reference (the materialised path) as eager's, and the traced choice is the eager one."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    from torchloom import MultiHeadAttention
+    from torchloom.kernels import flash_attention as FA
+    from torchloom.layers import _traced_attention as TA
+    from torchloom.layers import attention as A
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    b, s, d, h = 2, 77, 128, 4
+    eager = MultiHeadAttention(d, h, num_kv_heads=kv, bias=bias, rope=rope, causal=causal, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    x = torch.randn(b, s, d, device="cuda", dtype=dtype)
+    gy = torch.randn(b, s, d, device="cuda", dtype=dtype)
+    ref = copy.deepcopy(eager).double()
+    ref.spec = A.AttentionSpec(h, kv, causal, rope, eager.spec.rope_theta, "reference")
+    xr = x.double().requires_grad_()
+    yr = ref(xr)
+    yr.backward(gy.double())
+    reference = (yr.detach(), [xr.grad, *(p.grad for p in ref.parameters())])
+    compiled_module = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
+    with amp:
+        run_dtype = torch.bfloat16 if autocast else dtype
+        q = torch.empty(b, s, h, d // h, device="cuda", dtype=run_dtype)
+        k = torch.empty(b, s, kv, d // h, device="cuda", dtype=run_dtype)
+        choice = FA.sdpa_choice(q, k, k, causal, (d // h) ** -0.5)
+        assert choice is not None, "no fused kernel for this case on this GPU: the test asks of a case that has one"
+        assert TA.sdpa_choice_constant(b, s, h, kv, d // h, run_dtype, x.device, causal) == choice
+        eager_err = _attention_errors(eager, x, gy, reference)
+        _, codes = run_and_get_code(_attention_errors, compiled, x, gy, reference)
+        compiled_err = _attention_errors(compiled, x, gy, reference)  # second step: no recompile needed
+    text = "\n".join(codes)
+    name = {FA.SDPA_FLASH: "flash", FA.SDPA_EFFICIENT: "efficient", FA.SDPA_CUDNN: "cudnn"}[choice]
+    for op in (f"_scaled_dot_product_{name}_attention.default(", f"_scaled_dot_product_{name}_attention_backward.default("):
+        assert op in text, f"Inductor's code does not call aten.{op[:-1]}"
+    assert "torch.ops.torchloom." not in text, "a torchloom operator in the traced flash path"
+    names = ["y", "dx", *(n for n, _ in eager.named_parameters())]
+    for n, c, e in zip(names, compiled_err, eager_err):
+        assert c <= 1.5 * e + 1e-6, f"{n}: compiled relative error {c:.3e} vs eager {e:.3e}"
+
+
+def test_traced_kernel_choice_is_the_choice_for_the_full_tensors():
+    """The kernel a compiled layer's traced flash path picks while Dynamo traces (asked of one-row views,
+    no tensor of the real size) is the one PyTorch's chooser picks for real tensors of the layer's
+    sizes: dtypes, grouped heads, head sizes (8-multiples and not), one-token and long sequences."""
+    from torchloom.kernels import flash_attention as FA
+    from torchloom.layers import _traced_attention as TA
+
+    cases = [(4, 2048, 16, 16, 64, torch.bfloat16, True), (4, 2048, 16, 16, 64, torch.float32, True),
+             (2, 77, 4, 2, 32, torch.bfloat16, True), (2, 77, 4, 4, 32, torch.bfloat16, False),
+             (2, 77, 4, 4, 32, torch.float32, True), (2, 77, 4, 2, 16, torch.float32, True),
+             (1, 1, 4, 4, 64, torch.bfloat16, True), (3, 5, 8, 8, 128, torch.float16, False),
+             (1, 8192, 16, 16, 64, torch.bfloat16, True), (2, 100, 2, 2, 40, torch.bfloat16, True),
+             (2, 64, 2, 2, 20, torch.float16, True), (2, 33, 6, 3, 8, torch.float32, False)]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for b, s, h, kv, hd, dtype, causal in cases:
+        q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
+        k = torch.empty(b, s, kv, hd, device="cuda", dtype=dtype)
+        want = FA.sdpa_choice(q, k, k, causal, hd ** -0.5)
+        got = TA.sdpa_choice_constant(b, s, h, kv, hd, dtype, dev, causal)
+        assert got == want, f"{(b, s, h, kv, hd, dtype, causal)}: traced choice {got}, chooser {want}"
 
 
 @pytest.mark.parametrize("cls", ["LSTM", "RNN"])

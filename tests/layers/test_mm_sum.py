@@ -2,6 +2,8 @@
 products; under ``torch.compile`` it stays one accumulating GEMM chain inside the opaque operator
 (a traced ``addmm_`` becomes an out-of-place ``addmm`` that copies its addend first)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -63,9 +65,12 @@ def test_compiled_backward_accumulates_in_the_operator(make):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_flash_attention_backward_accumulates_in_the_operator(dtype):
-    """The same on CUDA, where attention takes its flash path (the fused q|k|v projection)."""
+    """The same on CUDA, where attention takes its flash path (the fused q|k|v projection) behind the
+    opaque operators: with the Triton kernel (``backend="triton"``). (Where PyTorch's fused kernel
+    serves the core the compiled path is traced instead: tests/layers/test_compile_cuda.py.)"""
     torch._dynamo.reset()
     layer = MultiHeadAttention(64, 4, device="cuda", dtype=dtype)
+    layer.spec = dataclasses.replace(layer.spec, backend="triton")
     targets = _backward_targets(layer, torch.randn(2, 33, 64, device="cuda", dtype=dtype))
     assert torch.ops.torchloom.flash_attention_core_backward.default in targets, sorted(map(str, targets))
     assert torch.ops.torchloom.mm_sum.default in targets, sorted(map(str, targets))

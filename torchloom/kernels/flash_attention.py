@@ -37,7 +37,8 @@ from ._triton import KERNEL_DTYPES, cublas_allows_tf32, use_triton
 
 __all__ = [
     "flash_attention", "flash_attention_backward", "attention_ref", "rope_", "rope_ref_", "MAX_HEAD_DIM",
-    "sdpa_choice", "sdpa_ops_match", "sdpa_forward", "sdpa_backward", "SDPA_FLASH", "SDPA_EFFICIENT", "SDPA_CUDNN",
+    "sdpa_choice", "sdpa_ops_match", "sdpa_forward", "sdpa_backward", "sdpa_forward_raw", "sdpa_backward_raw",
+    "SDPA_FLASH", "SDPA_EFFICIENT", "SDPA_CUDNN",
 ]
 
 MAX_HEAD_DIM = 128
@@ -610,23 +611,60 @@ def _raw_lse_shape(choice: int, seq_len: int) -> tuple[int, ...]:
     return tuple(lse.shape)
 
 
+def sdpa_forward_raw(
+    choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch's fused forward ``choice`` (``sdpa_choice``) on ``q [B,S,H,D]``, ``k, v [B,S,K,D]`` (any
+    strides with the last one 1): ``(o [B,S,H,D], lse, seed, offset)`` as the operator returns them —
+    ``o`` a view in the kernel's own layout, ``lse`` in its own shape (``_raw_lse_shape``), and the
+    random-state tensors its backward takes back (unused: no dropout). What ``sdpa_backward_raw``
+    takes; ``torch.compile`` traces the operator call as it is."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if choice == SDPA_FLASH:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+        o, lse, seed, offset = out[0], out[1], out[6], out[7]
+    elif choice == SDPA_EFFICIENT:
+        o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qt, kt, vt, None, True, 0.0, causal, scale=scale)
+    elif choice == SDPA_CUDNN:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
+        o, lse, seed, offset = out[0], out[1], out[6], out[7]
+    else:
+        raise ValueError(f"sdpa_forward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+    return o.transpose(1, 2), lse, seed, offset
+
+
+def sdpa_backward_raw(
+    choice: int, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, offset: Tensor,
+    causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``sdpa_forward_raw``: ``(dq [B,S,H,D], dk, dv [B,S,K,D])``, views in the kernel's
+    own layout, from ``do [B,S,H,D]`` and the forward's ``o``, raw ``lse``, ``seed`` and ``offset``."""
+    s = q.shape[1]
+    qt, kt, vt, ot, dot = (t.transpose(1, 2) for t in (q, k, v, o, do))
+    if choice == SDPA_FLASH:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse, None, None, s, s, 0.0, causal, seed, offset, scale=scale)
+    elif choice == SDPA_EFFICIENT:
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, kt, vt, None, ot, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    elif choice == SDPA_CUDNN:
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse, seed, offset, None, None, None, s, s, 0.0, causal, scale=scale)
+    else:
+        raise ValueError(f"sdpa_backward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+    return tuple(t.transpose(1, 2) for t in grads)
+
+
 def sdpa_forward(choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``flash_attention``'s ``(o [B,S,H,D] contiguous, lse [B,H,S] float32)`` from PyTorch's fused
     kernel ``choice`` (``sdpa_choice``)."""
     b, s, h, _ = q.shape
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    if choice == SDPA_FLASH:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
-    elif choice == SDPA_EFFICIENT:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
-    elif choice == SDPA_CUDNN:
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]
-    else:
-        raise ValueError(f"sdpa_forward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+    o, lse = sdpa_forward_raw(choice, q, k, v, causal, scale)[:2]
     # [B, H, S] whatever the kernel's own shape (_raw_lse_shape: S padded, a unit dimension); contiguous()
     # and reshape() copy nothing where the layout already is this one
     lse = lse.reshape(b, h, -1)[..., :s]
-    return o.transpose(1, 2).contiguous(), lse.contiguous()
+    return o.contiguous(), lse.contiguous()
 
 
 def sdpa_backward(
@@ -635,7 +673,6 @@ def sdpa_backward(
     """``(dq [B,S,H,D], dk, dv [B,S,K,D])`` from the backward of PyTorch's fused kernel ``choice``, given
     ``sdpa_forward``'s ``o`` and ``lse`` (no dropout: its random-state arguments are placeholders)."""
     b, s, h, _ = q.shape
-    qt, kt, vt, ot, dot = (t.transpose(1, 2) for t in (q, k, v, o, do))
     dev = q.device
     raw = _raw_lse_shape(choice, s)
     if raw[2] != s:  # padded rows: +inf makes their probabilities exp(score − inf) = 0, never NaN
@@ -645,19 +682,9 @@ def sdpa_backward(
     lse = lse.view(b, h, *raw[2:])
     if choice == SDPA_FLASH:
         seed, offset = torch.empty(2, dtype=torch.uint64, device=dev), torch.empty((), dtype=torch.uint64, device=dev)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dot, qt, kt, vt, ot, lse, None, None, s, s, 0.0, causal, seed, offset, scale=scale)
-    elif choice == SDPA_EFFICIENT:
-        seed = torch.empty((), dtype=torch.int64)
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dot, qt, kt, vt, None, ot, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
-    elif choice == SDPA_CUDNN:
-        seed = torch.empty((), dtype=torch.int64, device=dev)
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dot, qt, kt, vt, ot, lse, seed, seed, None, None, None, s, s, 0.0, causal, scale=scale)
-    else:
-        raise ValueError(f"sdpa_backward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
-    return tuple(t.transpose(1, 2) for t in grads)
+    else:  # the memory-efficient kernel takes them on the host, cuDNN's on the device
+        seed = offset = torch.empty((), dtype=torch.int64, device=dev if choice == SDPA_CUDNN else "cpu")
+    return sdpa_backward_raw(choice, do, q, k, v, o, lse, seed, offset, causal, scale)
 
 
 def _pow2(n: int) -> int:

@@ -31,9 +31,12 @@ would pick for the same q, k, v (FlashAttention-2, the memory-efficient kernel o
 the ``torch.backends.cuda`` switches), called as separate forward and backward operators; where none
 applies (grouped heads in float32, or all disabled) and with ``backend="triton"``, the Triton kernel
 of ``torchloom.kernels.flash_attention``. Elsewhere (CPU, float64) the materialised path above runs.
-Under ``torch.compile`` the flash path's core (RoPE, the kernel, and their backward) runs behind two
-opaque operators, ``torch.ops.torchloom.flash_attention_core`` and ``flash_attention_core_backward``,
-so a compiled layer launches the very kernels of an eager one.
+Under ``torch.compile`` (static shapes), where PyTorch's fused kernel serves the core, the flash path
+is traced: the compiled graph calls that kernel's ATen operators directly, with RoPE as pointwise ops
+Inductor fuses, as for PyTorch's own projections + RoPE + SDPA. Elsewhere (the Triton kernel,
+``dynamic=True``) its core (RoPE, the kernel, and their backward) runs behind two opaque operators,
+``torch.ops.torchloom.flash_attention_core`` and ``flash_attention_core_backward``, which launch the
+very kernels of an eager layer.
 
 Mixed precision: under ``torch.autocast`` the input and the parameters are cast to the autocast
 dtype, the layer computes in it (softmax statistics in float32) and the gradients come back in the
@@ -59,9 +62,11 @@ import torch
 from torch import Tensor, nn
 
 from .base import column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .rope import rope_rotate, rope_rotate_inverse, rope_tables
 
 __all__ = [
     "MultiHeadAttention", "MultiHeadAttentionFunction", "AttentionSpec", "AttentionSaved", "FlashAttentionSaved",
+    "SdpaAttentionSaved",
     "multi_head_attention", "attention_forward", "attention_backward",
     "rope_tables", "rope_rotate", "rope_rotate_inverse",
 ]
@@ -96,14 +101,6 @@ class AttentionSpec:
 
 
 # ------------------------------------------------------------------------------------------ RoPE
-def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)``, each ``[S, D/2]``: angle ``s · θ^(−2i/D)`` for position ``s`` and pair ``i``.
-    Computed in float64, then cast, so the tables are exact to the working precision."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    angle = torch.arange(seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angle.cos().to(dtype), angle.sin().to(dtype)
-
-
 _ROPE_CACHE: dict[tuple, tuple[Tensor, Tensor]] = {}  # (S, D, θ, device, dtype, stream) → (cos, sin)
 _ROPE_CACHE_BYTES = 64 << 20  # the tables kept, in all (oldest dropped first)
 _ROPE_PINNED: set = set()  # keys of kept tables a CUDA graph captured: never dropped (the graph reads them)
@@ -167,18 +164,6 @@ def _dispatch_mode_active() -> bool:
     return bool(active()) if active is not None else False
 
 
-def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE on ``x [..., S, D]`` with ``cos, sin [S, D/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
-def rope_rotate_inverse(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The backward of ``rope_rotate``: rotation by the opposite angle (the transpose)."""
-    g1, g2 = g.chunk(2, dim=-1)
-    return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1)
-
-
 # ------------------------------------------------------------------------------- forward/backward
 class AttentionSaved(NamedTuple):
     """What the backward needs. ``q [B,K,G·S,D]`` and ``k [B,K,S,D]`` after RoPE, ``v [B,K,S,D]``,
@@ -218,6 +203,31 @@ class FlashAttentionSaved(NamedTuple):
     param_dtype: torch.dtype | None = None
 
 
+class SdpaAttentionSaved(NamedTuple):
+    """What the backward of the flash path as ``torch.compile`` traces it needs (``_traced_forward``): the
+    input ``[B, S, d]``, ``qk [B, S, H+K, D]`` (q heads | k heads, after RoPE), ``v [B, S, K, D]``, ``o [B,
+    S, H, D]`` (the attention output before the output projection, Loom's pre-activation) in the fused
+    kernel's layout, the kernel's own ``lse``, ``seed`` and ``offset`` (``flash_attention.sdpa_forward_raw``),
+    ``w_qk [(H+K)·D, d]`` (the q and k weights stacked), ``v_weight``, ``o_weight``, whether there are
+    biases, the spec, the kernel (``flash_attention.SDPA_*``) and the parameters' dtype when autocast
+    cast them."""
+
+    input: Tensor
+    qk: Tensor
+    v: Tensor
+    o: Tensor
+    lse: Tensor
+    seed: Tensor
+    offset: Tensor
+    w_qk: Tensor
+    v_weight: Tensor
+    o_weight: Tensor
+    has_bias: bool
+    spec: AttentionSpec
+    choice: int
+    param_dtype: torch.dtype | None = None
+
+
 def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
 
@@ -245,6 +255,10 @@ def attention_forward(
     With ``spec.backend`` None on CUDA (float32/16/bfloat16, head size ≤ 128) or ``"triton"``, the
     flash path: one fused q|k|v product, RoPE in place, the flash-attention kernel (memory linear in
     S), ``saved`` a ``FlashAttentionSaved``. Otherwise the materialised path (``AttentionSaved``)."""
+    if torch.compiler.is_compiling():  # before _use_flash: the traced core needs no Triton
+        choice = _traced_choice(x, spec)
+        if choice is not None:
+            return _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec, choice)
     if _use_flash(x, spec):
         return _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec)
     b, s, d = x.shape
@@ -278,6 +292,8 @@ def attention_backward(
     dtype (``saved.param_dtype`` when autocast cast them)."""
     if isinstance(saved, FlashAttentionSaved):
         return _flash_backward(grad_out, saved, needs_input_grad)
+    if isinstance(saved, SdpaAttentionSaved):
+        return _traced_backward(grad_out, saved, needs_input_grad)
     x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, has_bias, spec, param_dtype = saved
     grad_out = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)  # no no-op .to (kernels._triton.cast)
     b, s, d = x.shape
@@ -362,13 +378,13 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
 
 
 # The attention core of the flash path, between the q|k|v projection and the output projection. Eager
-# calls run these two functions directly; while ``torch.compile`` traces, the graph calls them through
-# the opaque operators ``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (below),
-# so a compiled layer runs the very kernels, buffers and RoPE tables of an eager one. (Traced instead,
-# each kernel writing into a view of ``qkv`` is a mutation Inductor must functionalise;
-# with RoPE and the joins written as torch ops in their place, a compiled bfloat16 step took 1.49× /
-# 1.80× the device time of PyTorch's projections + RoPE + SDPA compiled alike at S = 8,192 / 2,048 on
-# an H200, and 1.24× its peak memory, where the eager path is at 1.02×: issue 36.)
+# calls run these two functions directly; while ``torch.compile`` traces a layer the traced path below
+# does not serve (the Triton kernel, symbolic shapes), the graph calls them through the opaque
+# operators ``torchloom::flash_attention_core`` / ``flash_attention_core_backward`` (below), so a
+# compiled layer runs the very kernels, buffers and RoPE tables of an eager one. (Traced with the
+# projection's buffer written in place by RoPE and the gradients joined, as eagerly, a compiled
+# bfloat16 step took 1.49× / 1.80× the device time of PyTorch's compiled one at S = 8,192 / 2,048 on an
+# H200: Inductor functionalises each write into a view of ``qkv``. The traced path below writes none.)
 def _heads(t: Tensor, seq_len: int, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``t [B·S, (H+2K)·D]`` as ``[B, S, H+2K, D]`` and its q ``[B,S,H,D]``, k, v ``[B,S,K,D]`` views."""
     n = num_heads + 2 * num_kv_heads
@@ -464,6 +480,92 @@ def _register_flash_ops():
 _FLASH_OPS = _register_flash_ops()
 
 
+# ------------------------------------------------------------------- the flash path, traced by torch.compile
+# Where PyTorch's fused kernel serves the core (``sdpa_choice``; static shapes, ``backend`` None), a
+# compiled layer's flash path is traced through, as PyTorch's own projections + RoPE +
+# ``F.scaled_dot_product_attention`` are: the fused kernel's forward and backward ATen operators sit in
+# the compiled graph (Inductor calls them directly), RoPE and its inverse are pointwise torch ops Inductor
+# fuses into one kernel each (q and k together), and the projections are plain products (q and k in one,
+# their gradients' products too). Behind the opaque operators above, a compiled step paid their Python
+# bodies' host time on every call (~0.6 ms each for the forward and the backward core at S = 2,048 in
+# bfloat16 on an H200, of which the fused kernels' own calls took 0.13 ms: the compiled step took
+# 1.4–1.7× PyTorch's compiled one, issue 36). The kernel is chosen once, while Dynamo traces
+# (``_traced_attention.sdpa_choice_constant``), and kept by the graph: a later change of the ``torch.backends.cuda``
+# switches reaches a compiled layer when it is compiled again (``torch._dynamo.reset()``). Elsewhere
+# (the Triton kernel, symbolic shapes) the opaque operators run.
+def _traced_choice(x: Tensor, spec: AttentionSpec) -> int | None:
+    """The fused kernel for the traced core of ``x [B, S, d]``'s attention, or None (the opaque operators)."""
+    if spec.backend is not None or not _static(x.shape):
+        return None
+    b, s, d = x.shape
+    hd = d // spec.num_heads
+    return _constants().sdpa_choice_constant(b, s, spec.num_heads, spec.num_kv_heads, hd, x.dtype, x.device, spec.causal)
+
+
+def _static(sizes) -> bool:
+    """Whether every size is a plain int while Dynamo traces (not a symbolic one: ``dynamic=True``, or
+    sizes marked dynamic after a recompile), asked without adding a guard (Dynamo reports a symbolic
+    size to ``isinstance`` as an ``int``). A torch without ``has_static_value``: False (the opaque operators)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    has_static_value = getattr(symbolic_shapes, "has_static_value", None)
+    return has_static_value is not None and all(has_static_value(n) for n in sizes)
+
+
+def _constants():
+    # Imported on first use, while Dynamo traces: marking a function's result constant imports
+    # torch._dynamo, which ``import torchloom`` must not.
+    from . import _traced_attention
+
+    return _traced_attention
+
+
+def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec, choice):
+    """The flash path as ``torch.compile`` traces it (see above): ``x [B, S, d]`` → ``(y [B, S, d],
+    SdpaAttentionSaved)``. q and k come from one product (their weights stacked: one rotation kernel
+    reads and writes them together), v from its own (no copy of it into a joined buffer)."""
+    b, s, d = x.shape
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hd = d // h
+    x2 = x.reshape(b * s, d)
+    w_qk = torch.cat((q_weight, k_weight))
+    qk = _linear(x2, w_qk, None if q_bias is None else torch.cat((q_bias, k_bias))).view(b, s, h + kv, hd)
+    v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd)
+    if spec.rope:  # in float32 (the tables'), rounded once, as the eager path's RoPE kernel
+        cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
+        qk = rope_rotate(qk, cos, sin).to(qk.dtype)
+    o, lse, seed, offset = _flash().sdpa_forward_raw(choice, qk[:, :, :h], qk[:, :, h:], v, spec.causal, 1.0 / math.sqrt(hd))
+    y = _linear(o.reshape(b * s, d), o_weight, o_bias).view(b, s, d)
+    saved = SdpaAttentionSaved(x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, q_bias is not None, spec, choice)
+    return y, saved
+
+
+def _traced_backward(grad_out: Tensor, saved: SdpaAttentionSaved, needs_input_grad: bool):
+    """The backward of ``_traced_forward`` (``attention_backward``'s return)."""
+    x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, has_bias, spec, choice, param_dtype = saved
+    b, s, d = x.shape
+    h, kv, hd = spec.num_heads, spec.num_kv_heads, d // spec.num_heads
+    kd = kv * hd
+    gy = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).reshape(b * s, d)
+    x2 = x.reshape(b * s, d)
+    d_o_weight = torch.mm(gy.t(), o.reshape(b * s, d))
+    d_o = torch.mm(gy, o_weight).view(b, s, h, hd)
+    dq, dk, dv = _flash().sdpa_backward_raw(choice, d_o, qk[:, :, :h], qk[:, :, h:], v, o, lse, seed, offset,
+                                            spec.causal, 1.0 / math.sqrt(hd))
+    dqk = torch.cat((dq, dk), dim=2)  # one [B, S, H+K, D] (written by the rotation's kernel where there is one)
+    if spec.rope:
+        cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
+        dqk = rope_rotate_inverse(dqk, cos, sin).to(dq.dtype)
+    dqk, dv = dqk.reshape(b * s, d + kd), dv.reshape(b * s, kd)
+    dw_qk = torch.mm(dqk.t(), x2)  # the q and k weights' gradients in one product
+    grads: tuple[Tensor, ...] = (dw_qk[:d], dw_qk[d:], torch.mm(dv.t(), x2), d_o_weight)
+    if has_bias:
+        db_qk = column_sum(dqk)
+        grads += (db_qk[:d], db_qk[d:], column_sum(dv), column_sum(gy))
+    dx = (torch.mm(dqk, w_qk) + torch.mm(dv, v_weight)).view(b, s, d) if needs_input_grad else None
+    return dx, _to_param_dtype(grads, param_dtype)
+
+
 def _autocast_forward(x, params, spec):
     """Under ``torch.autocast`` on ``x``'s device: cast the input and parameters to the autocast dtype
     (as autocast does for ``F.linear``), run the forward with autocast off, and record the parameters'
@@ -481,7 +583,7 @@ class MultiHeadAttentionFunction(torch.autograd.Function):
     def forward(ctx, x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
         y, saved = _autocast_forward(x, (q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias), spec)
         ctx.kind = type(saved)
-        n = len(saved) - 3  # the tensors; has_bias, spec, param_dtype kept on ctx
+        n = saved._fields.index("has_bias")  # the tensors; has_bias and the fields after it kept on ctx
         ctx.save_for_backward(*saved[:n])
         ctx.extra = tuple(saved[n:])
         ctx.x_dtype = x.dtype
