@@ -59,3 +59,44 @@ def test_profile_start_phases_runs_and_times_the_start():
         capture_output=True, text=True, timeout=300, env=env, check=True,
     ).stdout
     assert "(the run ends)" in quiet and "first launches:" not in quiet
+
+
+def test_whole_runs_prime_every_contender_before_the_timed_runs(monkeypatch, tmp_path):
+    """The priming the dry run leaves out (each child is a Python start: seconds): every contender first
+    runs once, untimed, for one epoch over two batches plus the ragged last batch, with the caches
+    warm (no ``cold`` caches of its own), for every batch size before any timed run; then the timed
+    runs, the contenders taking turns. The children are stood in for (the dry run starts real ones)."""
+    import itertools
+    import os
+    import subprocess
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("bench_trainers", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    calls = []
+
+    class Child:
+        pid = returncode = 0
+
+        def __init__(self, cmd, env, **kwargs):
+            at = cmd.index("--one-run")
+            calls.append((*cmd[at + 1 : at + 5], env.get("TORCHINDUCTOR_CACHE_DIR") != os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+
+        def communicate(self, timeout):
+            return "0.5\n", ""
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: None)
+    names = itertools.count()
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix="": str(tmp_path / f"{prefix}{next(names)}"))
+    rows = module.whole_runs((32, 100), torch.device("cpu"), n_samples=250, epochs=3, methods=("backprop", "tween"), cold=True)
+    contenders = ("eager", "compile", "backprop", "tween")
+    priming = [(c, str(b), str(2 * b + 250 % b), "1", False) for b in (32, 100) for c in contenders]
+    timed = [(c, str(b), "250", "3", True) for b in (32, 100) for c in contenders]
+    assert calls == priming + timed
+    assert [(r[0], r[1]) for r in rows] == [(32, "backprop"), (32, "tween"), (100, "backprop"), (100, "tween")]
+    calls.clear()
+    module.whole_runs((32,), torch.device("cpu"), n_samples=250, epochs=3, methods=("tween",), prime=False)
+    assert calls == [("eager", "32", "250", "3", False), ("compile", "32", "250", "3", False), ("tween", "32", "250", "3", False)]
