@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -171,23 +172,48 @@ CASES = [
 ]
 
 
+def _declared(method, loss_type, optimizer):
+    """The kernel modules the probe's trainer declares, from the probe's own builder, here on the CPU."""
+    namespace: dict = {}
+    exec(_BUILD, namespace)  # noqa: S102 - the probe's builder, the same string the probe runs
+    return namespace["build"](method, loss_type, optimizer, "cpu")[0].device_kernel_modules()
+
+
+def _probe(method, loss_type, optimizer, declared):
+    env = dict(os.environ, TRITON_INTERPRET="0" if torch.cuda.is_available() else "1", TORCHLOOM_PRELOAD="0",
+               PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", _PROBE, method, loss_type, optimizer, json.dumps(declared)],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def probes(request):
+    """The probes of the cases this session runs, started up front two at a time (each is a Python
+    process importing torch and Triton, seconds, with this process waiting on it: on a 2-core machine
+    two run in the time of one); a case's test waits for its own. ``{case: (declared, future)}``."""
+    pytest.importorskip("triton")
+    name = "test_declared_kernel_modules_cover_what_the_device_step_imports"
+    cases = [tuple(item.callspec.params[k] for k in ("method", "loss_type", "optimizer")) for item in request.session.items
+             if getattr(item, "originalname", None) == name and item.module is request.module]
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        started = {}
+        for case in cases:
+            declared = _declared(*case)
+            started[case] = declared, pool.submit(_probe, *case, declared)
+        yield started
+
+
 @pytest.mark.parametrize("method,loss_type,optimizer", CASES, ids=["-".join(c) for c in CASES])
-def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss_type, optimizer):
+def test_declared_kernel_modules_cover_what_the_device_step_imports(probes, method, loss_type, optimizer):
     """Run a method's device step in a fresh process (on CUDA when there is a GPU, else on CPU tensors
     through Triton's interpreter), the preload off, after importing the method's declared modules (the
     list this process's trainer declares, checked equal to the probe's trainer's): every kernel module
     the step imported was already imported by the declared modules, so the preload leaves no kernel
     module to the first step; and every declared module exists."""
-    pytest.importorskip("triton")
-    namespace: dict = {}
-    exec(_BUILD, namespace)  # noqa: S102 - the probe's own builder, here on the CPU
-    declared = namespace["build"](method, loss_type, optimizer, "cpu")[0].device_kernel_modules()
+    declared, future = probes[(method, loss_type, optimizer)]
     for name in declared:
         assert importlib.util.find_spec(name) is not None, name
-    cuda = torch.cuda.is_available()
-    env = dict(os.environ, TRITON_INTERPRET="0" if cuda else "1", TORCHLOOM_PRELOAD="0", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", _PROBE, method, loss_type, optimizer, json.dumps(declared)],
-                         capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    out = future.result()
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["declared"] == declared  # the modules preloaded are the ones the run declares
