@@ -376,12 +376,16 @@ def test_the_default_backend_waits_too_and_never_raises_while_preloads_start(tmp
             except Exception as e:  # noqa: BLE001 - what the test looks for
                 errors.append(e)
 
-    asker = threading.Thread(target=ask)
-    asker.start()
-    try:
-        for _ in range(300):
-            Preload(["torchloom_no_such_module_xyz"]).join()
-    finally:
-        stop.set()
-        asker.join()
+    # the interpreter lock handed over every 0.1 ms, not every 5 (restored after): the asker runs
+    # between the starts' steps at many more points, and each start no longer waits up to 5 ms per
+    # handover for the spinning asker (300 starts: ~1.5 s, not ~12)
+    with _switch_interval(1e-4):
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            for _ in range(300):
+                Preload(["torchloom_no_such_module_xyz"]).join()
+        finally:
+            stop.set()
+            asker.join()
     assert errors == [] and not _preload._importing
