@@ -24,7 +24,8 @@ One process, one table, a 784-256-256-10 ReLU network on random MNIST-shaped dat
 The feedback rules' step times: ``--steps-only --methods fa,dfa,"sign sym","fast proxy"``.
 
 Run: ``PYTHONPATH=. python bench/bench_trainers.py`` on a CUDA machine (``--quick`` for a short run,
-``--dry-run`` runs the whole pipeline at toy sizes on the CPU, no timings worth reading).
+``--dry-run`` runs the whole pipeline at toy sizes on the CPU, no timings worth reading, and so no
+untimed priming runs).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def _child_env(pycache: str, cold: bool) -> dict:
 
 
 def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, methods=tuple(METHODS), cold=False,
-               repeats=1, no_preload=False):
+               repeats=1, no_preload=False, prime=True):
     """Every contender in a fresh process of its own (``--one-run``), so none inherits another's
     imports, kernel loads or caches. Each contender first runs once, untimed, in a process of its own
     at a tiny size with the same last-batch size (a ragged last batch has kernel variants of its own):
@@ -202,7 +203,8 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
     kernel compiled inside the timed run). ``repeats``: every contender timed that many times, the
     contenders taking turns (so a slow spell of the machine spreads over all of them); the rows give the
     median and the range. ``no_preload``: each torchloom method also as ``<method>/no-preload``, with
-    ``TORCHLOOM_PRELOAD=0`` (no helper thread importing Triton while the run gets ready)."""
+    ``TORCHLOOM_PRELOAD=0`` (no helper thread importing Triton while the run gets ready). ``prime=False``
+    (the dry run, whose times mean nothing): no priming runs."""
     import contextlib
     import os
     import signal
@@ -232,7 +234,7 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
             raise RuntimeError(f"{c} at batch {batch} failed:\n{res.stderr[-2000:]}")
         return float(res.stdout.strip().splitlines()[-1])
 
-    for batch in batch_sizes:  # untimed priming runs: bytecode and kernel caches, the ragged last batch's too
+    for batch in batch_sizes if prime else ():  # untimed priming runs: bytecode and kernel caches, the ragged last batch's too
         for c in contenders:
             run(c, batch, 2 * batch + n_samples % batch, 1, False)
     rows = []
@@ -252,7 +254,7 @@ def whole_runs(batch_sizes, dev, n_samples=60000, epochs=4, with_compile=True, m
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and steps")
-    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the pipeline only")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU, no priming runs: checks the pipeline only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--whole-run-only", action="store_true", help="only the whole-run table")
     ap.add_argument("--steps-only", action="store_true", help="only the per-step table")
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
     print("| batch | torchloom method | torchloom | eager PyTorch | torch.compile | torchloom / eager |")
     print("|---:|---|---:|---:|---:|---:|")
     rows = whole_runs(run_sizes, dev, n_samples=n_samples, with_compile=not (args.no_compile or args.dry_run), methods=methods,
-                      cold=args.cold, repeats=max(1, args.repeats), no_preload=args.no_preload_too)
+                      cold=args.cold, repeats=max(1, args.repeats), no_preload=args.no_preload_too, prime=not args.dry_run)
     for batch, method, t, e, c, r, (t0, t1), (e0, e1) in rows:
         rng = (lambda a, b: f" [{a:.3f}–{b:.3f}]") if args.repeats > 1 else (lambda a, b: "")
         print(f"| {batch} | {method} | {t:.3f}{rng(t0, t1)} | {e:.3f}{rng(e0, e1)} | {c:.3f} | {r:.2f}× |", flush=True)

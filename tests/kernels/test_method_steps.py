@@ -193,14 +193,23 @@ EXTRAS = [dict(), dict(gradient_clip=0.05), dict(gradient_clip=0.01, clip_mode="
 EXTRA_IDS = ["plain", "norm-clip", "value-clip", "schedule"]
 
 
-@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
-@pytest.mark.parametrize("labels", [True, False], ids=["labels", "targets"])
+def _pairs(variants, ids):
+    """Each setting of EXTRAS once and each variant (labels or a target, a loss) with the plain step and
+    at least one setting, not every pair: a variant changes the target rows and the correct count, a
+    setting the clip or the rate, different code of the step (the kernels that take both, the rules,
+    are checked for every pair in test_tp_rule_matches_reference and test_tween_rule_matches_its_references),
+    and each run of the interpreted step takes about a second."""
+    plain = [pytest.param(dict(), v, id=f"plain-{i}") for v, i in zip(variants, ids)]
+    return plain + [pytest.param(e, variants[k % len(variants)], id=f"{eid}-{ids[k % len(ids)]}")
+                    for k, (e, eid) in enumerate(zip(EXTRAS[1:], EXTRA_IDS[1:]))]
+
+
+@pytest.mark.parametrize("extra,labels", _pairs([True, False], ["labels", "targets"]))
 def test_fused_target_prop_step_equals_the_torch_op_step(extra, labels):
     _same_run(TargetPropConfig(learning_rate=0.05, gate_threshold=0.3), _data(labels=labels), **extra)
 
 
-@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
-@pytest.mark.parametrize("labels", [True, False], ids=["labels", "targets"])
+@pytest.mark.parametrize("extra,labels", _pairs([True, False], ["labels", "targets"]))
 def test_fused_pure_target_prop_step_equals_the_torch_op_step(extra, labels):
     _same_run(TargetPropConfig(mode="pure", learning_rate=0.02, gate_threshold=0.3), _data(labels=labels), **extra)
 
@@ -290,9 +299,9 @@ def test_fused_loom_pure_target_prop_step_equals_the_torch_op_step():
     _same_run(TargetPropConfig(mode="pure", pure_targets="loom", learning_rate=0.02, gate_threshold=0.3), _data(labels=True))
 
 
-@pytest.mark.parametrize("extra", EXTRAS, ids=EXTRA_IDS)
-@pytest.mark.parametrize("loss_type,labels", [("mse", True), ("mse", False), ("cross_entropy", True)])
-def test_fused_tween_step_equals_the_torch_op_step(extra, loss_type, labels):
+@pytest.mark.parametrize("extra,loss", _pairs([("mse", True), ("mse", False), ("cross_entropy", True)], ["mse-labels", "mse-targets", "ce"]))
+def test_fused_tween_step_equals_the_torch_op_step(extra, loss):
+    loss_type, labels = loss
     _same_run(TweenConfig(base_rate=0.05), _data(labels=labels), loss_type=loss_type, **extra)
 
 

@@ -211,8 +211,16 @@ def _train_and_compare(name, *, autocast, dynamic, batches, rtol, atol, floor):
 
 
 # ------------------------------------------------------------------------------------- graph breaks
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "dynamic"])
-@pytest.mark.parametrize("name", list(CASES))
+# The compiled-vs-eager tests below compile with fullgraph=True, which fails on any graph break: in a
+# mode where a case has such a test, explain would repeat it, except for attention, whose traces
+# there follow an eager call that filled the RoPE store (explain traces with the store cold). So
+# explain covers the cases without a compiled test in that mode, and attention in every mode.
+COMPILED_IN = {"fp32": set(CASES), "bf16": set(BF16_CASES), "dynamic": set(DYNAMIC_CASES)}
+EXPLAIN_CASES = [(name, mode) for mode in ("fp32", "bf16", "dynamic") for name in CASES
+                 if name not in COMPILED_IN[mode] or name.startswith("mha")]
+
+
+@pytest.mark.parametrize("name,mode", EXPLAIN_CASES, ids=[f"{n}-{m}" for n, m in EXPLAIN_CASES])
 def test_explain_no_graph_breaks(name, mode):
     """``torch._dynamo.explain`` of the forward (which traces the hand-written backward too): one
     graph, no break; in float32, under bfloat16 autocast, and with every size symbolic (what

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,42 +120,49 @@ def test_preload_never_raises_for_a_module_that_fails(tmp_path, monkeypatch):
         importlib.import_module("preload_broken_mod")
 
 
-_PROBE = r"""
-import json, sys, torch
-from torchloom import LSTM, RNN, Dense, LayerNorm, MultiHeadAttention, Network, RMSNorm, Softmax, SwiGLU, TrainingConfig
-from torchloom.engine.cuda_path import CudaRunner
-from torchloom.engine.train import make_trainer
+_BUILD = r"""
+def build(method, loss_type, optimizer, dev):
+    import torch
+    from torchloom import LSTM, RNN, Dense, LayerNorm, MultiHeadAttention, Network, RMSNorm, Softmax, SwiGLU, TrainingConfig
+    from torchloom.engine.train import make_trainer
 
-method, loss_type, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if method == "backprop-layers":  # every layer family with kernels of its own, on sequences [8, 5, 6]
+        method = "backprop"
+        net = Network(Dense(6, 8, "tanh"), RMSNorm(8), MultiHeadAttention(8, 2), LayerNorm(8), SwiGLU(8, 16),
+                      RNN(8, 8), LSTM(8, 8), Dense(8, 4, "linear"), Softmax()).to(dev)
+        data = [(torch.randn(8, 5, 6, generator=g).to(dev), torch.rand(8, 5, 4, generator=g).to(dev)) for _ in range(3)]
+    else:
+        net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear")).to(dev)
+        labels = loss_type == "cross_entropy"
+        data = [(torch.randn(8, 6, generator=g).to(dev), (torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g)).to(dev))
+                for _ in range(3)]
+    extra = dict(optimizer=optimizer) if method == "backprop" else {}
+    cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type=loss_type, gradient_clip=0.5, **extra)
+    return make_trainer(net, cfg), data
+"""
+
+# One fresh process per method: first what the preload thread does (import the declared modules;
+# the kernel modules loaded then are the preloaded ones), then the device step. A module the step
+# imports that is not among the preloaded ones is what the preload left to the first step.
+_PROBE = _BUILD + r"""
+import importlib, json, sys
+method, loss_type, optimizer, declared = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+for name in declared:
+    importlib.import_module(name)
+preloaded = sorted(m for m in sys.modules if m.startswith("torchloom.kernels."))
+import torch
+from torchloom.engine.cuda_path import CudaRunner
+
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(1)
-if method == "backprop-layers":  # every layer family with kernels of its own, on sequences [8, 5, 6]
-    method = "backprop"
-    net = Network(Dense(6, 8, "tanh"), RMSNorm(8), MultiHeadAttention(8, 2), LayerNorm(8), SwiGLU(8, 16),
-                  RNN(8, 8), LSTM(8, 8), Dense(8, 4, "linear"), Softmax()).to(dev)
-    data = [(torch.randn(8, 5, 6, generator=g).to(dev), torch.rand(8, 5, 4, generator=g).to(dev)) for _ in range(3)]
-else:
-    net = Network(Dense(6, 12, "tanh"), Dense(12, 4, "linear")).to(dev)
-    labels = loss_type == "cross_entropy"
-    data = [(torch.randn(8, 6, generator=g).to(dev), (torch.randint(0, 4, (8,), generator=g) if labels else torch.rand(8, 4, generator=g)).to(dev))
-            for _ in range(3)]
-extra = dict(optimizer=optimizer) if method == "backprop" else {}
-cfg = TrainingConfig(method=method, epochs=1, verbose=0, loss_type=loss_type, gradient_clip=0.5, **extra)
-trainer = make_trainer(net, cfg)
+trainer, data = build(method, loss_type, optimizer, dev)
 if dev == "cpu":  # the device step on CPU tensors, its kernels through Triton's interpreter
     trainer.kernel_backend = "triton"
     trainer._runner = CudaRunner(trainer)
 trainer.fit(data, 1)  # on CUDA: the device path itself (TORCHLOOM_PRELOAD=0: its imports happen where they are used)
 used = sorted(m for m in sys.modules if m.startswith("torchloom.kernels.") and not m.rpartition(".")[2].startswith("_"))
-print(json.dumps({"used": used, "declared": trainer.device_kernel_modules()}))
-"""
-
-_IMPORTS = r"""
-import importlib, json, sys
-for name in sys.argv[1:]:
-    importlib.import_module(name)
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("torchloom.kernels."))))
+print(json.dumps({"used": used, "declared": trainer.device_kernel_modules(), "preloaded": preloaded}))
 """
 
 CASES = [
@@ -164,27 +172,53 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,loss_type,optimizer", CASES, ids=["-".join(c) for c in CASES])
-def test_declared_kernel_modules_cover_what_the_device_step_imports(method, loss_type, optimizer):
-    """Run a method's device step in a fresh process (on CUDA when there is a GPU, else on CPU tensors
-    through Triton's interpreter), the preload off: every kernel
-    module it imported is one that importing the method's declared modules imports too, so the
-    preload leaves no kernel module to the first step; and every declared module exists."""
+def _declared(method, loss_type, optimizer):
+    """The kernel modules the probe's trainer declares, from the probe's own builder, here on the CPU."""
+    namespace: dict = {}
+    exec(_BUILD, namespace)  # noqa: S102 - the probe's builder, the same string the probe runs
+    return namespace["build"](method, loss_type, optimizer, "cpu")[0].device_kernel_modules()
+
+
+def _probe(method, loss_type, optimizer, declared):
+    env = dict(os.environ, TRITON_INTERPRET="0" if torch.cuda.is_available() else "1", TORCHLOOM_PRELOAD="0",
+               PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", _PROBE, method, loss_type, optimizer, json.dumps(declared)],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def probes(request):
+    """The probes of the cases this session runs, started up front two at a time (each is a Python
+    process importing torch and Triton, seconds, with this process waiting on it: on a 2-core machine
+    two run in the time of one); a case's test waits for its own. ``{case: (declared, future)}``."""
     pytest.importorskip("triton")
-    cuda = torch.cuda.is_available()
-    env = dict(os.environ, TRITON_INTERPRET="0" if cuda else "1", TORCHLOOM_PRELOAD="0", PYTHONPATH=str(ROOT))
+    name = "test_declared_kernel_modules_cover_what_the_device_step_imports"
+    cases = [tuple(item.callspec.params[k] for k in ("method", "loss_type", "optimizer")) for item in request.session.items
+             if getattr(item, "originalname", None) == name and item.module is request.module]
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        started = {}
+        for case in cases:
+            declared = _declared(*case)
+            started[case] = declared, pool.submit(_probe, *case, declared)
+        yield started
 
-    def probe(*args: str):
-        out = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    report = probe(_PROBE, method, loss_type, optimizer)
-    assert report["used"], "the device step imported no kernel module: the probe did not reach the kernels"
-    for name in report["declared"]:
+@pytest.mark.parametrize("method,loss_type,optimizer", CASES, ids=["-".join(c) for c in CASES])
+def test_declared_kernel_modules_cover_what_the_device_step_imports(probes, method, loss_type, optimizer):
+    """Run a method's device step in a fresh process (on CUDA when there is a GPU, else on CPU tensors
+    through Triton's interpreter), the preload off, after importing the method's declared modules (the
+    list this process's trainer declares, checked equal to the probe's trainer's): every kernel module
+    the step imported was already imported by the declared modules, so the preload leaves no kernel
+    module to the first step; and every declared module exists."""
+    declared, future = probes[(method, loss_type, optimizer)]
+    for name in declared:
         assert importlib.util.find_spec(name) is not None, name
-    preloaded = probe(_IMPORTS, *report["declared"])  # what importing the declared modules imports
-    missing = sorted(set(report["used"]) - set(preloaded))
+    out = future.result()
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["declared"] == declared  # the modules preloaded are the ones the run declares
+    assert report["used"], "the device step imported no kernel module: the probe did not reach the kernels"
+    missing = sorted(set(report["used"]) - set(report["preloaded"]))
     assert not missing, f"{method}'s device step imports kernel modules the preload does not: {missing}"
 
 
@@ -342,12 +376,16 @@ def test_the_default_backend_waits_too_and_never_raises_while_preloads_start(tmp
             except Exception as e:  # noqa: BLE001 - what the test looks for
                 errors.append(e)
 
-    asker = threading.Thread(target=ask)
-    asker.start()
-    try:
-        for _ in range(300):
-            Preload(["torchloom_no_such_module_xyz"]).join()
-    finally:
-        stop.set()
-        asker.join()
+    # the interpreter lock handed over every 0.1 ms, not every 5 (restored after): the asker runs
+    # between the starts' steps at many more points, and each start no longer waits up to 5 ms per
+    # handover for the spinning asker (300 starts: ~1.5 s, not ~12)
+    with _switch_interval(1e-4):
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            for _ in range(300):
+                Preload(["torchloom_no_such_module_xyz"]).join()
+        finally:
+            stop.set()
+            asker.join()
     assert errors == [] and not _preload._importing
