@@ -516,6 +516,83 @@ def test_compiled_flash_path_traces_pytorchs_fused_kernel(choice, monkeypatch):
     assert not [t for t in dynamic if "_scaled_dot_product" in t], sorted(set(dynamic))
 
 
+def test_compiled_flash_path_stays_traced_after_a_ragged_batch(monkeypatch):
+    """A ragged last batch makes Dynamo compile again with a symbolic batch size (``dynamic=None``, the
+    default and ``train(compile=True)``'s): that graph still traces PyTorch's fused kernel (chosen for
+    one sample), not the opaque operators."""
+    from torchloom.kernels import flash_attention as FA
+    from torchloom.layers import _traced_attention as TRACED
+
+    seen = []
+    monkeypatch.setattr(TRACED, "sdpa_choice_constant",
+                        torch.compiler.assume_constant_result(lambda *args: seen.append(args) or FA.SDPA_CUDNN))
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2)
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    torch._dynamo.mark_dynamic(x, 0)  # what the recompile after a ragged batch does
+    targets = _capture_only(layer, x, dynamic=None)
+    assert any(t.startswith("aten._scaled_dot_product_cudnn_attention.default") for t in targets), sorted(set(targets))
+    assert not any("torchloom" in t for t in targets), sorted(set(targets))
+    assert seen and all(a[0] == 6 for a in seen), seen  # asked for S = 6, no batch
+
+
+def _sdpa_float64_raw(choice, q, k, v, causal, scale):
+    """``flash_attention.sdpa_forward_raw``'s contract in float64 on the CPU (for the traced path's math):
+    ``(o [B,S,H,D], lse, seed, offset)``; lse/seed/offset unused placeholders."""
+    o = _sdpa_float64(q, k, v, causal, scale)
+    return o, o.new_zeros(()), o.new_zeros(()), o.new_zeros(())
+
+
+def _sdpa_float64(q, k, v, causal, scale):
+    g = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
+    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
+
+
+def _sdpa_float64_backward_raw(choice, do, q, k, v, o, lse, seed, offset, causal, scale):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = _sdpa_float64(*leaves, causal, scale)
+    return torch.autograd.grad(out, leaves, do)
+
+
+@pytest.mark.parametrize("kv,bias,rope,causal,input_grad", [
+    (4, True, True, True, True), (2, True, True, False, True), (1, False, True, True, False),
+    (2, False, False, True, True), (4, True, False, False, False),
+])
+def test_traced_flash_path_math_equals_the_materialised_path(kv, bias, rope, causal, input_grad, monkeypatch):
+    """The traced flash path's own math (its products, RoPE and its inverse, the joined q|k gradient,
+    the bias sums, grouped heads), with the fused kernel's calls replaced by float64 attention and its
+    autograd backward, and its RoPE tables made in float64 (float32 on the GPU): output and every
+    gradient equal the materialised path's in float64."""
+    from torchloom.kernels import flash_attention as FA
+    from torchloom.layers import _traced_attention as TRACED
+    from torchloom.layers.rope import rope_tables
+
+    monkeypatch.setattr(FA, "sdpa_forward_raw", _sdpa_float64_raw)
+    monkeypatch.setattr(FA, "sdpa_backward_raw", _sdpa_float64_backward_raw)
+    monkeypatch.setattr(TRACED, "rope_tables", lambda s, d, theta, device, dtype: rope_tables(s, d, theta, device, torch.float64))
+    TRACED._make_rope_table.cache_clear()
+    layer = _randomize(MultiHeadAttention(24, 4, num_kv_heads=kv, bias=bias, rope=rope, causal=causal)).double()
+    params = layer._params()
+    x, gy = torch.randn(3, 7, 24, dtype=torch.float64), torch.randn(3, 7, 24, dtype=torch.float64)
+    try:
+        y, saved = ATTENTION._traced_forward(x, *params, layer.spec, FA.SDPA_CUDNN)
+        assert isinstance(saved, ATTENTION.SdpaAttentionSaved)
+        dx, grads = ATTENTION.attention_backward(gy, saved, input_grad)
+    finally:
+        TRACED._make_rope_table.cache_clear()  # no float64 table left for a later test
+    spec = dataclasses.replace(layer.spec, backend="reference")
+    y_ref, saved_ref = ATTENTION.attention_forward(x, *params, spec)
+    dx_ref, grads_ref = ATTENTION.attention_backward(gy, saved_ref, True)
+    assert_close(y, y_ref, name="output", rtol=1e-10, atol=1e-10)
+    assert (dx is None) == (not input_grad)
+    if input_grad:
+        assert_close(dx, dx_ref, name="input grad", rtol=1e-10, atol=1e-10)
+    assert len(grads) == len(grads_ref) == (8 if bias else 4)
+    for i, (g, r) in enumerate(zip(grads, grads_ref)):
+        assert_close(g, r, name=f"grad of parameter {i}", rtol=1e-10, atol=1e-10)
+
+
 def test_compiled_flash_attention_inductor_writes_the_projection_in_place():
     """Inductor (the default backend) on the flash path: output and gradients equal eager's, and RoPE
     writes the q|k|v projection's own buffer: the buffer the fused product is written into (``out=``)

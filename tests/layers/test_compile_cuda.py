@@ -93,16 +93,27 @@ def test_compiled_attention_inductor_matches_eager(causal):
     assert not re.search(rf"(clone|copy_)\w*(\.run)?\([^\n]*\b{buf}\b", forward), f"{buf} is copied"
 
 
-def _attention_errors(module, x, gy, reference):
-    """Relative errors (Frobenius) of ``module``'s output and gradients on ``x`` against ``reference``'s
-    ``(y, [dx, *param grads])`` in float64."""
-    x = x.clone().requires_grad_()
+def _attention_errors(module, x, gy, reference, input_grad=True):
+    """Relative errors (Frobenius) of ``module``'s output and gradients on ``x`` (with or without an
+    input gradient) against ``reference``'s ``(y, [dx, *param grads])`` in float64."""
+    x = x.clone().requires_grad_(input_grad)
     module.zero_grad(set_to_none=True)
     y = module(x)
     y.backward(gy)
     got = [y.detach(), x.grad, *(p.grad for p in module.parameters())]
     want = [reference[0], *reference[1]]
-    return [float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want)]
+    return [None if g is None else float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want)]
+
+
+def _float64_attention(eager, x, gy):
+    from torchloom.layers import attention as A
+
+    ref = copy.deepcopy(eager).double()
+    ref.spec = A.AttentionSpec(eager.num_heads, eager.num_kv_heads, eager.causal, eager.rope, eager.rope_theta, "reference")
+    xr = x.double().requires_grad_()
+    yr = ref(xr)
+    yr.backward(gy.double())
+    return yr.detach(), [xr.grad, *(p.grad for p in ref.parameters())]
 
 
 @pytest.mark.parametrize("dtype,kv,bias,rope,causal,autocast", [
@@ -110,19 +121,19 @@ def _attention_errors(module, x, gy, reference):
     (torch.bfloat16, 4, False, True, False, False),
     (torch.float32, 4, True, True, True, False),
     (torch.float32, 4, True, False, True, True),
-], ids=["bf16-grouped", "bf16-nobias-noncausal", "fp32", "fp32-autocast-norope"])
+    (torch.float32, 2, True, True, True, True),
+], ids=["bf16-grouped", "bf16-nobias-noncausal", "fp32", "fp32-autocast-norope", "fp32-autocast-grouped"])
 def test_compiled_attention_traces_pytorchs_fused_kernel(dtype, kv, bias, rope, causal, autocast):
     """Where PyTorch's fused attention kernel serves the core, a compiled layer traces its flash path:
     Inductor's code calls the fused kernel's ATen operators (forward and backward) directly and no
     torchloom operator, with no graph break; the output and every gradient are as close to a float64
-    reference (the materialised path) as eager's, and the traced choice is the eager one."""
+    reference (the materialised path) as eager's. Then a ragged batch (Dynamo compiles again with a
+    symbolic batch size) stays on the traced path, and so does a step whose input needs no gradient."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
     from torchloom import MultiHeadAttention
     from torchloom.kernels import flash_attention as FA
-    from torchloom.layers import _traced_attention as TA
-    from torchloom.layers import attention as A
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -131,57 +142,59 @@ def test_compiled_attention_traces_pytorchs_fused_kernel(dtype, kv, bias, rope, 
     with torch.no_grad():
         for p in eager.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    x = torch.randn(b, s, d, device="cuda", dtype=dtype)
-    gy = torch.randn(b, s, d, device="cuda", dtype=dtype)
-    ref = copy.deepcopy(eager).double()
-    ref.spec = A.AttentionSpec(h, kv, causal, rope, eager.spec.rope_theta, "reference")
-    xr = x.double().requires_grad_()
-    yr = ref(xr)
-    yr.backward(gy.double())
-    reference = (yr.detach(), [xr.grad, *(p.grad for p in ref.parameters())])
     compiled_module = copy.deepcopy(eager)
     compiled = torch.compile(compiled_module, fullgraph=True)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
-    with amp:
-        run_dtype = torch.bfloat16 if autocast else dtype
-        q = torch.empty(b, s, h, d // h, device="cuda", dtype=run_dtype)
-        k = torch.empty(b, s, kv, d // h, device="cuda", dtype=run_dtype)
-        choice = FA.sdpa_choice(q, k, k, causal, (d // h) ** -0.5)
-        assert choice is not None, "no fused kernel for this case on this GPU: the test asks of a case that has one"
-        assert TA.sdpa_choice_constant(b, s, h, kv, d // h, run_dtype, x.device, causal) == choice
-        eager_err = _attention_errors(eager, x, gy, reference)
-        _, codes = run_and_get_code(_attention_errors, compiled, x, gy, reference)
-        compiled_err = _attention_errors(compiled, x, gy, reference)  # second step: no recompile needed
-    text = "\n".join(codes)
+    run_dtype = torch.bfloat16 if autocast else dtype
+    q = torch.empty(b, s, h, d // h, device="cuda", dtype=run_dtype)
+    k = torch.empty(b, s, kv, d // h, device="cuda", dtype=run_dtype)
+    choice = FA.sdpa_choice(q, k, k, causal, (d // h) ** -0.5)
+    assert choice is not None, "no fused kernel for this case on this GPU: the test asks of a case that has one"
     name = {FA.SDPA_FLASH: "flash", FA.SDPA_EFFICIENT: "efficient", FA.SDPA_CUDNN: "cudnn"}[choice]
-    for op in (f"_scaled_dot_product_{name}_attention.default(", f"_scaled_dot_product_{name}_attention_backward.default("):
-        assert op in text, f"Inductor's code does not call aten.{op[:-1]}"
-    assert "torch.ops.torchloom." not in text, "a torchloom operator in the traced flash path"
     names = ["y", "dx", *(n for n, _ in eager.named_parameters())]
-    for n, c, e in zip(names, compiled_err, eager_err):
-        assert c <= 1.5 * e + 1e-6, f"{n}: compiled relative error {c:.3e} vs eager {e:.3e}"
+    for step, (batch, input_grad) in enumerate([(b, True), (b, True), (b + 1, True), (b + 1, False)]):
+        x = torch.randn(batch, s, d, device="cuda", dtype=dtype)
+        gy = torch.randn(batch, s, d, device="cuda", dtype=dtype)
+        reference = _float64_attention(eager, x, gy)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            eager_err = _attention_errors(eager, x, gy, reference, input_grad)
+            if step in (0, 2):  # the first compile, and the one for the ragged batch
+                compiled_err, codes = run_and_get_code(_attention_errors, compiled, x, gy, reference, input_grad)
+                text = "\n".join(codes)
+                for op in (f"_scaled_dot_product_{name}_attention.default(", f"_scaled_dot_product_{name}_attention_backward.default("):
+                    assert op in text, f"step {step}: Inductor's code does not call aten.{op[:-1]}"
+                assert "torch.ops.torchloom." not in text, f"step {step}: a torchloom operator in the traced flash path"
+            else:
+                compiled_err = _attention_errors(compiled, x, gy, reference, input_grad)
+        for n, c, e in zip(names, compiled_err, eager_err):
+            assert (c is None) == (e is None), f"step {step}: {n}"
+            if c is not None:
+                assert c <= 1.5 * e + 1e-6, f"step {step}: {n}: compiled relative error {c:.3e} vs eager {e:.3e}"
 
 
-def test_traced_kernel_choice_is_the_choice_for_the_full_tensors():
-    """The kernel a compiled layer's traced flash path picks while Dynamo traces (asked of one-row views,
-    no tensor of the real size) is the one PyTorch's chooser picks for real tensors of the layer's
-    sizes: dtypes, grouped heads, head sizes (8-multiples and not), one-token and long sequences."""
+def test_traced_kernel_choice_is_the_choice_for_the_layers_tensors():
+    """The kernel a compiled layer's traced flash path picks while Dynamo traces (asked for one sample of
+    one-row views: no tensor of the real size) is the one PyTorch's chooser picks for the tensors the
+    traced path hands the kernel — q and k slices of one ``[B, S, H+K, D]`` buffer, v its own — at every
+    batch size: dtypes, grouped heads, head sizes (8-multiples and not), one-token and long sequences."""
     from torchloom.kernels import flash_attention as FA
     from torchloom.layers import _traced_attention as TA
 
-    cases = [(4, 2048, 16, 16, 64, torch.bfloat16, True), (4, 2048, 16, 16, 64, torch.float32, True),
-             (2, 77, 4, 2, 32, torch.bfloat16, True), (2, 77, 4, 4, 32, torch.bfloat16, False),
-             (2, 77, 4, 4, 32, torch.float32, True), (2, 77, 4, 2, 16, torch.float32, True),
-             (1, 1, 4, 4, 64, torch.bfloat16, True), (3, 5, 8, 8, 128, torch.float16, False),
-             (1, 8192, 16, 16, 64, torch.bfloat16, True), (2, 100, 2, 2, 40, torch.bfloat16, True),
-             (2, 64, 2, 2, 20, torch.float16, True), (2, 33, 6, 3, 8, torch.float32, False)]
+    cases = [(2048, 16, 16, 64, torch.bfloat16, True), (2048, 16, 16, 64, torch.float32, True),
+             (77, 4, 2, 32, torch.bfloat16, True), (77, 4, 4, 32, torch.bfloat16, False),
+             (77, 4, 4, 32, torch.float32, True), (77, 4, 2, 16, torch.float32, True),
+             (1, 4, 4, 64, torch.bfloat16, True), (5, 8, 8, 128, torch.float16, False),
+             (8192, 16, 16, 64, torch.bfloat16, True), (100, 2, 2, 40, torch.bfloat16, True),
+             (64, 2, 2, 20, torch.float16, True), (33, 6, 3, 8, torch.float32, False)]
     dev = torch.device("cuda", torch.cuda.current_device())
-    for b, s, h, kv, hd, dtype, causal in cases:
-        q = torch.empty(b, s, h, hd, device="cuda", dtype=dtype)
-        k = torch.empty(b, s, kv, hd, device="cuda", dtype=dtype)
-        want = FA.sdpa_choice(q, k, k, causal, hd ** -0.5)
-        got = TA.sdpa_choice_constant(b, s, h, kv, hd, dtype, dev, causal)
-        assert got == want, f"{(b, s, h, kv, hd, dtype, causal)}: traced choice {got}, chooser {want}"
+    for s, h, kv, hd, dtype, causal in cases:
+        got = TA.sdpa_choice_constant(s, h, kv, hd, dtype, dev, causal)
+        for b in (1, 3, 8):
+            if b * s * (h + 2 * kv) * hd > 1 << 26:
+                continue
+            qk = torch.empty(b, s, h + kv, hd, device="cuda", dtype=dtype)
+            v = torch.empty(b, s, kv, hd, device="cuda", dtype=dtype)
+            want = FA.sdpa_choice(qk[:, :, :h], qk[:, :, h:], v, causal, hd ** -0.5)
+            assert got == want, f"{(b, s, h, kv, hd, dtype, causal)}: traced choice {got}, chooser {want}"
 
 
 @pytest.mark.parametrize("cls", ["LSTM", "RNN"])

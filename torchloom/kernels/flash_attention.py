@@ -630,7 +630,7 @@ def sdpa_forward_raw(
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
         o, lse, seed, offset = out[0], out[1], out[6], out[7]
     else:
-        raise ValueError(f"sdpa_forward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+        raise ValueError(f"sdpa_forward_raw: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
     return o.transpose(1, 2), lse, seed, offset
 
 
@@ -652,7 +652,7 @@ def sdpa_backward_raw(
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dot, qt, kt, vt, ot, lse, seed, offset, None, None, None, s, s, 0.0, causal, scale=scale)
     else:
-        raise ValueError(f"sdpa_backward: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
+        raise ValueError(f"sdpa_backward_raw: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
     return tuple(t.transpose(1, 2) for t in grads)
 
 

@@ -11,13 +11,14 @@ import math
 import torch
 from torch import Tensor
 
+from .base import dispatch_mode_active
 from .rope import rope_tables
 
 
 @torch.compiler.assume_constant_result
-def sdpa_choice_constant(b: int, s: int, h: int, kv: int, hd: int, dtype: torch.dtype, device: torch.device,
+def sdpa_choice_constant(s: int, h: int, kv: int, hd: int, dtype: torch.dtype, device: torch.device,
                          causal: bool) -> int | None:
-    """``flash_attention.sdpa_choice`` for q ``[B, S, H, D]`` and k, v ``[B, S, K, D]`` of ``dtype`` on
+    """``flash_attention.sdpa_choice`` for q ``[1, S, H, D]`` and k, v ``[1, S, K, D]`` of ``dtype`` on
     ``device`` (None off CUDA, and for head sizes over 128, as the eager flash path). Dynamo calls it
     once while it traces and keeps the answer in the graph. The chooser reads only metadata, but of
     real CUDA tensors (of fake ones it answers "math"): these are views of one ``D``-element row, every
@@ -26,15 +27,23 @@ def sdpa_choice_constant(b: int, s: int, h: int, kv: int, hd: int, dtype: torch.
     if device.type != "cuda" or hd > _flash_attention().MAX_HEAD_DIM:
         return None
     row = torch.empty(hd, dtype=dtype, device=device)
-    q = row.as_strided((b, s, h, hd), (0, 0, 0, 1))
-    k = row.as_strided((b, s, kv, hd), (0, 0, 0, 1))
+    q = row.as_strided((1, s, h, hd), (0, 0, 0, 1))
+    k = row.as_strided((1, s, kv, hd), (0, 0, 0, 1))
     return _flash_attention().sdpa_choice(q, k, k, causal, 1.0 / math.sqrt(hd))
 
 
-@functools.lru_cache(maxsize=16)
 def _rope_table(seq_len: int, head_dim: int, theta: float, device: torch.device, sine: bool) -> Tensor:
-    """One table of ``rope_constants``, the same tensor for the same arguments (the forward's and the
-    backward's graph name it alike), made whole before any stream reads it."""
+    """One table of ``rope_constants``: the same tensor for the same arguments (the graphs of a layer's
+    forward and backward, traced one after the other, name it alike), the last 8 kept; made afresh,
+    and not kept, under a ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are not real)."""
+    if dispatch_mode_active():
+        return _make_rope_table.__wrapped__(seq_len, head_dim, theta, device, sine)
+    return _make_rope_table(seq_len, head_dim, theta, device, sine)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_rope_table(seq_len: int, head_dim: int, theta: float, device: torch.device, sine: bool) -> Tensor:
+    """The table, made whole before any stream reads it."""
     with torch.inference_mode(False), torch.no_grad():
         table = rope_tables(seq_len, head_dim, theta, device, torch.float32)[int(sine)][:, None].contiguous()
     if device.type == "cuda":

@@ -33,8 +33,9 @@ applies (grouped heads in float32, or all disabled) and with ``backend="triton"`
 of ``torchloom.kernels.flash_attention``. Elsewhere (CPU, float64) the materialised path above runs.
 Under ``torch.compile`` (static shapes), where PyTorch's fused kernel serves the core, the flash path
 is traced: the compiled graph calls that kernel's ATen operators directly, with RoPE as pointwise ops
-Inductor fuses, as for PyTorch's own projections + RoPE + SDPA. Elsewhere (the Triton kernel,
-``dynamic=True``) its core (RoPE, the kernel, and their backward) runs behind two opaque operators,
+Inductor fuses, as for PyTorch's own projections + RoPE + SDPA (also where Triton is absent, whose
+eager layer runs the materialised path there). Elsewhere (the Triton kernel; a symbolic sequence
+length or width, as under ``dynamic=True``) its core (RoPE, the kernel, and their backward) runs behind two opaque operators,
 ``torch.ops.torchloom.flash_attention_core`` and ``flash_attention_core_backward``, which launch the
 very kernels of an eager layer.
 
@@ -61,7 +62,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import (
+    column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
+)
 from .rope import rope_rotate, rope_rotate_inverse, rope_tables
 
 __all__ = [
@@ -121,10 +124,11 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     neither read nor filled under a ``TorchDispatchMode`` such as fake-tensor tracing (its tensors are
     not real ones), nor while ``torch.compile`` traces the materialised path: there the tables are made
     by the compiled graph itself (its own tensors, no host-side store or lock inside the traced
-    region). The flash path's operators (``_flash_core``, ``_flash_core_backward``) are opaque to the
-    compiler: a compiled graph calls them with real tensors at run time, so they read and fill the
-    store as eager calls do."""
-    if torch.compiler.is_compiling() or _dispatch_mode_active():
+    region). The flash path's opaque operators (``_flash_core``, ``_flash_core_backward``, where a
+    compiled layer runs them) are called with real tensors at run time, so they read and fill the
+    store as eager calls do; the traced flash path's tables are constants of its graph
+    (``_traced_attention.rope_constants``)."""
+    if torch.compiler.is_compiling() or dispatch_mode_active():
         return rope_tables(seq_len, head_dim, theta, device, dtype)
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
     key = (seq_len, head_dim, theta, device, dtype, stream)
@@ -155,13 +159,6 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
 
 def _nbytes(tables: tuple[Tensor, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tables)
-
-
-def _dispatch_mode_active() -> bool:
-    from torch.utils import _python_dispatch
-
-    active = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
-    return bool(active()) if active is not None else False
 
 
 # ------------------------------------------------------------------------------- forward/backward
@@ -254,7 +251,9 @@ def attention_forward(
 
     With ``spec.backend`` None on CUDA (float32/16/bfloat16, head size ≤ 128) or ``"triton"``, the
     flash path: one fused q|k|v product, RoPE in place, the flash-attention kernel (memory linear in
-    S), ``saved`` a ``FlashAttentionSaved``. Otherwise the materialised path (``AttentionSaved``)."""
+    S), ``saved`` a ``FlashAttentionSaved``. While ``torch.compile`` traces, where PyTorch's fused
+    kernel serves it, the traced flash path (``_traced_forward``; ``saved`` a ``SdpaAttentionSaved``).
+    Otherwise the materialised path (``AttentionSaved``)."""
     if torch.compiler.is_compiling():  # before _use_flash: the traced core needs no Triton
         choice = _traced_choice(x, spec)
         if choice is not None:
@@ -491,15 +490,19 @@ _FLASH_OPS = _register_flash_ops()
 # bfloat16 on an H200, of which the fused kernels' own calls took 0.13 ms: the compiled step took
 # 1.4–1.7× PyTorch's compiled one, issue 36). The kernel is chosen once, while Dynamo traces
 # (``_traced_attention.sdpa_choice_constant``), and kept by the graph: a later change of the ``torch.backends.cuda``
-# switches reaches a compiled layer when it is compiled again (``torch._dynamo.reset()``). Elsewhere
-# (the Triton kernel, symbolic shapes) the opaque operators run.
+# switches (or an ``sdpa_kernel`` context around a call) reaches a compiled layer only once it is compiled
+# again (``torch._dynamo.reset()``). Elsewhere (the Triton kernel, a symbolic sequence length or width)
+# the opaque operators run.
 def _traced_choice(x: Tensor, spec: AttentionSpec) -> int | None:
-    """The fused kernel for the traced core of ``x [B, S, d]``'s attention, or None (the opaque operators)."""
-    if spec.backend is not None or not _static(x.shape):
+    """The fused kernel for the traced core of ``x [B, S, d]``'s attention, or None (the opaque
+    operators). The batch may be symbolic (Dynamo's recompile after a ragged last batch makes it so):
+    the kernel is chosen for one sample, as the chooser's answer does not depend on the batch
+    (tests/layers/test_compile_cuda.py); the sequence length and width must be plain ints."""
+    if spec.backend is not None or not _static(x.shape[1:]):
         return None
-    b, s, d = x.shape
+    _, s, d = x.shape
     hd = d // spec.num_heads
-    return _constants().sdpa_choice_constant(b, s, spec.num_heads, spec.num_kv_heads, hd, x.dtype, x.device, spec.causal)
+    return _constants().sdpa_choice_constant(s, spec.num_heads, spec.num_kv_heads, hd, x.dtype, x.device, spec.causal)
 
 
 def _static(sizes) -> bool:
@@ -761,7 +764,7 @@ class MultiHeadAttention(Layer):
         self._check(x)
         return MultiHeadAttentionFunction.apply(x, *self._params(), self.spec)
 
-    def forward_saved(self, x: Tensor) -> tuple[Tensor, AttentionSaved | FlashAttentionSaved]:
+    def forward_saved(self, x: Tensor) -> tuple[Tensor, AttentionSaved | FlashAttentionSaved | SdpaAttentionSaved]:
         self._check(x)
         return _autocast_forward(x, self._params(), self.spec)
 

@@ -251,6 +251,15 @@ def _register_mm_sum():
 _MM_SUM = _register_mm_sum()
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (fake-tensor tracing, for one) is active: its tensors are not real
+    ones, so no host-side store may keep them."""
+    from torch.utils import _python_dispatch
+
+    active = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
+    return bool(active()) if active is not None else False
+
+
 def forbid_double_backward(layer: str) -> None:
     """Called first in a hand-written backward: raise ``RuntimeError`` when a second derivative is
     being asked for (``create_graph=True``; autograd runs the backward with grad mode on exactly
