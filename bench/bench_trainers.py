@@ -298,7 +298,9 @@ def main(argv=None) -> int:
     if args.steps_only:
         return 0
     print("\n## Whole run (s): 4 epochs over 60,000 samples, warm-up, compile and capture included\n")
-    caches = "empty Triton and Inductor caches: every compile timed" if args.cold else "Triton's and Inductor's disk caches warm from an untimed tiny run"
+    caches = ("empty Triton and Inductor caches: every compile timed" if args.cold
+              else "no untimed priming run (--dry-run)" if args.dry_run
+              else "Triton's and Inductor's disk caches warm from an untimed tiny run")
     print(f"Each contender in a fresh process (imports, kernel loads and graph captures its own; {caches}).\n")
     if args.repeats > 1:
         print(f"Medians of {args.repeats} runs each, the contenders taking turns; ranges in brackets.\n")

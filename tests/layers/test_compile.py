@@ -75,7 +75,7 @@ CASES = {
 }
 # The compiled-vs-eager training runs take ~1 s each: under autocast and dynamic=True they cover one
 # case per autograd.Function and the containers (every case is traced in those modes by the explain
-# test).
+# test or by a fullgraph=True compiled test).
 BF16_CASES = ["dense", "conv2d", "conv_transpose1d", "rnn", "lstm", "mha", "mha_gqa", "swiglu", "rmsnorm",
               "layernorm", "softmax", "embedding", "residual", "parallel", "sequential", "network"]
 DYNAMIC_CASES = ["dense", "conv2d", "conv_transpose2d", "rnn", "mha_gqa", "swiglu", "layernorm", "softmax",

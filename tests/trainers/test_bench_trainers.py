@@ -43,14 +43,16 @@ def test_profile_start_phases_runs_and_times_the_start():
     of Python and torch start, and they share nothing.)"""
     import os
     import subprocess
+    import time
 
     script = BENCH.parent / "profile_start.py"
     env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1]), "CUDA_VISIBLE_DEVICES": ""}
     args = [sys.executable, str(script), "--method", "tween", "--batch", "64", "--samples", "256", "--epochs", "2", "--phases"]
     procs = [subprocess.Popen([*args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for extra in ([], ["--no-launch-table"])]
+    deadline = time.monotonic() + 300  # for both: they run side by side
     try:
-        (out, err), (quiet, quiet_err) = (p.communicate(timeout=300) for p in procs)
+        (out, err), (quiet, quiet_err) = (p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -22,8 +22,9 @@ def sdpa_choice_constant(s: int, h: int, kv: int, hd: int, dtype: torch.dtype, d
     ``device`` (None off CUDA, and for head sizes over 128, as the eager flash path). Dynamo calls it
     once while it traces and keeps the answer in the graph. The chooser reads only metadata, but of
     real CUDA tensors (of fake ones it answers "math"): these are views of one ``D``-element row, every
-    stride but the last 0 (on an H200 with torch 2.11 it answers as for the full tensors in every case
-    the tests ask, tests/layers/test_compile_cuda.py)."""
+    stride but the last 0. One sample serves every batch size: on an H200 with torch 2.11 it answers
+    as for the traced path's own tensors (q and k slices of one buffer, v its own) at batch 1, 3 and 8
+    in every case tests/layers/test_compile_cuda.py asks."""
     if device.type != "cuda" or hd > _flash_attention().MAX_HEAD_DIM:
         return None
     row = torch.empty(hd, dtype=dtype, device=device)

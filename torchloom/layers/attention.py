@@ -31,13 +31,13 @@ would pick for the same q, k, v (FlashAttention-2, the memory-efficient kernel o
 the ``torch.backends.cuda`` switches), called as separate forward and backward operators; where none
 applies (grouped heads in float32, or all disabled) and with ``backend="triton"``, the Triton kernel
 of ``torchloom.kernels.flash_attention``. Elsewhere (CPU, float64) the materialised path above runs.
-Under ``torch.compile`` (static shapes), where PyTorch's fused kernel serves the core, the flash path
-is traced: the compiled graph calls that kernel's ATen operators directly, with RoPE as pointwise ops
-Inductor fuses, as for PyTorch's own projections + RoPE + SDPA (also where Triton is absent, whose
-eager layer runs the materialised path there). Elsewhere (the Triton kernel; a symbolic sequence
-length or width, as under ``dynamic=True``) its core (RoPE, the kernel, and their backward) runs behind two opaque operators,
-``torch.ops.torchloom.flash_attention_core`` and ``flash_attention_core_backward``, which launch the
-very kernels of an eager layer.
+Under ``torch.compile``, where PyTorch's fused kernel serves the core and the sequence length and width
+are static, the flash path is traced: the compiled graph calls that kernel's ATen operators directly,
+with RoPE as pointwise ops Inductor fuses, as for PyTorch's own projections + RoPE + SDPA (also where
+Triton is absent, whose eager layer runs the materialised path there). Elsewhere (the Triton kernel;
+a symbolic sequence length or width, as under ``dynamic=True``) its core (RoPE, the kernel, and their
+backward) runs behind two opaque operators, ``torch.ops.torchloom.flash_attention_core`` and
+``flash_attention_core_backward``, which launch the very kernels of an eager layer.
 
 Mixed precision: under ``torch.autocast`` the input and the parameters are cast to the autocast
 dtype, the layer computes in it (softmax statistics in float32) and the gradients come back in the
@@ -480,7 +480,7 @@ _FLASH_OPS = _register_flash_ops()
 
 
 # ------------------------------------------------------------------- the flash path, traced by torch.compile
-# Where PyTorch's fused kernel serves the core (``sdpa_choice``; static shapes, ``backend`` None), a
+# Where PyTorch's fused kernel serves the core (``sdpa_choice``; static S and d, ``backend`` None), a
 # compiled layer's flash path is traced through, as PyTorch's own projections + RoPE +
 # ``F.scaled_dot_product_attention`` are: the fused kernel's forward and backward ATen operators sit in
 # the compiled graph (Inductor calls them directly), RoPE and its inverse are pointwise torch ops Inductor
@@ -489,10 +489,10 @@ _FLASH_OPS = _register_flash_ops()
 # bodies' host time on every call (~0.6 ms each for the forward and the backward core at S = 2,048 in
 # bfloat16 on an H200, of which the fused kernels' own calls took 0.13 ms: the compiled step took
 # 1.4–1.7× PyTorch's compiled one, issue 36). The kernel is chosen once, while Dynamo traces
-# (``_traced_attention.sdpa_choice_constant``), and kept by the graph: a later change of the ``torch.backends.cuda``
-# switches (or an ``sdpa_kernel`` context around a call) reaches a compiled layer only once it is compiled
-# again (``torch._dynamo.reset()``). Elsewhere (the Triton kernel, a symbolic sequence length or width)
-# the opaque operators run.
+# (``_traced_attention.sdpa_choice_constant``), and kept by the graph: a later change of the
+# ``torch.backends.cuda`` switches (or an ``sdpa_kernel`` context around a call) reaches a compiled layer
+# only once it is compiled again (``torch._dynamo.reset()``). Elsewhere (the Triton kernel, a symbolic
+# sequence length or width) the opaque operators run.
 def _traced_choice(x: Tensor, spec: AttentionSpec) -> int | None:
     """The fused kernel for the traced core of ``x [B, S, d]``'s attention, or None (the opaque
     operators). The batch may be symbolic (Dynamo's recompile after a ragged last batch makes it so):
@@ -508,7 +508,8 @@ def _traced_choice(x: Tensor, spec: AttentionSpec) -> int | None:
 def _static(sizes) -> bool:
     """Whether every size is a plain int while Dynamo traces (not a symbolic one: ``dynamic=True``, or
     sizes marked dynamic after a recompile), asked without adding a guard (Dynamo reports a symbolic
-    size to ``isinstance`` as an ``int``). A torch without ``has_static_value``: False (the opaque operators)."""
+    size to ``isinstance`` as an ``int``). A torch without ``has_static_value``: False (the opaque
+    operators)."""
     from torch.fx.experimental import symbolic_shapes
 
     has_static_value = getattr(symbolic_shapes, "has_static_value", None)
