@@ -7,6 +7,7 @@ natively on CUDA tensors (the GPU-only tests skip cleanly without one).
 
 import os
 import re
+import sys
 
 import torch
 
@@ -67,6 +68,17 @@ def _exact_recurrent_float32():
     torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(autouse=True)
+def _fresh_replay_programs():
+    """No recorded operator call (``kernels._replay``) carried from one test into the next: a test that
+    patches a decision the key does not hold (``gemm_precision``, a launcher made to fail) must see its
+    operators' Python run."""
+    replay = sys.modules.get("torchloom.kernels._replay")
+    if replay is not None:
+        replay.clear_programs()
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,10 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _replay
+from ._launch import launch as _launch_kernel
 from ._tl import jit, tl
 from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, tf32_capable, use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
+from . import fp32_matmul as _fp32_matmul
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
 __all__ = [
@@ -569,7 +572,7 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
 
 def _recurrent_mm_eager(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     with autocast_off(a.device.type):  # a compiled backward may run under the caller's autocast
-        return projection_mm(a, b, bias)  # a fresh tensor: every product it calls returns one
+        return _replay.run(replay_key("recurrent_mm"), projection_mm, (a, b, bias))  # fresh: every product's is
 
 
 def _register_recurrent_mm():
@@ -612,14 +615,15 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
     w = weight_hh if backward else weight_hh.t()
     if not _w_in_place(st, H, out):
         w = w.contiguous()
-    launch = _rnn_loop_kernel[(-(-B // st.block_b), st.col_programs)]
+    grid = (-(-B // st.block_b), st.col_programs)
     args = (
         out, inp, aux, w,
         out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0), w.stride(1),
         B, T, H,
     )
     resident = _w_resident(st, H, out.dtype)
-    _cooperative_launch(launch, args, dict(_loop_constants(out, st, backward), W_RESIDENT=resident), out.is_cuda)
+    _cooperative_launch(_rnn_loop_kernel, grid, args, dict(_loop_constants(out, st, backward), W_RESIDENT=resident),
+                        out.is_cuda)
 
 
 def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
@@ -653,15 +657,18 @@ def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool) -> dict:
     )
 
 
-def _cooperative_launch(launch, args: tuple, kw: dict, is_cuda: bool) -> None:
-    """``launch(*args, **kw)``, cooperatively on CUDA (every program resident) where Triton can."""
+def _cooperative_launch(kernel, grid: tuple[int, ...], args: tuple, kw: dict, is_cuda: bool) -> None:
+    """``kernel[grid](*args, **kw)`` (through ``_launch.launch``: host time), cooperatively on CUDA
+    (every program resident) where Triton can. ``kw``: the constexprs and ``num_warps``."""
+    constants = dict(kw)
+    options = {"num_warps": constants.pop("num_warps")}
     if is_cuda and _cooperative[0]:
         try:
-            launch(*args, **kw, launch_cooperative_grid=True)
+            _launch_kernel(kernel, grid, args, constants, dict(options, launch_cooperative_grid=True))
             return
         except KeyError:  # "Keyword argument ... unrecognised": an older Triton
             _cooperative[0] = False
-    launch(*args, **kw)
+    _launch_kernel(kernel, grid, args, constants, options)
 
 
 _failed: set = set()  # (layer, B, H, dtype, device) whose kernel could not launch: the per-step loop from then on
@@ -912,14 +919,14 @@ def _launch_lstm_loop(pre: Tensor, cell: Tensor, weight_hh: Tensor, hidden: Tens
     kappa = cell.new_empty(2, B, H) if backward else cell
     gout = grad_out if backward else cell
     hid = cell if backward else hidden
-    launch = _lstm_loop_kernel[(-(-B // st.block_b), st.col_programs)]
+    grid = (-(-B // st.block_b), st.col_programs)
     args = (
         pre, cell, hid, gout, flags, kappa, w,
         pre.stride(0), pre.stride(1), cell.stride(0), cell.stride(1), hid.stride(0), hid.stride(1),
         gout.stride(0), gout.stride(1), flags.stride(0), flags.stride(1), kappa.stride(1), kappa.stride(0), w.stride(0),
         B, T, H,
     )
-    _cooperative_launch(launch, args, _loop_constants(flags, st, backward), cell.is_cuda)
+    _cooperative_launch(_lstm_loop_kernel, grid, args, _loop_constants(flags, st, backward), cell.is_cuda)
 
 
 def lstm_forward_loop_steps(pre: Tensor, weight_hh: Tensor, cell: Tensor, hidden: Tensor, backend: str | None = None) -> None:
@@ -1014,20 +1021,32 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
     return torch.stack(g_pres, 1)
 
 
+def replay_key(name: str) -> tuple:
+    """``_replay.run``'s key for the recurrent operator ``name``: everything its Python decides from
+    besides its operands' layouts: PyTorch's two product switches, this module's and ``fp32_matmul``'s
+    settings (the benchmarks' A/B switches) and the loops that failed to launch."""
+    return (name, _rnn_allows_tf32(), cublas_allows_tf32(), USE_PERSISTENT_RNN, USE_PERSISTENT_LSTM, _RNN_W_RESIDENT,
+            _RNN_W_IN_PLACE, _FP32_PRODUCT, _RNN_MAX_HIDDEN, _SPIN_LIMIT, _cooperative[0], len(_failed), _fp32_matmul._ROUND)
+
+
 def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
                        backend: str | None) -> tuple[Tensor, Tensor]:
     with autocast_off(x2.device.type):  # as ``_recurrent_mm_eager``
-        return rnn_projected_forward(x2, w_ih_t, bias, weight_hh, batch, steps, backend)
+        return _replay.run(replay_key("rnn_forward"), rnn_projected_forward, (x2, w_ih_t, bias, weight_hh, batch, steps, backend))
 
 
-def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
+def _rnn_loop_backward(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
     hidden = hidden.contiguous()
     g_pre = torch.empty_like(hidden)
     rnn_backward_loop(grad_out.contiguous(), weight_hh, hidden, g_pre, backend)
     return g_pre
 
 
-def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
+def _rnn_loop_backward_eager(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
+    return _replay.run(replay_key("rnn_loop_backward"), _rnn_loop_backward, (grad_out, weight_hh, hidden, backend))
+
+
+def _lstm_loop(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
     # the loop updates the pre-activations in place: in ``proj`` itself, or in a contiguous copy
     # written back where ``proj`` has another layout
     pre = proj if proj.is_contiguous() else proj.contiguous()
@@ -1039,11 +1058,19 @@ def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tu
     return cell, hidden
 
 
-def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
+def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tuple[Tensor, Tensor]:
+    return _replay.run(replay_key("lstm_loop"), _lstm_loop, (proj, weight_hh, backend))
+
+
+def _lstm_loop_backward(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
     pre = pre.contiguous()
     g_pre = torch.empty_like(pre)
     lstm_backward_loop(grad_out.contiguous(), pre, cell.contiguous(), weight_hh, g_pre, backend)
     return g_pre
+
+
+def _lstm_loop_backward_eager(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
+    return _replay.run(replay_key("lstm_loop_backward"), _lstm_loop_backward, (grad_out, pre, cell, weight_hh, backend))
 
 
 def _register_loop_ops():

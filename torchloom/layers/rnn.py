@@ -198,12 +198,19 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     return (dx[0][0].view(B, T, I) if dx else None), dw_ih, dw_hh, db
 
 
+def _recurrent_grads_tensors(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                             needs_input_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dx, dw_ih, dw_hh, db = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
+    # an operator returns tensors: empty where the caller asked for none
+    return (g_pre.new_empty(0) if dx is None else dx), dw_ih, dw_hh, (g_pre.new_empty(0) if db is None else db)
+
+
 def _recurrent_grads_eager(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
                            needs_input_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    with autocast_off(g_pre.device.type):  # as ``_recurrent_mm_eager``
-        dx, dw_ih, dw_hh, db = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
-    empty = g_pre.new_empty(0)  # an operator returns tensors: empty where the caller asked for none
-    return (empty if dx is None else dx), dw_ih, dw_hh, (empty.clone() if db is None else db)
+    K = _kernels()
+    with autocast_off(g_pre.device.type):  # as ``_recurrent_mm_eager``; replayed as its operators' (kernels._replay)
+        return K._replay.run(K.replay_key("recurrent_grads"), _recurrent_grads_tensors,
+                             (g_pre, x, hidden, weight_ih, has_bias, needs_input_grad))
 
 
 def _register_recurrent_grads():

@@ -1,0 +1,184 @@
+"""``kernels._replay``: an opaque recurrent operator's call recorded once and replayed for later calls
+with the same key (allocations, fills, copies and kernel launches on the new addresses, without its
+Python). Each replayed result is compared bitwise with the operator's Python run on the same inputs,
+on new values every call (a replay that reused a stale buffer or address would fail). On CPU the
+kernels run through Triton's interpreter and a replay passes them views; on CUDA it passes addresses
+to the kept compiled kernels (``_launch``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import importlib
+
+from torchloom.kernels import _launch, _replay
+from torchloom.kernels import recurrent as K
+
+R = importlib.import_module("torchloom.layers.rnn")  # the module (the package exports its ``rnn`` function)
+
+pytestmark = pytest.mark.usefixtures("cuda_default_device")
+
+B, T, I, H = 3, 5, 7, 16
+BACKEND = None if torch.cuda.is_available() else "triton"  # CPU: the interpreter, asked for
+
+
+@pytest.fixture
+def fp32_matmul_products(monkeypatch):
+    """The products through ``fp32_matmul`` (replayable: kernel launches), as on a GPU where PyTorch's
+    RNN and cuBLAS switches disagree (the default); cuBLAS products are not replayed."""
+    monkeypatch.setattr(K, "gemm_precision", lambda a, b, backend: "ieee")
+
+
+def _weights(dtype=torch.float32):
+    w_ih, w_hh, b = torch.randn(H, I) * 0.4, torch.randn(H, H) * 0.3, torch.randn(H) * 0.3
+    return w_ih.to(dtype), w_hh.to(dtype), b.to(dtype)
+
+
+def _equal(got, want):
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    return len(got) == len(want) and all(g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+                                         for g, w in zip(got, want))
+
+
+def _counts():
+    return _replay.program_count()
+
+
+def _grads_on_kernels(g_pre, x, hidden, w_ih):
+    """The backward's products on ``fp32_matmul``'s kernels (asked for on CPU, where the operator's
+    ``_recurrent_grads_eager``, which runs as ``backend=None``, multiplies with PyTorch)."""
+    return R.recurrent_grads(g_pre, x, hidden, w_ih, True, True, BACKEND)
+
+
+def test_rnn_operators_replay_bitwise(fp32_matmul_products):
+    w_ih, w_hh, b = _weights()
+    before = _counts()
+    outputs = []
+    for call in range(3):  # record, then replay twice, each on new values
+        x = torch.randn(B, T, I)
+        x2, gy = x.view(B * T, I), torch.randn(B, T, H)
+        pre, hidden = K._rnn_forward_eager(x2, w_ih.t(), b, w_hh, B, T, BACKEND)
+        assert _equal((pre, hidden), K.rnn_projected_forward(x2, w_ih.t(), b, w_hh, B, T, BACKEND))
+        g_pre = K._rnn_loop_backward_eager(gy, w_hh, hidden, BACKEND)
+        assert _equal(g_pre, K._rnn_loop_backward(gy, w_hh, hidden, BACKEND))
+        for has_bias, needs_input_grad in ((True, True), (False, False)):  # absent results: empty tensors
+            got = R._recurrent_grads_eager(g_pre, x, hidden, w_ih, has_bias, needs_input_grad)
+            assert _equal(got, R._recurrent_grads_tensors(g_pre, x, hidden, w_ih, has_bias, needs_input_grad))
+        got = _replay.run(("test-grads",), _grads_on_kernels, (g_pre, x, hidden, w_ih))
+        assert _equal(got, _grads_on_kernels(g_pre, x, hidden, w_ih))
+        outputs.append((pre, hidden, g_pre))
+    replayable, unreplayable = (a - b_ for a, b_ in zip(_counts(), before))
+    # forward, backward loop and the kernels' products; the operator's products on CPU are PyTorch's
+    assert (replayable, unreplayable) == ((5, 0) if torch.cuda.is_available() else (3, 2))
+    # every call's results are its own tensors, never an earlier call's buffers
+    ptrs = [t.data_ptr() for out in outputs for t in out]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_lstm_operators_replay_bitwise():
+    w_hh = torch.randn(4 * H, H) * 0.3
+    for call in range(3):
+        proj = torch.randn(B, T, 4 * H)
+        expected_pre = proj.clone()
+        cell_want, hidden_want = K._lstm_loop(expected_pre, w_hh, BACKEND)
+        cell, hidden = K._lstm_loop_eager(proj, w_hh, BACKEND)  # writes the pre-activations into proj
+        assert _equal((proj, cell, hidden), (expected_pre, cell_want, hidden_want))
+        gy = torch.randn(B, T, H)
+        assert _equal(K._lstm_loop_backward_eager(gy, proj, cell, w_hh, BACKEND),
+                      K._lstm_loop_backward(gy, proj, cell, w_hh, BACKEND))
+    assert _counts()[0] >= 2
+
+
+def test_layouts_and_switches_are_part_of_the_key(fp32_matmul_products):
+    """A misaligned input view and a changed switch record their own programs, and replay correctly."""
+    w_ih, w_hh, b = _weights()
+    x2 = torch.randn(B * T, I)
+    K._rnn_forward_eager(x2, w_ih.t(), b, w_hh, B, T, BACKEND)
+    n = _counts()[0]
+    for call in range(2):
+        shifted = torch.randn(B * T * I + 1)[1:].view(B * T, I)  # 4 bytes past an allocation's start
+        assert _equal(K._rnn_forward_eager(shifted, w_ih.t(), b, w_hh, B, T, BACKEND),
+                      K.rnn_projected_forward(shifted, w_ih.t(), b, w_hh, B, T, BACKEND))
+    assert _counts()[0] == n + 1
+    key = K.replay_key("rnn_forward")
+    old = K._RNN_W_RESIDENT
+    K._RNN_W_RESIDENT = not old
+    try:
+        assert K.replay_key("rnn_forward") != key
+    finally:
+        K._RNN_W_RESIDENT = old
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = not previous
+    try:
+        assert K.replay_key("rnn_forward") != key
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+
+
+def test_calls_it_cannot_reproduce_run_their_python():
+    """A call running an operator the recording does not reproduce (a cuBLAS product), or reading a
+    tensor it neither received nor allocated, is never replayed: its Python runs every time."""
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    calls = []
+
+    def product(a, b):
+        calls.append(1)
+        return torch.mm(a, b)
+
+    for _ in range(3):
+        a = torch.randn(4, 3)
+        assert torch.equal(_replay.run(("test-mm",), product, (a, b)), torch.mm(a, b))
+    assert len(calls) == 3 and _counts()[1] >= 1
+    held = torch.randn(6)
+    calls.clear()
+
+    def fill_from_held(x):
+        calls.append(1)
+        out = torch.empty(6)
+        out.copy_(held)  # a tensor from outside the call
+        return out
+
+    for value in (1.0, 2.0):
+        held.fill_(value)
+        assert torch.equal(_replay.run(("test-held",), fill_from_held, (torch.zeros(1),)), held)
+    assert len(calls) == 2
+
+
+def test_fills_and_copies_replay():
+    """Allocations, a ``fill_`` through another dtype's view and a copy from an input, replayed."""
+    calls = []
+
+    def body(x):
+        calls.append(1)
+        flags = torch.empty(2, 3)
+        flags.view(torch.int32).fill_(7)
+        out = x.t().contiguous()  # a clone of a transposed input
+        return flags, out
+
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        flags, out = _replay.run(("test-fill-copy",), body, (x,))
+        assert torch.equal(flags.view(torch.int32), torch.full((2, 3), 7, dtype=torch.int32))
+        assert torch.equal(out, x.t()) and out.is_contiguous()
+    assert len(calls) == 1
+
+
+@pytest.mark.cuda
+def test_kept_kernel_launch_matches_triton_launch():
+    """``_launch.launch``'s direct launch of a kept compiled kernel gives Triton's own launch's bits,
+    and a misaligned operand gets its own compiled kernel."""
+    from torchloom.kernels import fp32_matmul as F
+
+    assert _launch.direct_launch_usable()
+    a, b = torch.randn(300, 70, device="cuda"), torch.randn(70, 50, device="cuda")
+    shifted = torch.randn(300 * 70 + 1, device="cuda")[1:].view(300, 70)
+    for operand in (a, shifted, a):
+        _launch.clear_cache()
+        _launch._usable[:] = [False]
+        try:
+            want = F.mm(operand, b, "ieee")
+        finally:
+            _launch._usable[:] = [True]
+        first, second = F.mm(operand, b, "ieee"), F.mm(operand, b, "ieee")  # the second: a kept kernel
+        assert torch.equal(first, want) and torch.equal(second, want)
