@@ -182,3 +182,30 @@ def test_kept_kernel_launch_matches_triton_launch():
             _launch._usable[:] = [True]
         first, second = F.mm(operand, b, "ieee"), F.mm(operand, b, "ieee")  # the second: a kept kernel
         assert torch.equal(first, want) and torch.equal(second, want)
+
+
+@pytest.mark.cuda
+def test_compiled_rnn_step_replays_its_operators(monkeypatch):
+    """A compiled float32 RNN step, with PyTorch's default switches (cuDNN's RNN in TF32, cuBLAS
+    exact: the products on ``fp32_matmul``): its three operator calls are recorded replayable (a
+    compiled backward's operator sees ``reshape`` undecomposed), and every step's gradients equal
+    the eager layer's, which runs the same kernels through its Python."""
+    from torchloom.layers.rnn import RNN
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch._dynamo.reset()
+    layer = RNN(32, 64).cuda()
+    compiled = torch.compile(layer, fullgraph=True)
+    before = _counts()
+    for step in range(3):
+        x = torch.randn(8, 16, 32, device="cuda", requires_grad=True)
+        gy = torch.randn(8, 16, 64, device="cuda")
+        grads = []
+        for fn in (compiled, layer):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            fn(x).backward(gy)
+            grads.append([x.grad, *(p.grad for p in layer.parameters())])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert tuple(a - b for a, b in zip(_counts(), before)) == (3, 0)

@@ -51,7 +51,10 @@ _ALLOCS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like
            aten.new_empty_strided.default}
 _VIEWS = {aten.view.default, aten.view.dtype, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.default, aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor,
-          aten.select.int, aten.as_strided.default, aten.alias.default, aten.detach.default, aten.expand.default}
+          aten.select.int, aten.as_strided.default, aten.alias.default, aten.detach.default, aten.expand.default,
+          # views where they can be (a compiled backward's operator sees them undecomposed); a copy they make
+          # lies in no recorded buffer, so any use of it leaves the call unreplayable
+          aten.reshape.default, aten._reshape_alias.default, aten.flatten.using_ints}
 _FILLS = {aten.fill_.Scalar}
 _COPIES = {aten.clone.default, aten.copy_.default}  # a clone: an allocation and a copy into it
 
