@@ -51,23 +51,40 @@ def _grads_on_kernels(g_pre, x, hidden, w_ih):
     return R.recurrent_grads(g_pre, x, hidden, w_ih, True, True, BACKEND)
 
 
-def test_rnn_operators_replay_bitwise(fp32_matmul_products):
+def _count_python(monkeypatch, *names) -> dict:
+    """Wrap ``K.<name>`` (an operator's Python, looked up when the operator runs) to count its runs."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(K, name)
+
+        def counted(*args, _fn=fn, _name=name):
+            counts[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(K, name, counted)
+    return counts
+
+
+def test_rnn_operators_replay_bitwise(fp32_matmul_products, monkeypatch):
     w_ih, w_hh, b = _weights()
+    direct = K.rnn_projected_forward, K._rnn_loop_backward
+    runs = _count_python(monkeypatch, "rnn_projected_forward", "_rnn_loop_backward")
     before = _counts()
     outputs = []
     for call in range(3):  # record, then replay twice, each on new values
         x = torch.randn(B, T, I)
         x2, gy = x.view(B * T, I), torch.randn(B, T, H)
         pre, hidden = K._rnn_forward_eager(x2, w_ih.t(), b, w_hh, B, T, BACKEND)
-        assert _equal((pre, hidden), K.rnn_projected_forward(x2, w_ih.t(), b, w_hh, B, T, BACKEND))
+        assert _equal((pre, hidden), direct[0](x2, w_ih.t(), b, w_hh, B, T, BACKEND))
         g_pre = K._rnn_loop_backward_eager(gy, w_hh, hidden, BACKEND)
-        assert _equal(g_pre, K._rnn_loop_backward(gy, w_hh, hidden, BACKEND))
+        assert _equal(g_pre, direct[1](gy, w_hh, hidden, BACKEND))
         for has_bias, needs_input_grad in ((True, True), (False, False)):  # absent results: empty tensors
             got = R._recurrent_grads_eager(g_pre, x, hidden, w_ih, has_bias, needs_input_grad)
             assert _equal(got, R._recurrent_grads_tensors(g_pre, x, hidden, w_ih, has_bias, needs_input_grad))
         got = _replay.run(("test-grads",), _grads_on_kernels, (g_pre, x, hidden, w_ih))
         assert _equal(got, _grads_on_kernels(g_pre, x, hidden, w_ih))
         outputs.append((pre, hidden, g_pre))
+    assert runs == {"rnn_projected_forward": 1, "_rnn_loop_backward": 1}  # recorded once, then replayed
     replayable, unreplayable = (a - b_ for a, b_ in zip(_counts(), before))
     # forward, backward loop and the kernels' products; the operator's products on CPU are PyTorch's
     assert (replayable, unreplayable) == ((5, 0) if torch.cuda.is_available() else (3, 2))
@@ -76,18 +93,40 @@ def test_rnn_operators_replay_bitwise(fp32_matmul_products):
     assert len(set(ptrs)) == len(ptrs)
 
 
-def test_lstm_operators_replay_bitwise():
+@pytest.mark.parametrize("contiguous", [True, False], ids=["proj", "strided-proj"])
+def test_lstm_operators_replay_bitwise(contiguous, monkeypatch):
+    """The LSTM's loops, whose forward writes the pre-activations into ``proj`` (an input): in place,
+    or, for a strided ``proj``, into a contiguous copy written back (a clone and a ``copy_``)."""
     w_hh = torch.randn(4 * H, H) * 0.3
+    direct = K._lstm_loop, K._lstm_loop_backward
+    runs = _count_python(monkeypatch, "_lstm_loop", "_lstm_loop_backward")
     for call in range(3):
-        proj = torch.randn(B, T, 4 * H)
+        proj = torch.randn(B, T, 4 * H) if contiguous else torch.randn(T, B, 4 * H).transpose(0, 1)
         expected_pre = proj.clone()
-        cell_want, hidden_want = K._lstm_loop(expected_pre, w_hh, BACKEND)
+        cell_want, hidden_want = direct[0](expected_pre, w_hh, BACKEND)
         cell, hidden = K._lstm_loop_eager(proj, w_hh, BACKEND)  # writes the pre-activations into proj
         assert _equal((proj, cell, hidden), (expected_pre, cell_want, hidden_want))
         gy = torch.randn(B, T, H)
-        assert _equal(K._lstm_loop_backward_eager(gy, proj, cell, w_hh, BACKEND),
-                      K._lstm_loop_backward(gy, proj, cell, w_hh, BACKEND))
-    assert _counts()[0] >= 2
+        assert _equal(K._lstm_loop_backward_eager(gy, proj, cell, w_hh, BACKEND), direct[1](gy, proj, cell, w_hh, BACKEND))
+    assert runs == {"_lstm_loop": 1, "_lstm_loop_backward": 1}
+
+
+def test_results_nothing_recorded_wrote_are_not_replayed():
+    """A result written other than by a recorded launch, fill or copy (as a Triton launch not made
+    through ``_launch.launch`` would be on a GPU, where it runs no ATen operator: emulated by a write
+    through NumPy) is never replayed: the Python runs every call."""
+    calls = []
+
+    def body(x):
+        calls.append(1)
+        out = torch.empty(4)
+        out.numpy()[:] = x.numpy() * 2  # no ATen operator: unseen by the recording
+        return out
+
+    for value in (1.0, 2.0, 3.0):
+        x = torch.full((4,), value)
+        assert torch.equal(_replay.run(("test-unseen-write",), body, (x,)), x * 2)
+    assert len(calls) == 3
 
 
 def test_layouts_and_switches_are_part_of_the_key(fp32_matmul_products):
@@ -173,15 +212,18 @@ def test_kept_kernel_launch_matches_triton_launch():
     assert _launch.direct_launch_usable()
     a, b = torch.randn(300, 70, device="cuda"), torch.randn(70, 50, device="cuda")
     shifted = torch.randn(300 * 70 + 1, device="cuda")[1:].view(300, 70)
+    _launch.clear_cache()
+    sizes = []
     for operand in (a, shifted, a):
-        _launch.clear_cache()
         _launch._usable[:] = [False]
         try:
-            want = F.mm(operand, b, "ieee")
+            want = F.mm(operand, b, "ieee")  # Triton's own launch
         finally:
             _launch._usable[:] = [True]
         first, second = F.mm(operand, b, "ieee"), F.mm(operand, b, "ieee")  # the second: a kept kernel
         assert torch.equal(first, want) and torch.equal(second, want)
+        sizes.append(len(_launch._cache))
+    assert sizes[1] > sizes[0] and sizes[2] == sizes[1]  # the misaligned operand: its own kernel; then none new
 
 
 @pytest.mark.cuda

@@ -15,9 +15,10 @@ specialises on, and more:
 
 A hit launches the kept kernel directly, with the same stream and launch hooks Triton would use. A
 miss launches through ``kernel[grid]`` as usual, compiling if needed, and keeps the kernel Triton
-returns. What a hit does not re-check: Triton's ``pre_run_hooks`` (a kernel with any always takes the
-ordinary path) and the values of global variables the kernel's source reads (torchloom's kernels read
-none that change).
+returns. What a hit does not re-check: the values of global variables the kernel's source reads
+(torchloom's kernels read none that change), and Triton's debug, instrumentation and inspection
+settings (knobs that change how a kernel compiles: set them before the first launch). A kernel with
+``pre_run_hooks`` always takes the ordinary path.
 
 The direct launch passes every parameter, constexprs included, in signature order: the protocol of
 Triton 3.3 to 3.x (checked on 3.6 on the GPU, 3.9 here). On any other Triton, under the interpreter,
@@ -80,7 +81,7 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, constants: dict[str,
 
 def _launch(kernel: Any, grid: tuple[int, ...], args: tuple, constants: dict[str, Any], options: dict[str, Any]) -> Any:
     """``launch``; returns the compiled kernel kept for these arguments, or None."""
-    if not direct_launch_usable() or kernel.pre_run_hooks:
+    if not direct_launch_usable() or getattr(kernel, "pre_run_hooks", None):
         kernel[grid](*args, **constants, **options)
         return None
     spec = tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else (a if type(a) is int else (type(a), a))

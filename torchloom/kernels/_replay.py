@@ -17,10 +17,13 @@ did:
 
 Later calls with the key only allocate the same buffers, then launch the same compiled kernels on
 the new addresses, and return views of the new buffers shaped as the first call's results. The ATen
-operators a recorded call may run are allocations, views and ``fill_``, watched through a
-``TorchDispatchMode`` while it records. Anything else disqualifies the key, and every later call of
-that key runs ``fn`` itself. Examples: a product cuBLAS computes, a copy, a per-step loop after a
-kernel could not launch, or a read of a tensor the call neither received nor allocated.
+operators a recorded call may run are allocations, views, ``fill_``, ``clone`` and ``copy_``, watched
+through a ``TorchDispatchMode`` while it records. Any other ATen operator disqualifies the key, and
+every later call of that key runs ``fn`` itself. Examples: a product cuBLAS computes, a per-step loop
+after a kernel could not launch (``unreplayable()``), or a read of a tensor the call neither received
+nor allocated. Kernels must be launched through ``_launch.launch``: a launch made otherwise dispatches
+no ATen operator and is not seen. As a guard, a call with a result that no recorded launch, fill or
+copy touched is not replayed either.
 
 The key must hold everything the call's decisions read: ``key`` from the caller (the operator, the
 switches it reads), with each tensor argument's shape, strides, dtype, device and 16-byte alignment
@@ -40,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _launch
 
-__all__ = ["run", "clear_programs", "program_count"]
+__all__ = ["run", "unreplayable", "clear_programs", "program_count"]
 
 _MAX_PROGRAMS = 1024
 _UNREPLAYABLE = object()
@@ -92,7 +95,7 @@ class _Copy(NamedTuple):
 
 
 class _Program(NamedTuple):
-    allocs: tuple[tuple[int, torch.dtype | None, tuple[int, ...] | None], ...]  # (bytes, dtype, sizes) of each
+    allocs: tuple[tuple[int, torch.dtype | None, tuple[int, ...] | None, torch.device], ...]  # (bytes, dtype, sizes, device)
     actions: tuple[_Launch | _Fill | _Copy, ...]
     outputs: tuple[tuple[_Ref, bool], ...]  # each result, and whether it is its allocation itself
     tuple_result: bool
@@ -157,6 +160,13 @@ def recording() -> bool:
     return getattr(_launch._local, "recording", None) is not None
 
 
+def unreplayable() -> None:
+    """Mark the call this thread is recording, if any, as not to be replayed (its Python runs every time)."""
+    rec = getattr(_launch._local, "recording", None)
+    if rec is not None:
+        rec.ok = False
+
+
 def clear_programs() -> None:
     """Forget every recorded program: the next call of each key runs its Python and records again."""
     _programs.clear()
@@ -176,9 +186,12 @@ def run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
     """``fn(*args)``, replayed from its recording where ``key`` (with the layouts of ``args``' tensors)
     has a replayable one (module note). ``fn`` returns a tensor or a tuple of tensors, none of them an
     input or a view of one."""
-    full = (key, fn, *[_tensor_key(a) if isinstance(a, Tensor) else a for a in args])
+    if recording() or not all(a is None or isinstance(a, (Tensor, bool, int, float, str)) for a in args):
+        return fn(*args)
+    device = torch.cuda.current_device() if _launch.direct_launch_usable() else None  # the kept kernels' device
+    full = (key, fn, device, *[_tensor_key(a) if isinstance(a, Tensor) else (type(a), a) for a in args])
     program = _programs.get(full)
-    if program is _UNREPLAYABLE or recording():
+    if program is _UNREPLAYABLE:
         return fn(*args)
     inputs = [a for a in args if isinstance(a, Tensor)]
     if program is None:
@@ -189,9 +202,13 @@ def run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
                 result = fn(*args)
         finally:
             _launch._local.recording = None
+        try:
+            program = _build(rec, inputs, result)
+        except Exception:  # noqa: BLE001 - whatever cannot be recorded runs its Python
+            program = None
         if len(_programs) >= _MAX_PROGRAMS:
             _programs.clear()
-        _programs[full] = _build(rec, inputs, result) or _UNREPLAYABLE
+        _programs[full] = program or _UNREPLAYABLE
         return result
     return _replay(program, inputs)
 
@@ -202,7 +219,7 @@ def _storage(t: Tensor) -> int:
 
 def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | None:
     """The program of a recorded call, or None where it cannot be replayed."""
-    if not rec.ok:
+    if not rec.ok or not inputs:
         return None
     outputs = result if isinstance(result, tuple) else (result,)
     if not all(isinstance(t, Tensor) for t in outputs):
@@ -222,7 +239,7 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
         if t.numel() == 0 or s in by_storage:
             continue
         by_storage[s] = (len(inputs) + len(allocs), s)
-        allocs.append([t.untyped_storage().nbytes(), None, None])
+        allocs.append([t.untyped_storage().nbytes(), None, None, t.device])
 
     def ref(t: Tensor) -> _Ref | None:
         if t.numel() == 0:
@@ -286,8 +303,11 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
                                    constants, options, tail))
     except LookupError:
         return None
-    return _Program(tuple((n, d, s) for n, d, s in allocs), tuple(actions), tuple(out_refs),
-                    isinstance(result, tuple), addresses)
+    touched = {r.source for a in actions for r in ((a.target,) if isinstance(a, (_Fill, _Copy)) else (r for _, r in a.slots))}
+    if any(r.source >= 0 and r.source not in touched for r, _ in out_refs):
+        return None  # a result nothing recorded wrote: a launch that did not go through _launch.launch
+    return _Program(tuple(tuple(a) for a in allocs), tuple(actions), tuple(out_refs), isinstance(result, tuple),
+                    addresses)
 
 
 def _view(buffers: list[Tensor], r: _Ref) -> Tensor:
@@ -305,11 +325,11 @@ def _view(buffers: list[Tensor], r: _Ref) -> Tensor:
 
 
 def _replay(p: _Program, inputs: list[Tensor]) -> Any:
-    device = inputs[0].device
     buffers = list(inputs)
-    for nbytes, dtype, size in p.allocs:
+    for nbytes, dtype, size, device in p.allocs:
         buffers.append(torch.empty(size, dtype=dtype, device=device) if dtype is not None
                        else torch.empty(nbytes, dtype=torch.uint8, device=device))
+    device = inputs[0].device
     if p.addresses:
         base = [b.data_ptr() for b in buffers]
     for action in p.actions:

@@ -329,14 +329,14 @@ def _launch(launches: list[_Launch], precision: str) -> None:
     constants.update(NUM=len(launches), PRECISION=precision, ROUND=precision == "tf32" and _ROUND,
                      BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     _launch_kernel(_mm_many_kernel, (sum(ln.programs for ln in launches),), tuple(args), constants,
-           {"num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES})
+                   {"num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES})
     sums = [s for ln in launches for s in ln.sums]
     if sums:
         items = sums + [sums[0]] * (2 * MAX_PRODUCTS - len(sums))
         sum_args = [x for item in items for x in item]
         width = max(e for _, _, e, _, _ in sums)
-        _launch_kernel(_sum_splits_kernel, (-(-width // _SUM_BLOCK), len(sums)), tuple(sum_args), {"NUM": len(sums), "BLOCK": _SUM_BLOCK},
-               {"num_warps": 4})
+        _launch_kernel(_sum_splits_kernel, (-(-width // _SUM_BLOCK), len(sums)), tuple(sum_args),
+                       {"NUM": len(sums), "BLOCK": _SUM_BLOCK}, {"num_warps": 4})
 
 
 def mm(a: Tensor, b: Tensor, precision: str = "tf32", bias: Tensor | None = None, backend: str | None = None,

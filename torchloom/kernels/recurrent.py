@@ -189,10 +189,9 @@ def lstm_cell(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tensor, 
     bsz, hsz = c_out.shape
     block = _block(hsz, pre.is_cuda)
     cp = c_out if c_prev is None else c_prev
-    _lstm_fwd_kernel[(bsz, -(-hsz // block))](
-        pre, cp, c_out, h_out, pre.stride(0), cp.stride(0), c_out.stride(0), h_out.stride(0), hsz,
-        HAS_PREV=c_prev is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
-    )
+    _launch_kernel(_lstm_fwd_kernel, (bsz, -(-hsz // block)),
+                   (pre, cp, c_out, h_out, pre.stride(0), cp.stride(0), c_out.stride(0), h_out.stride(0), hsz),
+                   {"HAS_PREV": c_prev is not None, "BLOCK": block}, {"num_warps": 4 if block >= 512 else 1})
 
 
 def lstm_cell_backward(
@@ -208,11 +207,11 @@ def lstm_cell_backward(
     bsz, hsz = c.shape
     block = _block(hsz, pre.is_cuda)
     cp = c if c_prev is None else c_prev
-    _lstm_bwd_kernel[(bsz, -(-hsz // block))](
-        pre, c, cp, dh, kappa, g_pre,
-        pre.stride(0), c.stride(0), cp.stride(0), dh.stride(0), kappa.stride(0), g_pre.stride(0), hsz,
-        HAS_PREV=c_prev is not None, HAS_KAPPA=has_kappa, BLOCK=block, num_warps=4 if block >= 512 else 1,
-    )
+    _launch_kernel(_lstm_bwd_kernel, (bsz, -(-hsz // block)),
+                   (pre, c, cp, dh, kappa, g_pre,
+                    pre.stride(0), c.stride(0), cp.stride(0), dh.stride(0), kappa.stride(0), g_pre.stride(0), hsz),
+                   {"HAS_PREV": c_prev is not None, "HAS_KAPPA": has_kappa, "BLOCK": block},
+                   {"num_warps": 4 if block >= 512 else 1})
 
 
 # ------------------------------------------------------------------------------ CUDA-graphed loops
@@ -702,6 +701,7 @@ def _launch_or_fallback(layer: str, flags: Tensor, hidden: int, launch: Callable
         if flags.is_cuda and torch.cuda.is_current_stream_capturing():
             raise  # a capture cannot fall back mid-way; the engine's warm-up runs first and lands here
         _failed.add(key)
+        _replay.unreplayable()  # a call that fell back is never replayed (its fallback is what runs next time)
         import warnings
 
         warnings.warn(
@@ -1022,11 +1022,14 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
 
 
 def replay_key(name: str) -> tuple:
-    """``_replay.run``'s key for the recurrent operator ``name``: everything its Python decides from
-    besides its operands' layouts: PyTorch's two product switches, this module's and ``fp32_matmul``'s
-    settings (the benchmarks' A/B switches) and the loops that failed to launch."""
+    """``_replay.run``'s key for the recurrent operator ``name``: what its Python decides from besides
+    its operands' layouts: PyTorch's two product switches, this module's settings and ``fp32_matmul``'s
+    rounding switch (the benchmarks' A/B switches), and the shapes whose loops failed to launch. Tile
+    sizes and split limits (``fp32_matmul._BLOCK_*``, ``_MAX_SPLIT``...) are assumed fixed: a sweep
+    that changes them calls ``_replay.clear_programs()``."""
     return (name, _rnn_allows_tf32(), cublas_allows_tf32(), USE_PERSISTENT_RNN, USE_PERSISTENT_LSTM, _RNN_W_RESIDENT,
-            _RNN_W_IN_PLACE, _FP32_PRODUCT, _RNN_MAX_HIDDEN, _SPIN_LIMIT, _cooperative[0], len(_failed), _fp32_matmul._ROUND)
+            _RNN_W_IN_PLACE, _FP32_PRODUCT, _RNN_MAX_HIDDEN, _SPIN_LIMIT, _cooperative[0], frozenset(_failed),
+            _fp32_matmul._ROUND)
 
 
 def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
