@@ -104,10 +104,9 @@ class _Program(NamedTuple):
 
 class _Recording:
     def __init__(self) -> None:
-        self.launches: list[tuple] = []  # (kernel, compiled, grid, args, constants, options)
-        self.order: list[tuple[str, int]] = []  # ("launch" | "fill" | "copy", index), in the order they ran
-        self.fills: list[tuple[Tensor, Any]] = []
-        self.copies: list[tuple[Tensor, Tensor]] = []  # (target, source)
+        # in the order they ran: ("launch", kernel, compiled, grid, args, constants, options),
+        # ("fill", target, value), ("copy", target, source)
+        self.events: list[tuple] = []
         self.pause = 0  # > 0 while a launch runs: its own tensor operations are not watched
         self.allocated: list[Tensor] = []
         self.ok = True
@@ -122,8 +121,7 @@ class _Recording:
 
     def note_launch(self, kernel: Any, compiled: Any, grid: tuple, args: tuple, constants: dict, options: dict) -> None:
         """``_launch.launch``'s report of a launch it made."""
-        self.order.append(("launch", len(self.launches)))
-        self.launches.append((kernel, compiled, grid, args, constants, options))
+        self.events.append(("launch", kernel, compiled, grid, args, constants, options))
 
 
 class _Watch(TorchDispatchMode):
@@ -141,16 +139,13 @@ class _Watch(TorchDispatchMode):
         if func in _ALLOCS:
             self.rec.allocated.append(out)
         elif func in _FILLS:
-            self.rec.order.append(("fill", len(self.rec.fills)))
-            self.rec.fills.append((args[0], args[1]))
+            self.rec.events.append(("fill", args[0], args[1]))
         elif func in _COPIES:
             if func is aten.clone.default:
                 self.rec.allocated.append(out)
-                target, source = out, args[0]
+                self.rec.events.append(("copy", out, args[0]))
             else:
-                target, source = args[0], args[1]
-            self.rec.order.append(("copy", len(self.rec.copies)))
-            self.rec.copies.append((target, source))
+                self.rec.events.append(("copy", args[0], args[1]))
         elif func not in _VIEWS:
             self.rec.ok = False
         return out
@@ -269,9 +264,9 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
             else:
                 out_refs.append((r, False))
         actions: list[_Launch | _Fill | _Copy] = []
-        for kind, i in rec.order:
+        for kind, *event in rec.events:
             if kind == "copy":
-                target, source = (ref(t) for t in rec.copies[i])
+                target, source = (ref(t) for t in event)
                 if target is None:  # nothing to copy
                     continue
                 if source is None:
@@ -279,12 +274,11 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
                 actions.append(_Copy(target, source))
                 continue
             if kind == "fill":
-                target, value = rec.fills[i]
-                r = ref(target)
+                r = ref(event[0])
                 if r is not None:
-                    actions.append(_Fill(r, value))
+                    actions.append(_Fill(r, event[1]))
                 continue
-            kernel, compiled, grid, args, constants, options = rec.launches[i]
+            kernel, compiled, grid, args, constants, options = event
             slots, plain = [], list(args)
             for pos, a in enumerate(args):
                 if isinstance(a, Tensor):

@@ -559,9 +559,7 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
     # traced otherwise only where cuBLAS computes it (not float32 on CUDA): no switch read while tracing
     precision = None if torch.compiler.is_compiling() else gemm_precision(a, b, backend)
     if precision is not None:
-        from . import fp32_matmul
-
-        r = fp32_matmul.mm(a, b, precision, bias)
+        r = _fp32_matmul.mm(a, b, precision, bias)
         return r if out is None else out.copy_(r)
     a, b = a.reshape(a.shape[0], -1), b.reshape(-1, b.shape[-1])  # [M, G, K]: a copy, as the rows need
     if out is None:
@@ -737,12 +735,11 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
     if not torch.compiler.is_compiling() and rnn_loop_uses_triton(x2, batch, H, backend):
         precision = gemm_precision(x2, w_ih_t, backend)
     if precision is not None:
-        from .fp32_matmul import Product, mm_many
-
         hidden = x2.new_empty(batch, T, H)
         sentinel, int_dtype = _SENTINEL[hidden.dtype]
         flags = hidden.view(int_dtype).view(-1, H)
-        (pre, _), = mm_many([Product(x2, w_ih_t, bias, fill=flags, fill_value=sentinel)], precision, backend)
+        (pre, _), = _fp32_matmul.mm_many([_fp32_matmul.Product(x2, w_ih_t, bias, fill=flags, fill_value=sentinel)],
+                                          precision, backend)
         pre = pre.view(batch, T, H)
         rnn_forward_loop(pre, weight_hh, hidden, backend, filled=True)
         return pre, hidden
