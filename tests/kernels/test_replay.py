@@ -203,6 +203,25 @@ def test_fills_and_copies_replay():
     assert len(calls) == 1
 
 
+def test_cpu_calls_never_ask_for_a_cuda_device(monkeypatch):
+    """Where kept kernels are launched directly (a GPU's Triton), a call on CPU tensors still records
+    and replays: the current CUDA device joins the key only for calls on CUDA tensors (asking for it
+    fails on a machine without a GPU)."""
+    monkeypatch.setattr(_launch, "_usable", [True])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked for the CUDA device"))
+    calls = []
+
+    def body(x):
+        calls.append(1)
+        return torch.empty(3).fill_(2.0), x.clone()
+
+    for value in (1.0, 5.0):
+        x = torch.full((2,), value)
+        filled, copied = _replay.run(("test-cpu-key",), body, (x,))
+        assert torch.equal(filled, torch.full((3,), 2.0)) and torch.equal(copied, x)
+    assert len(calls) == 1
+
+
 @pytest.mark.cuda
 def test_kept_kernel_launch_matches_triton_launch():
     """``_launch.launch``'s direct launch of a kept compiled kernel gives Triton's own launch's bits,

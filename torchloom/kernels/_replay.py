@@ -82,6 +82,7 @@ class _Launch(NamedTuple):
     constants: dict
     options: dict
     tail: tuple  # the constants in signature order (the direct launch)
+    runner: Any  # ``compiled[grid]``, made once (the direct launch)
 
 
 class _Fill(NamedTuple):
@@ -151,10 +152,6 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-def recording() -> bool:
-    return getattr(_launch._local, "recording", None) is not None
-
-
 def unreplayable() -> None:
     """Mark the call this thread is recording, if any, as not to be replayed (its Python runs every time)."""
     rec = getattr(_launch._local, "recording", None)
@@ -173,22 +170,33 @@ def program_count() -> tuple[int, int]:
     return len(_programs) - bad, bad
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
     """``fn(*args)``, replayed from its recording where ``key`` (with the layouts of ``args``' tensors)
     has a replayable one (module note). ``fn`` returns a tensor or a tuple of tensors, none of them an
-    input or a view of one."""
-    if recording() or not all(a is None or isinstance(a, (Tensor, bool, int, float, str)) for a in args):
+    input or a view of one. A call made while another is recorded runs ``fn``: it is part of that recording."""
+    if getattr(_launch._local, "recording", None) is not None:
         return fn(*args)
-    device = torch.cuda.current_device() if _launch.direct_launch_usable() else None  # the kept kernels' device
-    full = (key, fn, device, *[_tensor_key(a) if isinstance(a, Tensor) else (type(a), a) for a in args])
+    full: list = [key, fn]
+    inputs: list[Tensor] = []
+    cuda = False
+    for a in args:
+        if isinstance(a, Tensor):
+            inputs.append(a)
+            cuda = cuda or a.is_cuda
+            full.append((a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() % 16))
+        elif type(a) in _PLAIN:
+            full.append((type(a), a))
+        else:
+            return fn(*args)
+    if cuda:
+        full.append(torch.cuda.current_device())  # the kept kernels' device
+    full = tuple(full)
     program = _programs.get(full)
     if program is _UNREPLAYABLE:
         return fn(*args)
-    inputs = [a for a in args if isinstance(a, Tensor)]
     if program is None:
         rec = _Recording()
         _launch._local.recording = rec
@@ -287,14 +295,13 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
                         return None
                     slots.append((pos, r))
                     plain[pos] = None
-            tail = ()
+            tail, runner, grid = (), None, tuple(grid) + (1,) * (3 - len(grid))
             if addresses:
                 names = kernel.arg_names[len(args):]
                 if compiled is None or set(names) != set(constants) or len(names) != len(constants):
                     return None
-                tail = tuple(constants[n] for n in names)
-            actions.append(_Launch(kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), plain, tuple(slots),
-                                   constants, options, tail))
+                tail, runner = tuple(constants[n] for n in names), compiled[grid]
+            actions.append(_Launch(kernel, compiled, grid, plain, tuple(slots), constants, options, tail, runner))
     except LookupError:
         return None
     touched = {r.source for a in actions for r in ((a.target,) if isinstance(a, (_Fill, _Copy)) else (r for _, r in a.slots))}
@@ -337,7 +344,7 @@ def _replay(p: _Program, inputs: list[Tensor]) -> Any:
         if p.addresses:
             for pos, r in action.slots:
                 args[pos] = base[r.source] + r.offset
-            action.compiled[action.grid](*args, *action.tail)
+            action.runner(*args, *action.tail)
         else:
             for pos, r in action.slots:
                 args[pos] = _view(buffers, r)
