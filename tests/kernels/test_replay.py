@@ -155,6 +155,20 @@ def test_layouts_and_switches_are_part_of_the_key(fp32_matmul_products):
         torch.backends.cudnn.allow_tf32 = previous
 
 
+def test_flipping_a_switch_records_anew(fp32_matmul_products, monkeypatch):
+    """A switch the operator's Python reads (here whether the loop holds W_hh's slice in registers,
+    a constant of its kernel) changes the key: after a flip the Python runs and records again, and
+    each setting's replay equals its own Python run, flipping back and forth."""
+    w_ih, w_hh, b = _weights()
+    direct = K.rnn_projected_forward
+    runs = _count_python(monkeypatch, "rnn_projected_forward")
+    for resident in (True, False, True, False, True):
+        monkeypatch.setattr(K, "_RNN_W_RESIDENT", resident)
+        x2 = torch.randn(B * T, I)
+        assert _equal(K._rnn_forward_eager(x2, w_ih.t(), b, w_hh, B, T, BACKEND), direct(x2, w_ih.t(), b, w_hh, B, T, BACKEND))
+    assert runs == {"rnn_projected_forward": 2}  # one recording per setting
+
+
 def test_calls_it_cannot_reproduce_run_their_python():
     """A call running an operator the recording does not reproduce (a cuBLAS product), or reading a
     tensor it neither received nor allocated, is never replayed: its Python runs every time."""
