@@ -32,10 +32,12 @@ from helpers import assert_close
 from torchloom.layers.attention import MultiHeadAttention
 from torchloom.layers.containers import Parallel, Residual
 from torchloom.layers.conv import Conv1D, Conv2D, Conv3D, Flatten
+from torchloom.layers.base import Layer
 from torchloom.layers.conv_transpose import ConvTranspose1D, ConvTranspose2D, ConvTranspose3D
 from torchloom.layers.dense import Dense
 from torchloom.layers.embedding import Embedding
 from torchloom.layers.lstm import LSTM
+from torchloom.layers.module_layer import ModuleLayer
 from torchloom.layers.network import Network, Sequential
 from torchloom.layers.norm import LayerNorm, RMSNorm
 from torchloom.layers.rnn import RNN, LastStep
@@ -349,6 +351,74 @@ def test_network_of_plain_modules_compiles():
     bn_eager, bn_compiled = eager[1].module, compiled_net[1].module
     assert_close(bn_compiled.running_mean, bn_eager.running_mean, name="running_mean", rtol=1e-6, atol=1e-7)
     assert_close(bn_compiled.running_var, bn_eager.running_var, name="running_var", rtol=1e-6, atol=1e-7)
+
+
+class _TwoParams(Layer):
+    """A user's layer on the base class's ``forward`` with exactly two parameters: ``y = x w + b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(6, 6) * 0.3), nn.Parameter(torch.randn(6) * 0.3)
+
+    def forward_saved(self, x):
+        return x @ self.w + self.b, x
+
+    def backward_saved(self, grad_out, saved, needs_input_grad=True):
+        return grad_out @ self.w.t(), (saved.t() @ grad_out, grad_out.sum(0))
+
+
+_NO_GRAD_CASES = {  # each with exactly two parameters: the count torch.compile's no-grad trace of the Function got wrong
+    "residual": lambda: Residual(Dense(6, 6, "tanh")),
+    "parallel": lambda: Parallel([Dense(6, 3, bias=False), Dense(6, 2, bias=False)]),
+    "own layer": _TwoParams,
+}
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "frozen"])
+@pytest.mark.parametrize("name", list(_NO_GRAD_CASES))
+def test_layers_compile_where_nothing_needs_a_gradient(name, how):
+    """Under ``no_grad``, ``inference_mode`` or with every parameter and the input frozen, a layer on
+    the base class's ``forward`` (here with two parameters) compiles with ``fullgraph=True`` and gives
+    the output of its autograd call with gradients on."""
+    torch.manual_seed(0)
+    layer = _NO_GRAD_CASES[name]()
+    x = torch.randn(4, 6)
+    want = layer(x.clone().requires_grad_()).detach()  # through the autograd Function
+    if how == "frozen":
+        layer.requires_grad_(False)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "frozen": torch.enable_grad}[how]
+    torch._dynamo.reset()
+    with context():
+        got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    assert not got.requires_grad
+    assert_close(got, want, name=f"{name} ({how})", rtol=0, atol=0)
+
+
+_PLAIN_INSIDE_CASES = {
+    "residual(sequential)": lambda: Residual(Sequential(Dense(6, 6, "tanh"), RMSNorm(6))),
+    "residual(plain module)": lambda: Residual(ModuleLayer(nn.Linear(6, 6))),
+    "parallel(plain module, dense)": lambda: Parallel([ModuleLayer(nn.LayerNorm(6)), Dense(6, 3)]),
+    "network(residual(sequential(plain module)))": lambda: Network(
+        Dense(6, 6), Residual(Sequential(ModuleLayer(nn.Linear(6, 6)), Dense(6, 6, "tanh"))), Dense(6, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(_PLAIN_INSIDE_CASES))
+def test_containers_compile_around_chains_and_plain_modules(name):
+    """A ``Sequential`` or a plain module (``ModuleLayer``) inside ``Residual`` / ``Parallel``, compiled
+    with ``fullgraph=True`` on a fresh model (no eager backward first), gives the eager model's output and
+    gradients; eagerly the containers run their hand-written backward, which for the plain module calls
+    ``torch.autograd.grad`` (compiled: the children called as modules)."""
+    torch.manual_seed(0)
+    eager = _randomize(_PLAIN_INSIDE_CASES[name]())
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss_fn(compiled_model, False), backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 6)
+    g = torch.randn(eager(x).shape)
+    got = _run(compiled, compiled_model, x, g)
+    ref = _run(_loss_fn(eager, False), eager, x, g)
+    _compare(f"{name} compiled vs eager", got, ref, rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------- checks compiled

@@ -216,8 +216,9 @@ class TrainingConfig:
     """Backprop: run each step's forward and backward through ``torch.compile`` of the model (each
     layer's hand-written backward kept as one node of the compiled graph; the loss, the guards and
     the optimizer update run as in the eager step). ``True``: torch.compile's defaults (Inductor);
-    or a mapping of its keyword arguments ``fullgraph``, ``dynamic``, ``backend``, ``mode``,
-    ``options`` (``{"mode": "reduce-overhead"}`` for Inductor's CUDA graphs, ``{"dynamic": True}``).
+    or a mapping of its keyword arguments ``fullgraph`` (bool), ``dynamic`` (bool or None), ``backend``
+    (a name or a callable), ``mode`` (None or one of ``COMPILE_MODES``), ``options`` (a dict with str
+    keys; not with ``mode``): ``{"mode": "reduce-overhead"}`` for Inductor's CUDA graphs, ``{"dynamic": True}``.
     Compiled steps run the host loop, never the CUDA device path; TargetProp and Tweening refuse it."""
 
     def __post_init__(self) -> None:
@@ -428,6 +429,7 @@ def _compile_setting(spec: Any, cuda_graph: bool | None) -> bool | dict[str, Any
         if "mode" in spec and "options" in spec:
             raise ValueError("TrainingConfig: compile cannot hold both 'mode' and 'options' (torch.compile takes one of them)")
         spec = dict(spec)
+        _check_compile_values(spec)
     elif not isinstance(spec, bool):
         raise TypeError(
             "TrainingConfig: compile must be a bool or a mapping of torch.compile options (e.g. {'mode': "
@@ -439,6 +441,32 @@ def _compile_setting(spec: Any, cuda_graph: bool | None) -> bool | dict[str, Any
             "the CUDA device path; for CUDA graphs of the compiled step use compile={'mode': 'reduce-overhead'}"
         )
     return spec
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _check_compile_values(spec: dict[str, Any]) -> None:
+    """The values of a ``compile`` mapping, as ``torch.compile`` takes them: ``fullgraph`` a bool,
+    ``dynamic`` a bool or None, ``backend`` a name or a callable, ``mode`` None or one of
+    ``COMPILE_MODES``, ``options`` a mapping with string keys."""
+    def bad(key: str, allowed: str) -> TypeError:
+        return TypeError(f"TrainingConfig: compile[{key!r}] must be {allowed}, got {spec[key]!r}")
+
+    if "fullgraph" in spec and not isinstance(spec["fullgraph"], bool):
+        raise bad("fullgraph", "a bool")
+    if "dynamic" in spec and spec["dynamic"] is not None and not isinstance(spec["dynamic"], bool):
+        raise bad("dynamic", "a bool or None")
+    if "backend" in spec and not (isinstance(spec["backend"], str) or callable(spec["backend"])):
+        raise bad("backend", "a backend name (a str) or a callable")
+    if "mode" in spec and spec["mode"] is not None:
+        if not isinstance(spec["mode"], str):
+            raise bad("mode", f"None or one of {', '.join(map(repr, COMPILE_MODES))}")
+        if spec["mode"] not in COMPILE_MODES:
+            raise ValueError(f"TrainingConfig: compile['mode'] must be None or one of {', '.join(map(repr, COMPILE_MODES))}, "
+                             f"got {spec['mode']!r}")
+    if "options" in spec and not (isinstance(spec["options"], Mapping) and all(isinstance(k, str) for k in spec["options"])):
+        raise bad("options", "a mapping of option names (str) to values")
 
 
 def resolve_method(config: TrainingConfig) -> Method:

@@ -79,7 +79,8 @@ class Layer(nn.Module):
     """Base class of torchloom layers: explicit forward, hand-written backward.
 
     Subclasses implement ``forward_saved`` and ``backward_saved``; ``forward`` runs them through
-    ``autograd.Function`` so the layer is a drop-in module. ``pre_activation(saved)`` names the
+    ``autograd.Function`` so the layer is a drop-in module (``forward_saved`` alone where nothing
+    needs a gradient). ``pre_activation(saved)`` names the
     pre-activation inside ``saved`` for history recording (``None`` when the layer has none).
     """
 
@@ -93,7 +94,13 @@ class Layer(nn.Module):
     kernel_modules: tuple[str, ...] = ()
 
     def forward(self, x: Tensor) -> Tensor:
-        return LayerFunction.apply(self, x, *self.parameters())
+        params = tuple(self.parameters())
+        if torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params)):
+            return LayerFunction.apply(self, x, *params)
+        # Nothing to differentiate (no_grad, inference_mode, everything frozen): the hand-written
+        # forward alone, which is what the Function would run. (torch.compile also needs this: its
+        # no-grad trace of the Function passes ``ctx`` wrongly when a layer has exactly 2 parameters.)
+        return self.forward_saved(x)[0]
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, Any]:
         raise NotImplementedError

@@ -7,6 +7,11 @@ to the children's ``backward_saved`` and returns the parameter gradients in the 
 ``LayerFunction``, so ``container(x)`` followed by ``loss.backward()`` uses the same backward.
 (``Sequential``, the third container, lives in ``network.py``.)
 
+Under ``torch.compile``, a container holding a ``ModuleLayer`` (a plain PyTorch module, whose
+backward is autograd's: ``torch.autograd.grad``, which a traced backward cannot call) calls its
+children as modules instead and combines their outputs with torch ops: the same sums, each child's
+own backward (hand-written, or autograd's for the plain module), one graph.
+
     Residual   y = x + f(x)                   dx = gy + f.backward(gy)
     Parallel   concat: y = [f₁(x), …, f_n(x)] along the last dimension
                                                dx = Σ_i f_i.backward(gy[..., slice_i])
@@ -44,6 +49,16 @@ def _check_tensor(x: Any, owner: Layer) -> None:
         raise TypeError(f"{owner.loom_type}: input must be a torch.Tensor, got {type(x).__name__}")
 
 
+def _children_as_modules(container: Layer) -> bool:
+    """Whether ``container``'s module call composes its children's module calls (module note): while
+    ``torch.compile`` traces, where a ``ModuleLayer`` lies anywhere inside it."""
+    if not torch.compiler.is_compiling():
+        return False
+    from .module_layer import ModuleLayer
+
+    return any(isinstance(m, ModuleLayer) for m in container.modules())
+
+
 # =========================================================================================== Residual
 class Residual(Layer):
     """Residual connection around one torchloom layer: ``y = x + inner(x)``.
@@ -56,15 +71,24 @@ class Residual(Layer):
         super().__init__()
         self.inner = _require_layer(inner, "Residual", "inner")
 
+    def forward(self, x: Tensor) -> Tensor:
+        if _children_as_modules(self):
+            _check_tensor(x, self)
+            return self._add(x, self.inner(x))
+        return super().forward(x)
+
     def forward_saved(self, x: Tensor) -> tuple[Tensor, tuple[Any]]:
         _check_tensor(x, self)
         fx, saved = self.inner.forward_saved(x)
+        return self._add(x, fx), (saved,)
+
+    def _add(self, x: Tensor, fx: Tensor) -> Tensor:
         if fx.shape != x.shape:
             raise ValueError(
                 f"Residual: inner layer {self.inner.loom_type} must keep the input's shape {list(x.shape)}, "
                 f"got output shape {list(fx.shape)}"
             )
-        return x + fx, (saved,)
+        return x + fx
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
         g_inner, grads = self.inner.backward_saved(grad_out, saved[0], needs_input_grad)
@@ -108,6 +132,12 @@ class Parallel(Layer):
         self.branches = nn.ModuleList(branches)
         self.combine = combine
 
+    def forward(self, x: Tensor) -> Tensor:
+        if _children_as_modules(self):
+            _check_tensor(x, self)
+            return self._combine([branch(x) for branch in self.branches])
+        return super().forward(x)
+
     def forward_saved(self, x: Tensor) -> tuple[Tensor, tuple[tuple[Any, ...], tuple[int, ...]]]:
         _check_tensor(x, self)
         outs, saved = [], []
@@ -115,6 +145,10 @@ class Parallel(Layer):
             y, s = branch.forward_saved(x)
             outs.append(y)
             saved.append(s)
+        return self._combine(outs), (tuple(saved), tuple(y.shape[-1] for y in outs))
+
+    def _combine(self, outs: list[Tensor]) -> Tensor:
+        """The branches' outputs joined as ``combine`` says."""
         shapes = [list(y.shape) for y in outs]
         if self.combine == "concat":
             if any(y.dim() != outs[0].dim() or y.shape[:-1] != outs[0].shape[:-1] for y in outs):
@@ -128,8 +162,7 @@ class Parallel(Layer):
             out = torch.stack(outs).sum(0) if len(outs) > 1 else outs[0].clone()
             if self.combine == "avg":
                 out = out / len(outs)
-        sizes = tuple(y.shape[-1] for y in outs)
-        return out, (tuple(saved), sizes)
+        return out
 
     def backward_saved(self, grad_out, saved, needs_input_grad=True):
         branch_saved, sizes = saved

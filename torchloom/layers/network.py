@@ -105,11 +105,13 @@ class Sequential(Layer):
 
     def _has_shared_params(self) -> bool:
         """Whether a parameter appears in more than one child (then gradients are summed per
-        parameter). Found at the first backward and kept: the chain's structure is fixed by then."""
+        parameter). Found at the first backward and kept: the chain's structure is fixed by then.
+        While ``torch.compile`` traces, found and not kept (a traced backward may not set attributes)."""
         shared = self.__dict__.get("_shared_params")
         if shared is None:
             shared = sum(1 for layer in self.layers for _ in layer.parameters()) != sum(1 for _ in self.parameters())
-            self.__dict__["_shared_params"] = shared
+            if not torch.compiler.is_compiling():
+                self.__dict__["_shared_params"] = shared
         return shared
 
     def _split_out(self, out):
