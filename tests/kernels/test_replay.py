@@ -157,16 +157,19 @@ def test_layouts_and_switches_are_part_of_the_key(fp32_matmul_products):
 
 def test_flipping_a_switch_records_anew(fp32_matmul_products, monkeypatch):
     """A switch the operator's Python reads (here whether the loop holds W_hh's slice in registers,
-    a constant of its kernel) changes the key: after a flip the Python runs and records again, and
-    each setting's replay equals its own Python run, flipping back and forth."""
+    a constant of its kernel) changes the key: after a flip the Python runs and records again (one
+    recording per setting, counted), and each call equals its own Python run, flipping back and forth.
+    (The two settings give equal bits here, so the count is what catches a switch missing from the key.)"""
     w_ih, w_hh, b = _weights()
     direct = K.rnn_projected_forward
     runs = _count_python(monkeypatch, "rnn_projected_forward")
+    before = _counts()
     for resident in (True, False, True, False, True):
         monkeypatch.setattr(K, "_RNN_W_RESIDENT", resident)
         x2 = torch.randn(B * T, I)
         assert _equal(K._rnn_forward_eager(x2, w_ih.t(), b, w_hh, B, T, BACKEND), direct(x2, w_ih.t(), b, w_hh, B, T, BACKEND))
     assert runs == {"rnn_projected_forward": 2}  # one recording per setting
+    assert tuple(a - b_ for a, b_ in zip(_counts(), before)) == (2, 0)
 
 
 def test_calls_it_cannot_reproduce_run_their_python():

@@ -70,6 +70,36 @@ def test_residual_matches_autograd():
     _check_against(res, lambda x, p: x + torch.tanh(F.linear(x, p[0], p[1])), torch.randn(4, 5, dtype=DT))
 
 
+@pytest.mark.parametrize("case", ["residual", "parallel", "frozen input and one frozen branch"])
+def test_parameter_gradients_when_the_input_wants_none(case):
+    """An input without ``requires_grad`` (a first layer's batch): the parameters still get their
+    gradients, through the hand-written backward, equal to plain torch's autograd; a frozen branch's
+    parameters get none."""
+    torch.manual_seed(0)
+    if case == "residual":
+        module = Residual(Dense(5, 5, "tanh", dtype=DT))
+        reference = lambda x, p: x + torch.tanh(F.linear(x, p[0], p[1]))  # noqa: E731
+    else:
+        module = Parallel([Dense(5, 3, "tanh", dtype=DT), Dense(5, 2, dtype=DT)])
+        reference = lambda x, p: torch.cat([torch.tanh(F.linear(x, p[0], p[1])), F.linear(x, p[2], p[3])], -1)  # noqa: E731
+    if case.startswith("frozen"):
+        module.branches[1].requires_grad_(False)
+    params = tuple(module.parameters())
+    refs = [p.detach().clone().requires_grad_(p.requires_grad) for p in params]
+    x = torch.randn(4, 5, dtype=DT)  # requires no gradient
+    y, y_ref = module(x), reference(x, refs)
+    assert type(y.grad_fn).__name__ == "LayerFunctionBackward"  # the hand-written backward, not autograd's
+    g = torch.randn_like(y_ref)
+    y.backward(g)
+    wanted = [r for r in refs if r.requires_grad]
+    ref_grads = iter(torch.autograd.grad(y_ref, wanted, g))
+    for i, (p, r) in enumerate(zip(params, refs)):
+        if r.requires_grad:
+            assert_close(p.grad, next(ref_grads), name=f"grad param {i}", rtol=1e-12, atol=1e-12)
+        else:
+            assert p.grad is None
+
+
 def test_residual_around_a_sequential_block():
     """A pre-norm block x + SwiGLU(RMSNorm(x)) on [B, S, h]."""
     block = Residual(Sequential(RMSNorm(6, dtype=DT), SwiGLU(6, 10, dtype=DT)))

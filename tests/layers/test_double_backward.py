@@ -158,3 +158,22 @@ def test_vmap_and_jit_script_error_clearly(name):
         vmap(layer)(torch.stack([x, x]))
     with pytest.raises(RuntimeError):
         torch.jit.script(layer)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "frozen"])
+def test_transforms_error_clearly_where_nothing_needs_a_gradient(how):
+    """A container on the base class's forward keeps refusing ``vmap`` and forward-mode AD under
+    ``no_grad`` and with its parameters frozen (the hand-written forward alone would drop the tangent
+    of any part a kernel writes), as with gradients on."""
+    import torch.autograd.forward_ad as fwAD
+
+    make, x = FC_CASES["residual"]
+    layer = make().double()
+    if how == "frozen":
+        layer.requires_grad_(False)
+    context = torch.no_grad if how == "no_grad" else torch.enable_grad
+    with context():
+        with pytest.raises(RuntimeError):
+            vmap(layer)(torch.stack([x, x]))
+        with pytest.raises((RuntimeError, NotImplementedError)), fwAD.dual_level():
+            layer(fwAD.make_dual(x, torch.ones_like(x)))

@@ -174,21 +174,21 @@ def test_compile_setting_is_checked():
     with pytest.raises(ValueError) as e:
         TrainingConfig(compile={"mode": "max-autotune", "options": {}})
     assert str(e.value) == "TrainingConfig: compile cannot hold both 'mode' and 'options' (torch.compile takes one of them)"
-    modes = "'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'"
-    for spec, kind, message in [
-        ({"fullgraph": "yes"}, TypeError, "compile['fullgraph'] must be a bool, got 'yes'"),
-        ({"dynamic": 1}, TypeError, "compile['dynamic'] must be a bool or None, got 1"),
-        ({"backend": 3}, TypeError, "compile['backend'] must be a backend name (a str) or a callable, got 3"),
-        ({"mode": "fast"}, ValueError, f"compile['mode'] must be None or one of {modes}, got 'fast'"),
-        ({"mode": 2}, TypeError, f"compile['mode'] must be None or one of {modes}, got 2"),
-        ({"options": "x"}, TypeError, "compile['options'] must be a mapping of option names (str) to values, got 'x'"),
+    for spec, message in [
+        ({"fullgraph": "yes"}, "compile['fullgraph'] must be a bool, got 'yes'"),
+        ({"dynamic": 1}, "compile['dynamic'] must be a bool or None, got 1"),
+        ({"backend": 3}, "compile['backend'] must be a backend name (a str) or a callable, got 3"),
+        ({"mode": 2}, "compile['mode'] must be None or a mode's name (a str, e.g. 'reduce-overhead'), got 2"),
+        ({"options": "x"}, "compile['options'] must be None or a mapping of option names (str) to values, got 'x'"),
+        ({"options": {1: True}}, "compile['options'] must be None or a mapping of option names (str) to values, got {1: True}"),
     ]:
-        with pytest.raises(kind) as e:
+        with pytest.raises(TypeError) as e:
             TrainingConfig(compile=spec)
         assert str(e.value) == f"TrainingConfig: {message}", spec
     for spec in ({"fullgraph": False, "dynamic": None, "backend": lambda gm, inputs: gm, "mode": None},
-                 {"mode": "max-autotune-no-cudagraphs"}, {"options": {"trace.enabled": False}}):
-        TrainingConfig(compile=spec)  # accepted
+                 {"mode": "max-autotune-no-cudagraphs"}, {"options": {"trace.enabled": False}},
+                 {"mode": None, "options": {"trace.enabled": False}}, {"mode": "lite", "options": None}):
+        TrainingConfig(compile=spec)  # accepted: which modes exist is the backend's to say
     with pytest.raises(ValueError) as e:
         TrainingConfig(compile=True, cuda_graph=True)
     assert str(e.value) == (

@@ -217,8 +217,8 @@ class TrainingConfig:
     layer's hand-written backward kept as one node of the compiled graph; the loss, the guards and
     the optimizer update run as in the eager step). ``True``: torch.compile's defaults (Inductor);
     or a mapping of its keyword arguments ``fullgraph`` (bool), ``dynamic`` (bool or None), ``backend``
-    (a name or a callable), ``mode`` (None or one of ``COMPILE_MODES``), ``options`` (a dict with str
-    keys; not with ``mode``): ``{"mode": "reduce-overhead"}`` for Inductor's CUDA graphs, ``{"dynamic": True}``.
+    (a name or a callable), ``mode`` (None or a name), ``options`` (None or a dict with str keys; not
+    with a ``mode``): ``{"mode": "reduce-overhead"}`` for Inductor's CUDA graphs, ``{"dynamic": True}``.
     Compiled steps run the host loop, never the CUDA device path; TargetProp and Tweening refuse it."""
 
     def __post_init__(self) -> None:
@@ -426,7 +426,7 @@ def _compile_setting(spec: Any, cuda_graph: bool | None) -> bool | dict[str, Any
                 f"TrainingConfig: compile has unknown torch.compile option {unknown[0]!r}{hint}; valid: "
                 f"{', '.join(map(repr, COMPILE_OPTIONS))}"
             )
-        if "mode" in spec and "options" in spec:
+        if spec.get("mode") is not None and spec.get("options") is not None:
             raise ValueError("TrainingConfig: compile cannot hold both 'mode' and 'options' (torch.compile takes one of them)")
         spec = dict(spec)
         _check_compile_values(spec)
@@ -443,13 +443,11 @@ def _compile_setting(spec: Any, cuda_graph: bool | None) -> bool | dict[str, Any
     return spec
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
 def _check_compile_values(spec: dict[str, Any]) -> None:
-    """The values of a ``compile`` mapping, as ``torch.compile`` takes them: ``fullgraph`` a bool,
-    ``dynamic`` a bool or None, ``backend`` a name or a callable, ``mode`` None or one of
-    ``COMPILE_MODES``, ``options`` a mapping with string keys."""
+    """The types of a ``compile`` mapping's values, as ``torch.compile`` takes them: ``fullgraph`` a
+    bool, ``dynamic`` a bool or None, ``backend`` a name or a callable, ``mode`` None or a name (which
+    names exist is the backend's to say: Inductor's ``"default"``, ``"reduce-overhead"``...),
+    ``options`` None or a mapping with string keys."""
     def bad(key: str, allowed: str) -> TypeError:
         return TypeError(f"TrainingConfig: compile[{key!r}] must be {allowed}, got {spec[key]!r}")
 
@@ -459,14 +457,11 @@ def _check_compile_values(spec: dict[str, Any]) -> None:
         raise bad("dynamic", "a bool or None")
     if "backend" in spec and not (isinstance(spec["backend"], str) or callable(spec["backend"])):
         raise bad("backend", "a backend name (a str) or a callable")
-    if "mode" in spec and spec["mode"] is not None:
-        if not isinstance(spec["mode"], str):
-            raise bad("mode", f"None or one of {', '.join(map(repr, COMPILE_MODES))}")
-        if spec["mode"] not in COMPILE_MODES:
-            raise ValueError(f"TrainingConfig: compile['mode'] must be None or one of {', '.join(map(repr, COMPILE_MODES))}, "
-                             f"got {spec['mode']!r}")
-    if "options" in spec and not (isinstance(spec["options"], Mapping) and all(isinstance(k, str) for k in spec["options"])):
-        raise bad("options", "a mapping of option names (str) to values")
+    if spec.get("mode") is not None and not isinstance(spec["mode"], str):
+        raise bad("mode", "None or a mode's name (a str, e.g. 'reduce-overhead')")
+    options = spec.get("options")
+    if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
+        raise bad("options", "None or a mapping of option names (str) to values")
 
 
 def resolve_method(config: TrainingConfig) -> Method:

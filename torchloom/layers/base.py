@@ -79,8 +79,8 @@ class Layer(nn.Module):
     """Base class of torchloom layers: explicit forward, hand-written backward.
 
     Subclasses implement ``forward_saved`` and ``backward_saved``; ``forward`` runs them through
-    ``autograd.Function`` so the layer is a drop-in module (``forward_saved`` alone where nothing
-    needs a gradient). ``pre_activation(saved)`` names the
+    ``autograd.Function`` so the layer is a drop-in module (while ``torch.compile`` traces a call
+    where nothing needs a gradient, ``forward_saved`` alone). ``pre_activation(saved)`` names the
     pre-activation inside ``saved`` for history recording (``None`` when the layer has none).
     """
 
@@ -95,12 +95,14 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         params = tuple(self.parameters())
-        if torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params)):
-            return LayerFunction.apply(self, x, *params)
-        # Nothing to differentiate (no_grad, inference_mode, everything frozen): the hand-written
-        # forward alone, which is what the Function would run. (torch.compile also needs this: its
-        # no-grad trace of the Function passes ``ctx`` wrongly when a layer has exactly 2 parameters.)
-        return self.forward_saved(x)[0]
+        if torch.compiler.is_compiling() and not (
+                torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params))):
+            # Traced with nothing to differentiate (no_grad, inference_mode, everything frozen): the
+            # hand-written forward alone, which is what the Function would run. torch.compile's no-grad
+            # trace of the Function passes ``ctx`` wrongly when a layer has exactly 2 parameters.
+            # (Eagerly the Function runs: it refuses forward-mode AD and torch.func transforms.)
+            return self.forward_saved(x)[0]
+        return LayerFunction.apply(self, x, *params)
 
     def forward_saved(self, x: Tensor) -> tuple[Tensor, Any]:
         raise NotImplementedError
