@@ -334,3 +334,31 @@ def test_cuda_autocast(cls, dtype):
     for p, q in zip(cpu.parameters(), layer.parameters()):
         p.grad = q.grad.cpu()
     _check_low(cpu, x.cpu(), g.cpu(), y.cpu(), xo.grad.cpu(), lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls", [RNN, LSTM], ids=["RNN", "LSTM"])
+def test_empty_batch_like_pytorch(cls, dtype, device):
+    """A batch of 0 sequences, as PyTorch's ``nn.RNN`` / ``nn.LSTM`` take it (``batch_first``): an
+    empty ``[0, T, H]`` output, an empty input gradient and zero parameter gradients (no sample
+    contributes), with no warning (on CUDA no loop kernel is launched for it)."""
+    layer = cls(3, 4, device=device, dtype=dtype)
+    torch_layer = _TORCH[cls.__name__](3, 4, batch_first=True, device=device, dtype=dtype)
+    for T in (1, 5):
+        x, x_ref = (torch.randn(0, T, 3, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        layer.zero_grad(set_to_none=True)
+        torch_layer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = layer(x)
+            y.sum().backward()
+        y_ref = torch_layer(x_ref)[0]
+        y_ref.sum().backward()
+        assert y.shape == y_ref.shape == (0, T, 4) and y.dtype == y_ref.dtype
+        assert x.grad.shape == x_ref.grad.shape
+        for p in layer.parameters():
+            assert p.grad is not None and p.grad.dtype == dtype and not p.grad.any()

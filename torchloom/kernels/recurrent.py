@@ -236,7 +236,7 @@ def graphs_usable(t: Tensor) -> bool:
     layer calls the loop operators or unrolls the loop instead, see "loops under torch.compile")."""
     if torch.compiler.is_compiling():
         return False
-    return USE_CUDA_GRAPHS and t.is_cuda and not torch.cuda.is_current_stream_capturing()
+    return USE_CUDA_GRAPHS and t.is_cuda and t.numel() > 0 and not torch.cuda.is_current_stream_capturing()
 
 
 def graph_buffers(key: tuple, make: Callable[[], dict]) -> dict:
@@ -561,7 +561,8 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
     if precision is not None:
         r = _fp32_matmul.mm(a, b, precision, bias)
         return r if out is None else out.copy_(r)
-    a, b = a.reshape(a.shape[0], -1), b.reshape(-1, b.shape[-1])  # [M, G, K]: a copy, as the rows need
+    if a.dim() == 3:  # [M, G, K] @ [G, K, N]: a copy, as the rows need (sizes given: M or N may be 0)
+        a, b = a.reshape(a.shape[0], a.shape[1] * a.shape[2]), b.reshape(b.shape[0] * b.shape[1], b.shape[2])
     if out is None:
         return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
     return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
@@ -584,8 +585,9 @@ _RECURRENT_MM = _register_recurrent_mm()
 def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None = None) -> bool:
     """Whether the RNN's loops on ``x``'s device and dtype at ``[batch, ·, hidden]`` run
     ``_rnn_loop_kernel`` (``backend`` as in ``use_triton``; None also needs ``USE_PERSISTENT_RNN``).
-    ``backend="triton"`` where the kernel does not apply is a ``ValueError``."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or (backend is None and not USE_PERSISTENT_RNN):
+    ``backend="triton"`` where the kernel does not apply is a ``ValueError``. An empty batch never
+    does: the per-step loop has nothing to compute."""
+    if batch == 0 or not use_triton(x, backend, KERNEL_DTYPES) or (backend is None and not USE_PERSISTENT_RNN):
         return False
     if _rnn_loop_settings(x, batch, hidden) is None:
         if backend == "triton":
@@ -887,8 +889,8 @@ def lstm_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | Non
     ``_lstm_loop_kernel``: where Triton runs (``backend`` as in ``use_triton``), ``USE_PERSISTENT_LSTM``
     is set, a grid of at most one program per SM exists (``_lstm_loop_settings``) and no launch at this
     shape has failed. Elsewhere the per-step loop runs (with ``backend="triton"``: its fused cell
-    kernels, CUDA-graphed where they can be)."""
-    if not USE_PERSISTENT_LSTM or not use_triton(x, backend, KERNEL_DTYPES):
+    kernels, CUDA-graphed where they can be). An empty batch never does."""
+    if batch == 0 or not USE_PERSISTENT_LSTM or not use_triton(x, backend, KERNEL_DTYPES):
         return False
     return _lstm_loop_settings(x, batch, hidden) is not None and not _loop_failed("LSTM", x, batch, hidden)
 
