@@ -226,7 +226,9 @@ EXPLAIN_CASES = [(name, mode) for mode in ("fp32", "bf16", "dynamic") for name i
 def test_explain_no_graph_breaks(name, mode):
     """``torch._dynamo.explain`` of the forward (which traces the hand-written backward too): one
     graph, no break; in float32, under bfloat16 autocast, and with every size symbolic (what
-    ``torch.compile(dynamic=True)`` sets: ``assume_static_by_default=False``)."""
+    ``torch.compile(dynamic=True)`` sets: ``assume_static_by_default=False``). Then a forward and
+    backward compiled with ``fullgraph=True`` on a fresh copy: explain has reported no break where
+    ``fullgraph`` fails (a container whose traced backward set an attribute)."""
     make_layer, make_x = CASES[name]
     layer = _randomize(make_layer())
     x = make_x(8)  # a batch size equal to no other dimension (Dynamo would tie equal sizes together)
@@ -238,6 +240,11 @@ def test_explain_no_graph_breaks(name, mode):
     reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
     assert explanation.graph_break_count == 0, f"{name}: {explanation.graph_break_count} graph breaks: {reasons}"
     assert explanation.graph_count == 1, f"{name}: {explanation.graph_count} graphs"
+    fresh = _randomize(make_layer())
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss_fn(fresh, mode == "bf16"), backend="eager", fullgraph=True, dynamic=mode == "dynamic" or None)
+    _, loss = compiled(x)
+    loss.backward()
 
 
 # ------------------------------------------------------------------------ compiled == eager, 3 steps
