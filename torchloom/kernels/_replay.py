@@ -75,14 +75,13 @@ class _Ref(NamedTuple):
 
 class _Launch(NamedTuple):
     kernel: Any
-    compiled: Any
     grid: tuple[int, ...]
     args: list  # the recorded arguments, tensors replaced by None in the slots below
     slots: tuple[tuple[int, _Ref], ...]  # (argument position, where its tensor lies)
     constants: dict
     options: dict
     tail: tuple  # the constants in signature order (the direct launch)
-    runner: Any  # ``compiled[grid]``, made once (the direct launch)
+    runner: Any  # ``compiled[grid]`` of the kept kernel, made once (the direct launch; else None)
 
 
 class _Fill(NamedTuple):
@@ -301,7 +300,7 @@ def _build(rec: _Recording, inputs: list[Tensor], result: Any) -> _Program | Non
                 if compiled is None or set(names) != set(constants) or len(names) != len(constants):
                     return None
                 tail, runner = tuple(constants[n] for n in names), compiled[grid]
-            actions.append(_Launch(kernel, compiled, grid, plain, tuple(slots), constants, options, tail, runner))
+            actions.append(_Launch(kernel, grid, plain, tuple(slots), constants, options, tail, runner))
     except LookupError:
         return None
     touched = {r.source for a in actions for r in ((a.target,) if isinstance(a, (_Fill, _Copy)) else (r for _, r in a.slots))}
