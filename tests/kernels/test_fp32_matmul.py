@@ -108,10 +108,10 @@ def test_many_products_in_one_launch_against_float64(precision, splits):
     x = torch.randn(5, 9, 20, generator=g).to(DEVICE)
     a1, b1 = x[:, 1:].permute(2, 0, 1), torch.randn(5, 9, 13, generator=g).to(DEVICE)[:, :-1]  # [20, 5, 8] @ [5, 8, 13]
     a2, b2, _ = _operands(70, 33, 9, True, g, DEVICE)
-    flags = torch.zeros(37, 45, dtype=torch.int32, device=DEVICE)
+    flags = torch.zeros(37, 45, dtype=torch.int32 if splits != 3 else torch.float32, device=DEVICE)  # bits into either
     got = MM.mm_many([MM.Product(a0, b0, bias0, fill=flags, fill_value=0x7F800001), MM.Product(a1, b1),
                       MM.Product(a2, b2, row_sums=True)], precision, backend=BACKEND, splits=splits)
-    assert (flags == 0x7F800001).all(), "fill: every element of the product's shape written"
+    assert (flags.view(torch.int32) == 0x7F800001).all(), "fill: every element of the product's shape written"
     a1_2d, b1_2d = x[:, 1:].reshape(-1, 20).t(), b1.reshape(-1, 13)
     for i, ((out, rs), (a, b, bias), k) in enumerate(zip(got, [(a0, b0, bias0), (a1_2d, b1_2d, None), (a2, b2, None)],
                                                          [70, 40, 33])):
@@ -136,15 +136,16 @@ def test_many_products_bad_inputs_and_empty_ones():
         MM.mm_many([(x, y)])
     with pytest.raises(TypeError, match=r"mm_many: a must be float32, got torch.float64"):
         MM.mm_many([MM.Product(x, y), MM.Product(x.double(), y)])
-    for bad in (torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.int32).t()):
-        with pytest.raises(ValueError, match=r"fill must be a contiguous int32 \[3, 4\], got"):
+    for bad in (torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, 5, dtype=torch.int32),
+                torch.zeros(4, 3, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match=r"fill must be a contiguous int32 or float32 \[3, 4\], got"):
             MM.mm_many([MM.Product(x, y, fill=bad)])
     # an empty contraction beside a real one: zeros (and zero row sums) for it, the other computed
-    e, flags = torch.randn(3, 0, device=DEVICE), torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
+    e, flags = torch.randn(3, 0, device=DEVICE), torch.zeros(3, 4, device=DEVICE)  # float32: the bits of 7
     (z, zs), (p, _) = MM.mm_many([MM.Product(e, torch.randn(0, 4, device=DEVICE), row_sums=True, fill=flags, fill_value=7),
                                   MM.Product(x.to(DEVICE), y.to(DEVICE))], "ieee", backend=BACKEND)
     assert torch.equal(z, torch.zeros(3, 4, device=DEVICE)) and torch.equal(zs, torch.zeros(3, device=DEVICE))
-    assert (flags == 7).all()
+    assert (flags.view(torch.int32) == 7).all()
     assert_close(p, x.double() @ y.double(), name="beside an empty one", rtol=0, atol=1e-5)
 
 
@@ -337,9 +338,9 @@ def test_cuda_projection_mm_follows_the_rnn_switch_where_cublas_does_not(monkeyp
 def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls):
     """With PyTorch's default switches an RNN/LSTM step computes in TF32 throughout, as cuDNN's: its
     gradients equal a step with cuBLAS's TF32 on too (both switches agreeing) to TF32's error, and
-    differ from the exact step by more than fp32's; compiled, the projection is in
-    ``torchloom.rnn_forward`` / is ``torchloom.recurrent_mm``, the backward's products ``torchloom.recurrent_grads``, and the numbers
-    equal eager's."""
+    differ from the exact step by more than fp32's; compiled, the graph launches ``fp32_matmul``'s kernel
+    itself for the projection and the backward's products (``torch.library.triton_op``s, no opaque
+    operator), and the numbers equal eager's."""
     torch.manual_seed(0)
     layer = cls(256, 256, device="cuda")
     x, gy = torch.randn(64, 16, 256, device="cuda"), torch.randn(64, 16, 256, device="cuda")
@@ -364,10 +365,17 @@ def test_cuda_layers_compute_their_projections_in_the_rnn_switchs_precision(cls)
         all_tf32 = grads(layer)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-    targets = {n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    projection = torch.ops.torchloom.rnn_forward.default if cls is RNN else torch.ops.torchloom.recurrent_mm.default
-    assert projection in targets  # the RNN's forward operator computes its projection itself
-    assert torch.ops.torchloom.recurrent_grads.default in targets  # the backward's products after the loop
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    targets = {n.target for n in nodes}
+    kernels = {getattr(k, "fn", k).__name__ for k in (kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+                                                       for n in nodes if "kernel_idx" in n.kwargs)}
+    opaque = {getattr(torch.ops.torchloom, op).default for op in ("rnn_forward", "recurrent_mm", "recurrent_grads")}
+    assert not targets & opaque, targets & opaque
+    assert "_mm_many_kernel" in kernels, kernels  # the projection and the backward's products, launched by the graph
+    if cls is RNN:
+        assert "_rnn_loop_kernel" in kernels, kernels
     for got, e, t, c in zip(ours, exact, all_tf32, compiled_grads):
         scale = e.abs().max().item()
         assert_close(got, t, name="TF32 vs cuBLAS TF32", rtol=0, atol=2e-2 * scale)

@@ -149,6 +149,39 @@ def test_fp32_products_follow_pytorchs_rnn_switch():
     assert K._dot_precision(x) == "ieee"  # the interpreter multiplies in numpy's fp32 whatever the switch
 
 
+_TRACED_SWITCH_CASES = r"""
+import itertools, torch
+from torchloom.kernels._triton import cublas_allows_tf32, cudnn_rnn_allows_tf32
+from torchloom.kernels.recurrent import allows_tf32_traced
+compiles = []
+def backend(gm, example_inputs):
+    compiles.append(1)
+    return gm
+@torch.compile(backend=backend, fullgraph=True)
+def answers(x):
+    return x * (1 + int(allows_tf32_traced("rnn")) + 2 * int(allows_tf32_traced("matmul")))
+b, x, wrong, cases = torch.backends, torch.ones(1), 0, 0
+for rnn, cudnn, generic, mm in itertools.product(("none", "ieee", "tf32"), repeat=4):
+    b.cudnn.rnn.fp32_precision, b.cudnn.fp32_precision, b.fp32_precision = rnn, cudnn, generic
+    b.cuda.matmul.fp32_precision = mm
+    want = 1 + int(cudnn_rnn_allows_tf32()) + 2 * int(cublas_allows_tf32())
+    cases += 1
+    wrong += int(answers(x).item() != want)
+print(cases, wrong, 1 < len(compiles) <= 8)
+"""
+
+
+def test_the_switches_read_while_compiling_retrace_when_they_change():
+    """``allows_tf32_traced``, which a compiled recurrent layer reads to choose how its products are
+    traced: inside ``torch.compile(fullgraph=True)`` (no graph break) it answers as the getters the
+    eager kernels use (``_allows_tf32``), for every one of the 81 settings of the RNN's, cuDNN's,
+    the generic and cuBLAS's ``fp32_precision``, set one after another: each change that changes an
+    answer retraced the graph (at most 8 traces, Dynamo's limit, for the 4 distinct answers)."""
+    if not hasattr(getattr(torch.backends.cudnn, "rnn", None), "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision settings")
+    assert fresh_interpreter_output(_TRACED_SWITCH_CASES) == "81 0 True"
+
+
 @pytest.mark.cuda
 def test_cuda_fp32_precision_of_the_kernel_follows_the_switch():
     """On CUDA the kernel's fp32 product precision is the switch's (the test suite runs with cuDNN's
@@ -353,3 +386,120 @@ def test_rnn_forward_operators_under_opcheck(fused, monkeypatch):
     g_ref = (1 - hidden.double() ** 2)
     K.rnn_backward_loop_ref(g.double(), w_hh.double(), g_ref, torch.empty(B, H, dtype=torch.float64, device=g.device))
     assert_close(g_pre, g_ref.float(), name="gPre", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("products", [None, "ieee", "tf32"], ids=["cublas", "fp32_matmul-ieee", "fp32_matmul-tf32"])
+def test_the_operators_a_compiled_graph_launches(products):
+    """``torchloom::rnn_forward_launched`` / ``rnn_loop_backward_launched`` / ``recurrent_grads_launched``
+    (``torch.library.triton_op``: a compiled RNN's graph holds their launches; called eagerly, as here,
+    their bodies run: on CPU the interpreter runs the kernels): ``torch.library.opcheck`` passes, no
+    input is written, and the values are those of the float64 projection, reference loops and
+    products (``products``: cuBLAS's projection, or ``fp32_matmul``'s writing the loop's sentinel, in
+    that precision: "tf32" rounds the operands, also on the interpreter). Batch 20: two batch blocks, so on the
+    interpreter the loop's programs take tickets."""
+    torch.manual_seed(0)
+    B, T, I, H = 20, 4, 6, 24
+    x2, w_ih_t, bias, g = torch.randn(B * T, I), torch.randn(I, H) * 0.4, torch.randn(H), torch.randn(B, T, H)
+    w_hh = torch.randn(H, H) * 0.3
+    ops = torch.ops.torchloom
+    # Triton's interpreter runs a kernel even on fake tensors (it copies their storages): the fake and
+    # compiled-dispatch checks run on CUDA only
+    checks = {} if x2.is_cuda else dict(test_utils=("test_schema", "test_autograd_registration"))
+    for b in (bias, None):
+        torch.library.opcheck(ops.rnn_forward_launched.default, (x2, w_ih_t, b, w_hh, B, T, "ieee", products), **checks)
+    before = [t.clone() for t in (x2, w_ih_t, bias, w_hh)]
+    pre, hidden = ops.rnn_forward_launched(x2, w_ih_t, bias, w_hh, B, T, "ieee", products)
+    assert all(torch.equal(t, u) for t, u in zip((x2, w_ih_t, bias, w_hh), before))
+    pre_ref = (x2.double() @ w_ih_t.double() + bias.double()).view(B, T, H)
+    hidden_ref = torch.empty(B, T, H, dtype=torch.float64, device=x2.device)
+    K.rnn_forward_loop_ref(pre_ref, w_hh.double(), hidden_ref)
+    tol = dict(rtol=3e-3, atol=3e-3) if products == "tf32" else dict(rtol=1e-5, atol=1e-5)
+    assert_close(hidden, hidden_ref, name="hidden", **tol)
+    assert_close(pre, pre_ref, name="pre", **tol)
+    torch.library.opcheck(ops.rnn_loop_backward_launched.default, (g, w_hh, hidden, "ieee"), **checks)
+    g_pre = ops.rnn_loop_backward_launched(g, w_hh, hidden, "ieee")
+    g_ref = 1 - hidden.double() ** 2
+    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g_ref, torch.empty(B, H, dtype=torch.float64, device=g.device))
+    assert_close(g_pre, g_ref, name="gPre", rtol=1e-5, atol=1e-5)
+    if products is None:
+        return
+    x3, hid, w_ih = x2.view(B, T, I), hidden, w_ih_t.t()
+    for needs_input_grad in (True, False):
+        args = (g_pre, x3, hid, w_ih, True, needs_input_grad, products)
+        torch.library.opcheck(ops.recurrent_grads_launched.default, args, **checks)
+        dx, dw_ih, dw_hh, db = ops.recurrent_grads_launched(*args)
+        g64 = g_pre.double()
+        assert_close(dw_ih, torch.einsum("bth,bti->hi", g64, x3.double()), name="dW_ih", **tol)
+        assert_close(dw_hh, torch.einsum("bth,btk->hk", g64[:, 1:], hid.double()[:, :-1]), name="dW_hh", **tol)
+        assert_close(db, g64.sum((0, 1)), name="db", **tol)
+        if needs_input_grad:
+            assert_close(dx, g64 @ w_ih.double(), name="dx", **tol)
+        else:
+            assert dx.numel() == 0
+
+
+@pytest.mark.parametrize("B,T,H,tickets", [(5, 4, 16, False), (37, 5, 40, True), (20, 3, 24, True)],
+                         ids=["one-program", "three-programs", "two-programs"])
+def test_a_plain_launch_agrees_on_residency_and_otherwise_takes_tickets(B, T, H, tickets):
+    """The loop launched plainly (as Inductor launches it) with its handshake: the programs agree whether
+    all of them run at once, and take (step, tile) tickets where they do not. Triton's interpreter runs
+    programs one after another, so more than one program can never all be running: the tickets then
+    carry the loop. The numbers equal the cooperative launch's bit for bit (the same products in the
+    same order), forward and backward, and the float64 reference loops'."""
+    if torch.cuda.is_available() and torch.get_default_device().type == "cuda":
+        pytest.skip("the interpreter's sequential programs; the CUDA case is test_a_grid_too_large_to_be_resident...")
+    pre, w_hh = torch.randn(B, T, H), torch.randn(H, H) * (1.5 / H**0.5)
+    g = torch.randn(B, T, H)
+    outputs = []
+    for handshake in (False, True):
+        p, hidden, g_pre = pre.clone(), torch.empty(B, T, H), torch.empty(B, T, H)
+        flags = torch.zeros(3, dtype=torch.int32)
+        K._launch_rnn_loop(hidden, p, p, w_hh, backward=False, handshake=handshake, flags=flags)
+        if handshake:
+            assert flags[1].item() == (2 if tickets else 1), "the programs' answer: 1 all running, 2 tickets"
+            assert flags[0].item() == -(-B // 16)  # every program counted itself in
+        K._launch_rnn_loop(g_pre, g, hidden, w_hh, backward=True, handshake=handshake)
+        outputs.append((p, hidden, g_pre))
+    for name, a, b in zip(("pre", "hidden", "gPre"), *outputs):
+        assert torch.equal(a, b), f"{name}: the plain launch differs from the cooperative one"
+    pre64, hid64 = pre.double(), torch.empty(B, T, H, dtype=torch.float64)
+    K.rnn_forward_loop_ref(pre64, w_hh.double(), hid64)
+    assert_close(outputs[1][1], hid64, name="hidden", rtol=1e-4, atol=1e-5)
+    g64 = 1.0 - hid64 * hid64
+    K.rnn_backward_loop_ref(g.double(), w_hh.double(), g64, torch.empty(B, H, dtype=torch.float64))
+    assert_close(outputs[1][2], g64, name="gPre", rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grid_too_large_to_be_resident_takes_tickets_on_cuda(dtype):
+    """On CUDA, launched plainly: at the benchmark's shape (64 programs) every program runs at once and
+    each keeps its tile; at B = H = 1,024 with 16 × 16 tiles (4,096 programs, more than a GPU holds at
+    once) the programs that started take tickets and the loop ends, where a cooperative launch would be
+    refused. Bit for bit the cooperative launch's numbers at the small shape; against the float64
+    reference loops at both."""
+    cases = [(64, 6, 256, None, 1), (1024, 3, 1024, K.RNNLoopSettings(16, 16, 256, 1, 64, 4), 2)]
+    for B, T, H, st, want in cases:
+        gen = torch.Generator(device="cpu").manual_seed(B)
+        pre = torch.randn(B, T, H, generator=gen, device="cpu").cuda().to(dtype)
+        w_hh = (torch.randn(H, H, generator=gen, device="cpu") * (1.5 / H**0.5)).cuda().to(dtype)
+        g = torch.randn(B, T, H, generator=gen, device="cpu").cuda().to(dtype)
+        p, hidden, g_pre = pre.clone(), torch.empty_like(pre), torch.empty_like(pre)
+        flags = torch.zeros(3, dtype=torch.int32, device="cuda")
+        K._launch_rnn_loop(hidden, p, p, w_hh, backward=False, settings=st, handshake=True, flags=flags)
+        K._launch_rnn_loop(g_pre, g, hidden, w_hh, backward=True, settings=st, handshake=True)
+        torch.cuda.synchronize()
+        assert flags[1].item() == want, f"B={B}: programs answered {flags[1].item()}, expected {want}"
+        if st is None:
+            p2, h2, gp2 = pre.clone(), torch.empty_like(pre), torch.empty_like(pre)
+            K._launch_rnn_loop(h2, p2, p2, w_hh, backward=False)
+            K._launch_rnn_loop(gp2, g, hidden, w_hh, backward=True)
+            assert torch.equal(h2, hidden) and torch.equal(p2, p) and torch.equal(gp2, g_pre)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=5e-3, atol=5e-3)  # TF32 products
+        pre64, hid64 = pre.double(), torch.empty(B, T, H, dtype=torch.float64, device="cuda")
+        K.rnn_forward_loop_ref(pre64, w_hh.double(), hid64)
+        assert_close(hidden, hid64, name=f"hidden B={B}", **tol)
+        g64 = 1.0 - hidden.double() ** 2
+        K.rnn_backward_loop_ref(g.double(), w_hh.double(), g64, torch.empty(B, H, dtype=torch.float64, device="cuda"))
+        assert_close(g_pre, g64, name=f"gPre B={B}", **tol)

@@ -25,9 +25,10 @@ def _grads(module, x):
     return [x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
 
 
-def _compare_compiled(make, x_shape, rtol, atol, seed=0):
+def _compare_compiled(make, x_shape, rtol, atol, seed=0, autocast=False):
     """Eager and ``torch.compile(fullgraph=True)`` copies of ``make()`` on CUDA, two steps each on the
-    same input and output gradient: outputs and every gradient equal. Returns Inductor's code."""
+    same input and output gradient (both under bf16 autocast with ``autocast``): outputs and every
+    gradient equal. Returns Inductor's code."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
@@ -47,12 +48,14 @@ def _compare_compiled(make, x_shape, rtol, atol, seed=0):
         xc = x.clone().requires_grad_()
         eager.zero_grad(set_to_none=True)
         compiled_module.zero_grad(set_to_none=True)
-        ye = eager(xe)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            ye = eager(xe)
         gy = torch.randn_like(ye) if gy is None else gy
         ye.backward(gy)
 
         def run():
-            yc = compiled(xc)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                yc = compiled(xc)
             yc.backward(gy)
             return yc.detach()
 
@@ -200,19 +203,75 @@ def test_traced_kernel_choice_is_the_choice_for_the_layers_tensors():
             assert got == want, f"{(b, s, h, kv, hd, dtype, causal)}: traced choice {got}, chooser {want}"
 
 
-@pytest.mark.parametrize("cls", ["LSTM", "RNN"])
-def test_compiled_recurrent_inductor_matches_eager_at_a_large_shape(cls):
-    """LSTM and RNN at batch 64, hidden 256, 24 steps (the benchmark's batch and width; the buffers far
-    larger than one allocator block) compiled by Inductor: outputs and gradients equal eager's (the
-    persistent loop kernels, which the compiled graph calls through ``torchloom::lstm_loop`` /
-    ``rnn_forward`` and their backwards)."""
+def test_compiled_lstm_inductor_matches_eager_at_a_large_shape():
+    """LSTM at batch 64, hidden 256, 24 steps (the benchmark's batch and width; the buffers far larger
+    than one allocator block) compiled by Inductor: outputs and gradients equal eager's (the persistent
+    loop kernels, which the compiled graph calls through ``torchloom::lstm_loop`` and its backward)."""
     import torchloom
 
-    make = {"LSTM": lambda: torchloom.LSTM(128, 256), "RNN": lambda: torchloom.RNN(128, 256)}[cls]
-    codes = _compare_compiled(make, (64, 24, 128), rtol=2e-4, atol=2e-5)
-    forward = "lstm_loop.default(" if cls == "LSTM" else "rnn_forward.default("
-    for op in (forward, f"{cls.lower()}_loop_backward.default("):
+    codes = _compare_compiled(lambda: torchloom.LSTM(128, 256), (64, 24, 128), rtol=2e-4, atol=2e-5)
+    for op in ("lstm_loop.default(", "lstm_loop_backward.default("):
         assert any(f"torch.ops.torchloom.{op}" in c for c in codes), f"Inductor's code does not call torchloom.{op[:-1]}"
+
+
+@pytest.mark.parametrize("rnn_tf32,cublas_tf32,inductor_loops", [
+    (False, False, True), (True, False, True), (True, True, True), (False, True, True), (True, False, False),
+], ids=["exact", "rnn-tf32", "both-tf32", "rnn-exact-cublas-tf32", "opaque-operators"])
+def test_compiled_rnn_routes_follow_pytorchs_switches(rnn_tf32, cublas_tf32, inductor_loops, monkeypatch):
+    """The float32 RNN at batch 64, hidden 256, 24 steps compiled by Inductor, under each setting of
+    PyTorch's RNN switch and cuBLAS's: outputs and gradients equal eager's. Inductor's own code
+    launches the loop kernel, and the products are cuBLAS calls where the two switches agree, else
+    ``fp32_matmul``'s kernel, also launched by Inductor's code; no opaque operator is called. With
+    ``USE_INDUCTOR_LOOPS`` off, the opaque operators run instead (the benchmark's A/B)."""
+    import torchloom
+    from torchloom.kernels import recurrent as K
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", rnn_tf32)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", cublas_tf32)
+    monkeypatch.setattr(K, "USE_INDUCTOR_LOOPS", inductor_loops)
+    tf32 = rnn_tf32 or cublas_tf32
+    codes = _compare_compiled(lambda: torchloom.RNN(128, 256), (64, 24, 128),
+                              rtol=2e-3 if tf32 else 2e-4, atol=2e-4 if tf32 else 2e-5)
+    code = "\n".join(codes)
+    opaque = [op for op in ("rnn_forward.default(", "rnn_loop_backward.default(", "recurrent_grads.default(")
+              if f"torch.ops.torchloom.{op}" in code]
+    if not inductor_loops:
+        assert len(opaque) == 3, f"the opaque operators called: {opaque}"
+        assert "_rnn_loop_kernel" not in code
+        return
+    assert not opaque, f"opaque operators in Inductor's code: {opaque}"
+    assert "_rnn_loop_kernel" in code, "Inductor's code does not launch the loop kernel"
+    assert ("_mm_many_kernel" in code) == (rnn_tf32 != cublas_tf32), "fp32_matmul exactly where the switches disagree"
+
+
+def test_compiled_rnn_under_bf16_autocast_and_dynamic_shapes():
+    """The RNN compiled by Inductor under bf16 autocast (the loops launched by Inductor's code, the
+    products bf16 cuBLAS calls) equals eager; and compiled with ``dynamic=True`` it takes batches and
+    sequence lengths it was not traced for, with the numbers of eager (float32)."""
+    import torch._dynamo
+
+    import torchloom
+
+    _compare_compiled(lambda: torchloom.RNN(128, 256), (64, 24, 128), rtol=2e-2, atol=2e-2, autocast=True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = torchloom.RNN(32, 64).cuda()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for B, T in ((8, 5), (12, 9), (33, 3)):
+        x = torch.randn(B, T, 32, device="cuda", requires_grad=True)
+        xc = x.detach().clone().requires_grad_()
+        gy = torch.randn(B, T, 64, device="cuda")
+        layer.zero_grad(set_to_none=True)
+        y = layer(x)
+        y.backward(gy)
+        grads = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+        layer.zero_grad(set_to_none=True)
+        yc = compiled(xc)
+        yc.backward(gy)
+        assert_close(yc.detach(), y.detach(), name=f"B={B} T={T} output", rtol=2e-4, atol=2e-5)
+        for i, (got, ref) in enumerate(zip([xc.grad, *(p.grad for p in layer.parameters())], grads)):
+            assert_close(got, ref, name=f"B={B} T={T} gradient {i}", rtol=2e-4, atol=2e-5)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("tf32", [True, False], ids=["rnn-switch-tf32", "rnn-switch-ieee"])

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["launch", "clear_cache", "direct_launch_usable"]
+__all__ = ["launch", "clear_cache", "direct_launch_usable", "launch_traced"]
 
 _MAX_ENTRIES = 4096  # kept kernels (per shape and alignment); the cache starts over when full
 _cache: dict[tuple, tuple[Any, tuple]] = {}
@@ -77,6 +77,14 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, constants: dict[str,
     with recording.paused():  # the launch's own tensor operations (the interpreter's) are not the call's
         compiled = _launch(kernel, grid, args, constants, options)
     recording.note_launch(kernel, compiled, grid, args, constants, options)
+
+
+def launch_traced(kernel: Any, grid: tuple[int, ...], args: tuple, constants: dict[str, Any],
+                  options: dict[str, Any] | None = None) -> None:
+    """``launch``'s call for the body of a ``torch.library.triton_op``: through
+    ``torch.library.wrap_triton``, so that a compiled graph holds the launch itself and Inductor's
+    code makes it (eager calls of the operator launch through Triton's own path)."""
+    torch.library.wrap_triton(kernel)[grid](*args, **constants, **(options or {}))
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], args: tuple, constants: dict[str, Any], options: dict[str, Any]) -> Any:

@@ -28,11 +28,11 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from ._launch import launch as _launch_kernel
-from ._tl import jit, tl
+from ._launch import launch as _launch_kernel, launch_traced
+from ._tl import jit, tl, triton
 from ._triton import device_index, sm_count as _sm_count, use_triton
 
-__all__ = ["MAX_PRODUCTS", "PRECISIONS", "Product", "mm", "mm_many", "mm_ref", "round_tf32_ref"]
+__all__ = ["MAX_PRODUCTS", "PRECISIONS", "Product", "mm", "mm_many", "mm_ref", "mm_traced", "round_tf32_ref"]
 
 PRECISIONS = ("tf32", "ieee")
 MAX_PRODUCTS = 3  # products per launch of ``mm_many`` (the kernel's argument slots)
@@ -49,7 +49,8 @@ class Product(NamedTuple):
     summed over both ``G`` and ``K`` (rows no 2-D view holds, e.g. the ``(b, t ≥ 1)`` steps of a
     ``[B, T, H]`` tensor, read in place). ``row_sums``: also ``Σ_k a[m, k] → [M]``, float32 sums of the
     unrounded ``a`` read in the same pass (a bias gradient beside a weight gradient). ``fill``: an
-    int32 ``[M, N]`` tensor, contiguous, written with ``fill_value`` tile by tile as the product is (a
+    int32 or float32 ``[M, N]`` tensor, contiguous, whose elements' bits are written as the int32
+    ``fill_value`` tile by tile as the product is (a
     persistent loop's sentinel flags, ``kernels.recurrent``, over the tensor the loop will write next to
     reading this product: one launch fewer than a fill of its own)."""
 
@@ -117,7 +118,7 @@ def _product_tile(
             tl.store(RS + split * s_rs + rm64, rs, mask=mm_)
     if HAS_FILL:
         if split == 0:
-            flags = tl.full((BLOCK_M, BLOCK_N), FILL_VALUE, tl.int32)
+            flags = tl.full((BLOCK_M, BLOCK_N), FILL_VALUE, tl.int32).to(FILL.dtype.element_ty, bitcast=True)
             tl.store(FILL + rm64[:, None] * N + rn64[None, :], flags, mask=mm_[:, None] & nm[None, :])
 
 
@@ -248,44 +249,47 @@ class _Launch(NamedTuple):
 def _plan(p: Product, precision: str, splits: int | None) -> tuple[Tensor, Tensor | None, _Launch | None]:
     """``(out [M, N], row sums [M] or None, launch or None)`` of one product: the outputs are allocated
     (finished here when there is nothing to multiply)."""
-    a, b = (p.a.unsqueeze(1), p.b.unsqueeze(0)) if p.a.dim() == 2 else (p.a, p.b)
-    m, groups, ki = a.shape
-    n = b.shape[2]
+    a, b = p.a, p.b
+    if a.dim() == 2:  # one group: read as [M, 1, K] @ [1, K, N], with no view made (a compiled graph's code makes each)
+        (m, ki), n, groups = a.shape, b.shape[1], 1
+        a_strides, b_strides = (a.stride(0), 0, a.stride(1)), (0, b.stride(0), b.stride(1))
+    else:
+        (m, groups, ki), n = a.shape, b.shape[2]
+        a_strides, b_strides = a.stride(), b.stride()
     k = groups * ki
     if k == 0 or m == 0 or n == 0:  # an empty sum, or an empty output
         if p.fill is not None:
-            p.fill.fill_(p.fill_value)
+            p.fill.view(torch.int32).fill_(p.fill_value)
         out = a.new_zeros(m, n)
         return (out if p.bias is None else out.add_(p.bias)), (a.new_zeros(m) if p.row_sums else None), None
     split = splits or _splits(a, m, n, k)
     per_split = -(-(-(-k // split)) // _BLOCK_K) * _BLOCK_K  # K of one split, whole chunks
     split = -(-k // per_split)
-    rs_width = m if p.row_sums else 0
     if split == 1:
         out, rs = a.new_empty(m, n), (a.new_empty(m) if p.row_sums else None)
-        c, rs_ptr, s_cs, sums = out, rs, 0, []
-    else:  # each split's partial product, then its row sums, in one row of the scratch
-        ld = m * n + rs_width
-        scratch = a.new_empty(split, ld)
+        c, rs_ptr, s_cs, s_rs, sums = out, rs, 0, 0, []
+    else:  # each split's partial product and row sums in scratch rows, then summed
+        c, rs_ptr = a.new_empty(split, m * n), (a.new_empty(split, m) if p.row_sums else None)
         out, rs = a.new_empty(m, n), (a.new_empty(m) if p.row_sums else None)
-        c, rs_ptr, s_cs = scratch, (scratch[:, m * n:] if p.row_sums else None), ld
-        sums = [(scratch, out, m * n, split, ld)] + ([(scratch[:, m * n:], rs, m, split, ld)] if p.row_sums else [])
+        s_cs, s_rs = m * n, m
+        sums = [(c, out, m * n, split, m * n)] + ([(rs_ptr, rs, m, split, m)] if p.row_sums else [])
     bias = p.bias
     args = (a, b, c, bias if bias is not None else c, rs_ptr if rs_ptr is not None else c,
             p.fill if p.fill is not None else c,
-            m, n, k, max(ki, 1), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            bias.stride(0) if bias is not None else 0, s_cs, s_cs if split > 1 else 0, per_split, p.fill_value)
+            m, n, k, max(ki, 1), *a_strides, *b_strides,
+            bias.stride(0) if bias is not None else 0, s_cs, s_rs, per_split, p.fill_value)
     tiles = -(-m // _BLOCK_M) * -(-n // _BLOCK_N)
     return out, rs, _Launch(args, (bias is not None, p.row_sums, p.fill is not None), tiles * split, sums)
 
 
 def mm_many(products: Sequence[Product], precision: str = "tf32", backend: str | None = None,
-            splits: int | None = None) -> list[tuple[Tensor, Tensor | None]]:
+            splits: int | None = None, traced: bool = False) -> list[tuple[Tensor, Tensor | None]]:
     """Each ``Product`` (at most ``MAX_PRODUCTS``) → ``(a @ b (+ bias) [M, N], Σ_k a [M] or None)``,
     fresh float32 tensors, in ``precision`` as ``mm``; on CUDA one launch of ``_mm_many_kernel`` for
     all of them, and one of ``_sum_splits_kernel`` where any product's K was split (``splits``: the
     programs per output tile along each product's contraction, default enough to fill the GPU). Off
-    Triton (``backend`` as in ``use_triton``): ``mm_ref`` and PyTorch's row sums."""
+    Triton (``backend`` as in ``use_triton``): ``mm_ref`` and PyTorch's row sums. ``traced``: inside a
+    ``torch.library.triton_op``, the launches through ``torch.library.wrap_triton`` (``mm_traced``)."""
     if not 1 <= len(products) <= MAX_PRODUCTS:
         raise ValueError(f"fp32_matmul.mm_many: products must hold 1 to {MAX_PRODUCTS} Product, got {len(products)}")
     for p in products:
@@ -293,8 +297,9 @@ def mm_many(products: Sequence[Product], precision: str = "tf32", backend: str |
             raise TypeError(f"fp32_matmul.mm_many: products must be Product tuples, got {type(p).__name__}")
         _check(p.a, p.b, precision, p.bias, "mm_many")
         shape = [p.a.shape[0], p.b.shape[-1]]
-        if p.fill is not None and (p.fill.dtype != torch.int32 or list(p.fill.shape) != shape or not p.fill.is_contiguous()):
-            raise ValueError(f"fp32_matmul.mm_many: fill must be a contiguous int32 {shape}, got {p.fill.dtype} "
+        if p.fill is not None and (p.fill.dtype not in (torch.int32, torch.float32) or list(p.fill.shape) != shape
+                                   or not p.fill.is_contiguous()):
+            raise ValueError(f"fp32_matmul.mm_many: fill must be a contiguous int32 or float32 {shape}, got {p.fill.dtype} "
                              f"{list(p.fill.shape)} strides {p.fill.stride()}")
     devices = {t.device for p in products for t in (p.a, p.b, p.bias, p.fill) if t is not None}
     if len(devices) > 1:
@@ -312,14 +317,22 @@ def mm_many(products: Sequence[Product], precision: str = "tf32", backend: str |
         if launch is not None:
             launches.append(launch)
     if launches:
-        _launch(launches, precision)
+        _launch(launches, precision, launch_traced if traced else _launch_kernel)
     return results
 
 
-def _launch(launches: list[_Launch], precision: str) -> None:
+def _launch(launches: list[_Launch], precision: str, launch=_launch_kernel) -> None:
     """One ``_mm_many_kernel`` launch over ``launches``' programs (the unused slots repeat the first
-    product's arguments), then one ``_sum_splits_kernel`` launch over every split's sums."""
-    slots = launches + [launches[0]] * (MAX_PRODUCTS - len(launches))
+    product's arguments, which the kernel never touches), then one ``_sum_splits_kernel`` launch over
+    every split's sums; each through ``launch`` (``_launch.launch`` or ``launch_traced``). No tensor
+    the kernel writes is passed twice, nor overlaps another it writes: a compiled graph's
+    functionalisation copies each written argument on its own."""
+    spare = launches[0]
+    if launch is launch_traced:  # the unused slots' tensors all the first output: in a compiled graph's code a
+        # view of an operand is made anew for each argument that takes it
+        out = spare.args[2]
+        spare = spare._replace(args=tuple(out if isinstance(x, Tensor) else x for x in spare.args))
+    slots = launches + [spare] * (MAX_PRODUCTS - len(launches))
     args = []
     for i, ln in enumerate(slots):
         args += list(ln.args) + ([ln.programs] if i < MAX_PRODUCTS - 1 else [])
@@ -328,15 +341,15 @@ def _launch(launches: list[_Launch], precision: str) -> None:
         constants[f"HAS_BIAS{i}"], constants[f"ROW_SUMS{i}"], constants[f"HAS_FILL{i}"] = ln.constants
     constants.update(NUM=len(launches), PRECISION=precision, ROUND=precision == "tf32" and _ROUND,
                      BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
-    _launch_kernel(_mm_many_kernel, (sum(ln.programs for ln in launches),), tuple(args), constants,
-                   {"num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES})
+    launch(_mm_many_kernel, (sum(ln.programs for ln in launches),), tuple(args), constants,
+           {"num_warps": _NUM_WARPS, "num_stages": _NUM_STAGES})
     sums = [s for ln in launches for s in ln.sums]
     if sums:
         items = sums + [sums[0]] * (2 * MAX_PRODUCTS - len(sums))
         sum_args = [x for item in items for x in item]
         width = max(e for _, _, e, _, _ in sums)
-        _launch_kernel(_sum_splits_kernel, (-(-width // _SUM_BLOCK), len(sums)), tuple(sum_args),
-                       {"NUM": len(sums), "BLOCK": _SUM_BLOCK}, {"num_warps": 4})
+        launch(_sum_splits_kernel, (-(-width // _SUM_BLOCK), len(sums)), tuple(sum_args),
+               {"NUM": len(sums), "BLOCK": _SUM_BLOCK}, {"num_warps": 4})
 
 
 def mm(a: Tensor, b: Tensor, precision: str = "tf32", bias: Tensor | None = None, backend: str | None = None,
@@ -350,3 +363,17 @@ def mm(a: Tensor, b: Tensor, precision: str = "tf32", bias: Tensor | None = None
     (default: enough to fill the GPU; the tests set it)."""
     _check(a, b, precision, bias)
     return mm_many([Product(a, b, bias)], precision, backend, splits)[0][0]
+
+
+def _mm_op(a: Tensor, b: Tensor, bias: Tensor | None, precision: str) -> Tensor:
+    return mm_many([Product(a, b, bias)], precision, traced=True)[0][0]
+
+
+if triton is not None:  # without Triton nothing reaches the kernel
+    torch.library.triton_op("torchloom::fp32_mm", _mm_op, mutates_args=())
+
+
+def mm_traced(a: Tensor, b: Tensor, precision: str, bias: Tensor | None = None) -> Tensor:
+    """``mm`` on CUDA for code that ``torch.compile`` traces: ``torchloom::fp32_mm``
+    (``torch.library.triton_op``), whose launches Inductor's own code makes."""
+    return torch.ops.torchloom.fp32_mm(a, b, bias, precision)

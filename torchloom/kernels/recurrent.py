@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from . import _replay
-from ._launch import launch as _launch_kernel
-from ._tl import jit, tl
+from ._launch import launch as _launch_kernel, launch_traced
+from ._tl import jit, tl, triton
 from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, tf32_capable, use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
@@ -339,6 +339,7 @@ _FP32_PRODUCT = "ieee"  # tl.dot's input_precision for fp32 without TF32 (the be
 _RNN_W_RESIDENT = True  # W_hh's slice held in registers across the loop where one K chunk covers H (the benchmark's A/B)
 _RNN_W_IN_PLACE = True  # that slice read from W_hh's own layout (False: from a row-major copy; the benchmark's A/B)
 _RNN_MAX_HIDDEN = 1024  # larger H: one step's product fills the GPU well enough through cuBLAS
+_ARRIVE_LIMIT = 256  # polls of the handshake's count (~0.5 µs each) before a plain launch's loop takes tickets
 _SPIN_LIMIT = 1 << 20  # polls per wait (~0.5 µs each): siblings are one step (µs) away, not half a second
 # Signalling NaNs (exponent all ones, mantissa 1), as the integers of the same width.
 _SENTINEL = {torch.float32: (0x7F800001, torch.int32), torch.bfloat16: (0x7F81, torch.int16),
@@ -397,28 +398,72 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
 
 
 @jit
-def _rnn_loop_kernel(
-    OUT, IN, AUX, W,
-    s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn,
-    B, T, H,
-    BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
-    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr,
-):
-    """Forward: ``IN`` = pre (updated in place), ``OUT`` = hidden, ``W`` = W_hhᵀ. Backward: ``IN`` =
-    gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` with strides ``s_wk, s_wn``
-    (``s_wn = 1`` unless ``W_RESIDENT``). ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry.
-    ``W_RESIDENT`` (one column tile per program, one K chunk covering H): the program's slice of W is
-    loaded once, before the loop, in any layout (the forward reads W_hh's transpose in place), and
-    rounded once for TF32 products."""
+def _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cm, t, prev, first,
+              s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H,
+              BACKWARD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+              SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr,
+              W_ROUNDED: tl.constexpr):
+    """One step ``t`` of one tile (``rows × cols``) of the loop (``_rnn_loop_kernel``'s operands), its
+    product with the previous state unless ``first``: with ``w_slice`` (``W_RESIDENT``: the tile's whole
+    slice of W, rounded for TF32 already where ``W_ROUNDED``) or chunk by chunk from ``W``."""
+    m = rm[:, None] & cm[None, :]
+    # This step's own inputs first: they do not wait for the siblings.
+    acc = tl.load(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        h = tl.load(AUX + rows[:, None] * s_ab + t * s_at + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if not first:
+        if W_RESIDENT:
+            s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
+            acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, W_ROUNDED)
+        else:
+            for k in range(0, H, BLOCK_K):
+                acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
+                                     BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT)
+    if BACKWARD:
+        out = acc * (1.0 - h * h)
+    else:
+        tl.store(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], acc.to(IN.dtype.element_ty), mask=m)
+        out = _tanh(acc)
+    tl.store(OUT + rows[:, None] * s_ob + t * s_ot + cols[None, :], out.to(OUT.dtype.element_ty), mask=m)
+
+
+@jit
+def _w_tile(W, cols, s_wk, s_wn, H, BLOCK_K: tl.constexpr):
+    """``W[0:BLOCK_K, cols]`` (zero outside H): a tile's whole slice of W, in any layout."""
+    wk = tl.arange(0, BLOCK_K)
+    return tl.load(W + wk[:, None] * s_wk + cols[None, :] * s_wn, mask=(wk < H)[:, None] & (cols < H)[None, :], other=0.0)
+
+
+@jit
+def _all_resident(FLAGS, ARRIVE_LIMIT: tl.constexpr):
+    """The handshake of a plainly launched loop (``FLAGS``: three int32 zeros on entry): whether every
+    program of the grid was running at once. Each program counts itself in (``FLAGS[0]``) and polls the
+    count up to ``ARRIVE_LIMIT`` times; the first to decide writes the answer (``FLAGS[1]``: 1 all were,
+    2 not), and every program takes that one, so all of them agree."""
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(FLAGS, 1) + 1
+    polls = 0
+    while (arrived < programs) & (polls < ARRIVE_LIMIT):
+        arrived = tl.load(FLAGS, volatile=True)
+        polls += 1
+    want = tl.where(arrived >= programs, 1, 2)
+    decided = tl.atomic_cas(FLAGS + 1, 0, want)
+    return tl.where(decided == 0, want, decided) == 1
+
+
+@jit
+def _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H,
+                   BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
+                   BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr):
+    """The loop with every program running: program (b, n) owns its rows and ``COL_TILES`` column
+    tiles for every step (``W_RESIDENT``: its slice of W loaded and rounded once, before the loop)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rm = rows < B
     rows = rows.to(tl.int64)
+    w_slice = 0.0  # unused unless W_RESIDENT
     if W_RESIDENT:
-        wc = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        wk = tl.arange(0, BLOCK_K)
-        w_slice = tl.load(W + wk[:, None] * s_wk + wc[None, :] * s_wn, mask=(wk < H)[:, None] & (wc < H)[None, :],
-                          other=0.0)
+        w_slice = _w_tile(W, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), s_wk, s_wn, H, BLOCK_K)
         if PRECISION == "tf32":  # rounded once, as ``_chunk_dot`` would round it every step
             w_slice = _round_tf32(w_slice)
     for i in range(T):
@@ -430,26 +475,76 @@ def _rnn_loop_kernel(
             prev = t - 1
         for j in tl.static_range(COL_TILES):
             cols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            cm = cols < H
-            m = rm[:, None] & cm[None, :]
-            # This step's own inputs first: they do not wait for the siblings.
-            acc = tl.load(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if BACKWARD:
-                h = tl.load(AUX + rows[:, None] * s_ab + t * s_at + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if i > 0:
-                if W_RESIDENT:
-                    s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
-                    acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, True)
-                else:
-                    for k in range(0, H, BLOCK_K):
-                        acc = _state_product(acc, OUT + prev * s_ot, W, rows, rm, s_ob, cols, cm, s_wk, k, H,
-                                             BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT)
-            if BACKWARD:
-                out = acc * (1.0 - h * h)
-            else:
-                tl.store(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], acc.to(IN.dtype.element_ty), mask=m)
-                out = _tanh(acc)
-            tl.store(OUT + rows[:, None] * s_ob + t * s_ot + cols[None, :], out.to(OUT.dtype.element_ty), mask=m)
+            _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, t, prev, i == 0,
+                      s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H, BACKWARD, BLOCK_K, PRECISION, DOT_F32,
+                      SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT, True)
+
+
+@jit
+def _rnn_tickets(OUT, IN, AUX, W, COUNTER, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H,
+                 BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr, BITS: tl.constexpr,
+                 SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr):
+    """The loop where not every program runs at once: the programs take (step, tile) tickets in
+    time-major order from ``COUNTER`` (int32, zero on entry) until none is left. A ticket waits only
+    on lower ones, which programs that started hold. W's slice is loaded for every ticket."""
+    col_blocks = tl.cdiv(H, BLOCK_N)
+    tiles = tl.num_programs(0) * col_blocks
+    ticket = tl.atomic_add(COUNTER, 1)
+    while ticket < T * tiles:
+        following = tl.atomic_add(COUNTER, 1)  # taken first: its trip overlaps this ticket's wait
+        i = ticket // tiles
+        rows = (ticket % tiles) // col_blocks * BLOCK_B + tl.arange(0, BLOCK_B)
+        rm = rows < B
+        rows = rows.to(tl.int64)
+        cols = (ticket % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_slice = 0.0
+        if W_RESIDENT:
+            w_slice = _w_tile(W, cols, s_wk, s_wn, H, BLOCK_K)
+        if BACKWARD:
+            t = T - 1 - i
+            prev = t + 1
+        else:
+            t = i
+            prev = t - 1
+        _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, t, prev, i == 0,
+                  s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H, BACKWARD, BLOCK_K, PRECISION, DOT_F32,
+                  SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT, False)
+        ticket = following
+
+
+@jit
+def _rnn_loop_kernel(
+    OUT, IN, AUX, W, FLAGS,
+    s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn,
+    B, T, H,
+    BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
+    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr, HANDSHAKE: tl.constexpr,
+    ARRIVE_LIMIT: tl.constexpr,
+):
+    """Forward: ``IN`` = pre (updated in place), ``OUT`` = hidden, ``W`` = W_hhᵀ. Backward: ``IN`` =
+    gOut, ``AUX`` = hidden, ``OUT`` = gPre, ``W`` = W_hh. ``W [H, H]`` with strides ``s_wk, s_wn``
+    (``s_wn = 1`` unless ``W_RESIDENT``). ``OUT`` holds ``SENTINEL`` (as an integer) everywhere on entry.
+    ``W_RESIDENT`` (one column tile per program, one K chunk covering H): the program's slice of W is
+    loaded once, before the loop, in any layout (the forward reads W_hh's transpose in place), and
+    rounded once for TF32 products.
+
+    ``HANDSHAKE`` (a plain launch; ``FLAGS``: three int32 zeros): the programs first agree whether all
+    of them run at once (``_all_resident``). If they do, each owns its tile as above. If not, they take
+    (step, tile) tickets in time-major order from ``FLAGS[2]``: a ticket waits only on lower ones, which
+    started programs hold, so the loop cannot deadlock on a program that never started (the same
+    numbers, bit for bit; W's slice loaded for every ticket)."""
+    if HANDSHAKE:
+        if _all_resident(FLAGS, ARRIVE_LIMIT):
+            _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD, BLOCK_B,
+                           BLOCK_N, BLOCK_K, COL_TILES, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
+        else:
+            _rnn_tickets(OUT, IN, AUX, W, FLAGS + 2, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD,
+                         BLOCK_B, BLOCK_N, BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
+    else:
+        _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD, BLOCK_B,
+                       BLOCK_N, BLOCK_K, COL_TILES, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
 
 
 def rnn_forward_loop_ref(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None:
@@ -538,11 +633,60 @@ def gemm_precision(a: Tensor, b: Tensor, backend: str | None) -> str | None:
 
 
 def compiled_fp32(a: Tensor, b: Tensor, backend: str | None) -> bool:
-    """Whether a recurrent product of ``a`` and ``b`` is traced as one of the opaque operators
-    (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads`` in ``layers.rnn``), which choose
-    cuBLAS or ``fp32_matmul`` at run time: float32 on CUDA under ``torch.compile`` (not ``backend="reference"``)."""
+    """Whether a recurrent product of ``a`` and ``b`` is traced for ``torch.compile`` in float32 on CUDA
+    (not ``backend="reference"``): by ``compiled_plan``'s rule, as cuBLAS calls or, where that has no
+    answer, as one of the opaque operators (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads``
+    in ``layers.rnn``), which choose cuBLAS or ``fp32_matmul`` at run time."""
     return (torch.compiler.is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
             and backend != "reference")
+
+
+@torch.compiler.assume_constant_result
+def _cublas_allows_tf32_constant() -> bool:
+    return cublas_allows_tf32()
+
+
+def allows_tf32_traced(op: str) -> bool:
+    """``_triton._allows_tf32(op)`` ("matmul" or "rnn") for code that ``torch.compile`` traces, where the
+    getter it calls is a graph break, and a compiled graph must be traced anew when the answer changes.
+    "rnn": read from the settings' attributes (``torch.backends.cudnn.rnn.fp32_precision``...), on
+    each of which Dynamo guards. "matmul": the answer taken as a constant; Dynamo's guard on PyTorch's
+    global state covers cuBLAS's switch."""
+    b = torch.backends
+    if op == "matmul":
+        return _cublas_allows_tf32_constant()
+    if getattr(torch._C, "_get_fp32_precision_getter", None) is None:
+        return bool(b.cudnn.allow_tf32)
+    for precision in (b.cudnn.rnn.fp32_precision, b.cudnn.fp32_precision, b.fp32_precision):
+        if precision != "none":  # ("cuda", "rnn"), then ("cuda", "all"), then ("generic", "all")
+            return precision == "tf32"
+    return False
+
+
+USE_INDUCTOR_LOOPS = True  # False: compiled, the RNN's loops and the products run as the opaque operators (the benchmark's A/B)
+
+
+@torch.compiler.assume_constant_result
+def _tf32_capable_constant(index: int) -> bool:
+    return tf32_capable(index)
+
+
+def compiled_plan(t: Tensor) -> tuple[str, str | None] | None:
+    """How ``torch.compile`` traces a recurrent layer on CUDA ``t``, PyTorch's switches read while
+    tracing (``allows_tf32_traced``: a change traces anew): ``(loop, products)``. ``loop``: the
+    loop kernels' fp32 product precision ("tf32" where PyTorch's RNN switch asks for TF32, else
+    ``_FP32_PRODUCT``). ``products``: None where cuBLAS's switch agrees with the RNN's (the products
+    are traced cuBLAS calls), else the precision of ``fp32_matmul``'s kernel, launched by Inductor's
+    code (``fp32_matmul.mm_traced``). Half dtypes: ``("ieee", None)``. None with
+    ``USE_INDUCTOR_LOOPS`` off: the opaque operators then decide everything at run time."""
+    if not USE_INDUCTOR_LOOPS or not t.is_cuda:
+        return None
+    if t.dtype != torch.float32:
+        return "ieee", None
+    capable = _tf32_capable_constant(device_index(t))
+    rnn = capable and allows_tf32_traced("rnn")
+    loop = "tf32" if rnn else _FP32_PRODUCT
+    return loop, (None if rnn == (capable and allows_tf32_traced("matmul")) else ("tf32" if rnn else "ieee"))
 
 
 def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
@@ -555,7 +699,12 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
     when given). Under ``torch.compile`` a float32 CUDA product is the opaque ``torchloom::recurrent_mm``,
     which decides the same at run time."""
     if out is None and compiled_fp32(a, b, backend):
-        return _RECURRENT_MM(a, b, bias)
+        plan = compiled_plan(a)
+        if plan is None:
+            return _RECURRENT_MM(a, b, bias)
+        if plan[1] is not None:
+            return _fp32_matmul.mm_traced(a, b, plan[1], bias)
+        # else traced as cuBLAS's below
     # traced otherwise only where cuBLAS computes it (not float32 on CUDA): no switch read while tracing
     precision = None if torch.compiler.is_compiling() else gemm_precision(a, b, backend)
     if precision is not None:
@@ -596,33 +745,73 @@ def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None
     return not _loop_failed("RNN", x, batch, hidden)
 
 
+@jit
+def _sentinel_fill_kernel(OUT, N, FLAGS, SENTINEL: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``OUT[:N]`` (contiguous) written with the bits of ``SENTINEL`` (a ``BITS`` integer), and the three
+    int32 ``FLAGS`` of a loop's handshake zeroed by program 0: the fill a compiled graph's loop launch
+    is given. (A fill of an int32 view of ``OUT`` is not kept as such in a compiled graph: Inductor
+    writes it as the float NaN, whose bits are not the sentinel's.)"""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.full((BLOCK,), SENTINEL, BITS)
+    tl.store(OUT + offs, bits.to(OUT.dtype.element_ty, bitcast=True), mask=offs < N)
+    if tl.program_id(0) == 0:
+        f = tl.arange(0, 4)
+        tl.store(FLAGS + f, tl.zeros((4,), tl.int32), mask=f < 3)
+
+
 def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, backward: bool,
-                     settings: RNNLoopSettings | None = None, filled: bool = False) -> None:
+                     settings: RNNLoopSettings | None = None, filled: bool = False, precision: str | None = None,
+                     traced: bool = False, handshake: bool = False, flags: Tensor | None = None) -> None:
     """One launch of ``_rnn_loop_kernel`` (``settings``: the benchmark's sweep, else
-    ``_rnn_loop_settings``), after filling ``out`` with the sentinel (``filled``: it holds it already)."""
+    ``_rnn_loop_settings``), after filling ``out`` with the sentinel (``filled``: it holds it already).
+    ``precision``: the fp32 products' (``_dot_precision`` when None). On CUDA a cooperative launch
+    where Triton makes one; else, with ``traced`` (inside a ``torch.library.triton_op``, which Inductor
+    launches plainly) and with ``handshake`` (tests), a plain launch whose programs check that they all
+    run at once (``_all_resident``) and take tickets where they do not (``flags``: its three int32
+    zeros, given to read the answer back: ``flags[1]`` 1 or 2)."""
     B, T, H = out.shape
     for name, t in (("output", out), ("input", inp), ("aux", aux)):
         if t.shape != out.shape or t.stride(-1) != 1:
             raise ValueError(f"RNN loop: {name} must be [B, T, H] = {list(out.shape)} with unit last stride, "
                              f"got {list(t.shape)} strides {t.stride()}")
     st = settings or _rnn_loop_settings(out, B, H)
+    precision = precision or _dot_precision(out)
+    sentinel, int_dtype = _SENTINEL[out.dtype]
+    if traced:  # the fill and the handshake's zeros in one launch of our own (``_sentinel_fill_kernel``)
+        if not out.is_contiguous():
+            raise ValueError(f"RNN loop: a traced launch's output must be contiguous, got strides {out.stride()}")
+        if flags is None:
+            flags = out.new_empty(3, dtype=torch.int32)
+            if filled:
+                flags.zero_()
+            else:
+                launch_traced(_sentinel_fill_kernel, (-(-out.numel() // 1024),), (out, out.numel(), flags),
+                              dict(SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, BLOCK=1024))
+                filled = True
     if not filled:
-        sentinel, int_dtype = _SENTINEL[out.dtype]
         out.view(int_dtype).fill_(sentinel)  # a view of the same bytes (unit last stride), whatever the strides
     # K × N: forward multiplies by W_hhᵀ, backward by W_hh (``_w_in_place``: read where it lies, else
     # from a row-major copy).
     w = weight_hh if backward else weight_hh.t()
-    if not _w_in_place(st, H, out):
+    if not _w_in_place(st, H, out, precision):
         w = w.contiguous()
     grid = (-(-B // st.block_b), st.col_programs)
-    args = (
-        out, inp, aux, w,
-        out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1), w.stride(0), w.stride(1),
-        B, T, H,
-    )
-    resident = _w_resident(st, H, out.dtype)
-    _cooperative_launch(_rnn_loop_kernel, grid, args, dict(_loop_constants(out, st, backward), W_RESIDENT=resident),
-                        out.is_cuda)
+    strides = (out.stride(0), out.stride(1), inp.stride(0), inp.stride(1), aux.stride(0), aux.stride(1),
+               w.stride(0), w.stride(1), B, T, H)
+    kw = dict(_loop_constants(out, st, backward, precision), W_RESIDENT=_w_resident(st, H, out.dtype),
+              ARRIVE_LIMIT=_ARRIVE_LIMIT)
+
+    def plain(launch):
+        f = torch.zeros(3, dtype=torch.int32, device=out.device) if flags is None else flags
+        launch(grid, (out, inp, aux, w, f, *strides), dict(kw, HANDSHAKE=True))
+
+    if traced:
+        plain(lambda grid, args, kw: launch_traced(_rnn_loop_kernel, grid, args, kw))
+    elif handshake:
+        plain(lambda grid, args, kw: _cooperative_launch(_rnn_loop_kernel, grid, args, kw, False))
+    else:
+        _cooperative_launch(_rnn_loop_kernel, grid, (out, inp, aux, w, out, *strides), dict(kw, HANDSHAKE=False),
+                            out.is_cuda, plain=lambda: plain(lambda g, a, k: _cooperative_launch(_rnn_loop_kernel, g, a, k, False)))
 
 
 def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
@@ -633,32 +822,34 @@ def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
             and st.block_k * st.block_n * dtype.itemsize <= 16384)
 
 
-def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor) -> bool:
+def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor, precision: str | None = None) -> bool:
     """Whether ``_rnn_loop_kernel`` reads W_hh (or its transpose) where it lies rather than from a
     row-major copy: where it holds the slice across the loop (``_w_resident``) and multiplies on
     tensor cores (TF32, half inputs; the interpreter alike), which take it in any layout at the same
     speed (the forward's copy cost a launch: 0.328 vs 0.329 ms for the TF32 loops at 64 × 64 × 256 on
     an H200). fp32 FMA products ("ieee") on CUDA read the copy: a transposed tile cost them a layout
     change every step (0.647 vs 0.419 ms there; 2.4× the backward's time on an H100 re-reading W)."""
-    fma = out.is_cuda and out.dtype == torch.float32 and _dot_precision(out) != "tf32"
+    fma = out.is_cuda and out.dtype == torch.float32 and (precision or _dot_precision(out)) != "tf32"
     return _RNN_W_IN_PLACE and _w_resident(st, hidden, out.dtype) and not fma
 
 
-def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool) -> dict:
+def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool, precision: str | None = None) -> dict:
     """The compile-time arguments of a persistent loop kernel (``_rnn_loop_kernel``, ``_lstm_loop_kernel``)
     whose output ``flags`` carries the sentinel: settings, product precision, the sentinel and its width."""
     sentinel, int_dtype = _SENTINEL[flags.dtype]
     return dict(
         BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
-        PRECISION=_dot_precision(flags), DOT_F32=not flags.is_cuda and flags.dtype == torch.bfloat16,
+        PRECISION=precision or _dot_precision(flags), DOT_F32=not flags.is_cuda and flags.dtype == torch.bfloat16,
         SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
         num_warps=st.num_warps,
     )
 
 
-def _cooperative_launch(kernel, grid: tuple[int, ...], args: tuple, kw: dict, is_cuda: bool) -> None:
+def _cooperative_launch(kernel, grid: tuple[int, ...], args: tuple, kw: dict, is_cuda: bool,
+                        plain: Callable[[], None] | None = None) -> None:
     """``kernel[grid](*args, **kw)`` (through ``_launch.launch``: host time), cooperatively on CUDA
-    (every program resident) where Triton can. ``kw``: the constexprs and ``num_warps``."""
+    (every program resident) where Triton can; where it cannot, ``plain()`` when given (the RNN's
+    loop with its handshake), else the same launch made plainly. ``kw``: the constexprs and ``num_warps``."""
     constants = dict(kw)
     options = {"num_warps": constants.pop("num_warps")}
     if is_cuda and _cooperative[0]:
@@ -667,6 +858,9 @@ def _cooperative_launch(kernel, grid: tuple[int, ...], args: tuple, kw: dict, is
             return
         except KeyError:  # "Keyword argument ... unrecognised": an older Triton
             _cooperative[0] = False
+    if is_cuda and plain is not None:
+        plain()
+        return
     _launch_kernel(kernel, grid, args, constants, options)
 
 
@@ -1105,18 +1299,68 @@ def _register_loop_ops():
 _RNN_OPS, _LSTM_OPS = _register_loop_ops()
 
 
+def _rnn_forward_launched(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int,
+                          steps: int, precision: str, products: str | None) -> tuple[Tensor, Tensor]:
+    H = w_ih_t.shape[1]
+    hidden = x2.new_empty(batch, steps, H)
+    if products is None:  # cuBLAS
+        pre = torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)
+        filled = False
+    else:  # fp32_matmul, which also writes the loop's sentinel's bits over ``hidden`` (float32: no int32 view made)
+        product = _fp32_matmul.Product(x2, w_ih_t, bias, fill=hidden.view(-1, H), fill_value=_SENTINEL[hidden.dtype][0])
+        (pre, _), = _fp32_matmul.mm_many([product], products, traced=True)
+        filled = True
+    pre = pre.view(batch, steps, H)
+    _launch_rnn_loop(hidden, pre, pre, weight_hh, False, filled=filled, precision=precision, traced=True)
+    return pre, hidden
+
+
+def _rnn_loop_backward_launched(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, precision: str) -> Tensor:
+    g_pre = torch.empty_like(hidden)
+    _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True, precision=precision, traced=True)
+    return g_pre
+
+
+def _recurrent_grads_launched(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                              needs_input_grad: bool, precision: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from ..layers.rnn import _grads_by_fp32_matmul  # the layers import this module on first use
+
+    dx, dw_ih, dw_hh, db = _grads_by_fp32_matmul(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision,
+                                                 traced=True)
+    return (g_pre.new_empty(0) if dx is None else dx), dw_ih, dw_hh, (g_pre.new_empty(0) if db is None else db)
+
+
+if triton is not None:  # without Triton the layers never reach the kernels: the operators Inductor launches
+    torch.library.triton_op("torchloom::rnn_forward_launched", _rnn_forward_launched, mutates_args=())
+    torch.library.triton_op("torchloom::rnn_loop_backward_launched", _rnn_loop_backward_launched, mutates_args=())
+    torch.library.triton_op("torchloom::recurrent_grads_launched", _recurrent_grads_launched, mutates_args=())
+
+
 def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
                        backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """The RNN's forward for ``torch.compile`` (where ``rnn_loop_uses_triton``): one call of the opaque
-    ``torchloom::rnn_forward`` — ``rnn_projected_forward``: the input projection, then the persistent
-    kernel launched cooperatively at run time — ``x2 [B·T, I]`` → ``(pre, hidden [B, T, H])``."""
-    return _RNN_OPS[0](x2, w_ih_t, bias, weight_hh, batch, steps, backend)
+    """The RNN's forward for ``torch.compile`` (where ``rnn_loop_uses_triton``), ``x2 [B·T, I]`` →
+    ``(pre, hidden [B, T, H])``: the input projection, then the persistent loop kernel.
+
+    Where ``compiled_plan`` has a plan: ``torchloom::rnn_forward_launched`` (``torch.library.triton_op``):
+    Inductor sees the projection as a cuBLAS call, or launches ``fp32_matmul``'s kernel where the plan
+    names a precision for the products, and launches the loop kernel from its own code, plainly (the kernel's handshake covers the cooperative
+    launch it cannot make). Else the opaque ``torchloom::rnn_forward`` (``rnn_projected_forward`` at run
+    time, replayed)."""
+    plan = compiled_plan(x2)
+    if plan is None:
+        return _RNN_OPS[0](x2, w_ih_t, bias, weight_hh, batch, steps, backend)
+    return torch.ops.torchloom.rnn_forward_launched(x2, w_ih_t, bias, weight_hh, batch, steps, *plan)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
-    """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``):
-    ``gPre [B, T, H]`` from one call of the opaque ``torchloom::rnn_loop_backward``."""
-    return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
+    """The RNN's backward loop for ``torch.compile`` (where ``rnn_loop_uses_triton``): ``gPre [B, T, H]``
+    from ``torchloom::rnn_loop_backward_launched`` (the kernel launched by Inductor's code, as in
+    ``rnn_forward_traced``), or from the opaque ``torchloom::rnn_loop_backward`` where ``compiled_plan``
+    has none."""
+    plan = compiled_plan(hidden)
+    if plan is None:
+        return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
+    return torch.ops.torchloom.rnn_loop_backward_launched(grad_out, weight_hh, hidden, plan[0])
 
 
 def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:

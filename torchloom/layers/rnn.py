@@ -174,28 +174,40 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     opaque ``torchloom::recurrent_grads``, which decides the same at run time (``backend`` is not passed
     to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
     K = _kernels()
-    if K.compiled_fp32(g_pre, weight_ih, backend):
+    plan = K.compiled_plan(g_pre) if K.compiled_fp32(g_pre, weight_ih, backend) else ()
+    if plan is None:  # the opaque operator: its Python decides at run time
         dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
         return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
-    B, T, G = g_pre.shape
-    I = x.shape[-1]
-    g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, I)
-    w_hh_operands = g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1]  # Σ over (b, t ≥ 1), read in place
+    if plan and plan[1] is not None:  # fp32_matmul's kernel, launched by Inductor's code
+        dx, dw_ih, dw_hh, db = torch.ops.torchloom.recurrent_grads_launched(g_pre, x, hidden, weight_ih, has_bias,
+                                                                          needs_input_grad, plan[1])
+        return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
     # traced only where cuBLAS computes the products (not float32 on CUDA): no switch read while tracing
     precision = None if torch.compiler.is_compiling() else K.gemm_precision(g_pre, weight_ih, backend)
     if precision is None:
+        B, T, G = g_pre.shape
+        g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
         dw_ih = K.projection_mm(g2.t(), x2, backend=backend)
-        dw_hh = K.projection_mm(*w_hh_operands, backend=backend)
+        dw_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
         db = column_sum(g2) if has_bias else None
-        dx = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, I) if needs_input_grad else None
+        dx = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, x.shape[-1]) if needs_input_grad else None
         return dx, dw_ih, dw_hh, db
+    return _grads_by_fp32_matmul(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision, backend)
+
+
+def _grads_by_fp32_matmul(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                          needs_input_grad: bool, precision: str, backend: str | None = None, traced: bool = False):
+    """``recurrent_grads`` in ``fp32_matmul.mm_many``'s one launch (and one summing its K splits), in
+    ``precision`` (``traced``: launched through ``torch.library.wrap_triton``)."""
     from ..kernels.fp32_matmul import Product, mm_many
 
-    products = [Product(g2.t(), x2, row_sums=has_bias), Product(*w_hh_operands)]
+    B, T, G = g_pre.shape
+    g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
+    products = [Product(g2.t(), x2, row_sums=has_bias), Product(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])]
     if needs_input_grad:
         products.append(Product(g2, weight_ih))
-    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend)
-    return (dx[0][0].view(B, T, I) if dx else None), dw_ih, dw_hh, db
+    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend, traced=traced)
+    return (dx[0][0].view(B, T, x.shape[-1]) if dx else None), dw_ih, dw_hh, db
 
 
 def _recurrent_grads_tensors(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
