@@ -147,6 +147,11 @@ def test_many_products_bad_inputs_and_empty_ones():
     assert torch.equal(z, torch.zeros(3, 4, device=DEVICE)) and torch.equal(zs, torch.zeros(3, device=DEVICE))
     assert (flags.view(torch.int32) == 7).all()
     assert_close(p, x.double() @ y.double(), name="beside an empty one", rtol=0, atol=1e-5)
+    # the reference path writes a fill's bits too, into an int32 or a float32 tensor
+    for dtype in (torch.int32, torch.float32):
+        flags = torch.zeros(3, 4, dtype=dtype, device=DEVICE)
+        MM.mm_many([MM.Product(x.to(DEVICE), y.to(DEVICE), fill=flags, fill_value=0x7F800001)], "ieee", backend="reference")
+        assert (flags.view(torch.int32) == 0x7F800001).all(), dtype
 
 
 def test_tf32_products_differ_from_exact_ones():

@@ -264,12 +264,15 @@ def test_kept_kernel_launch_matches_triton_launch():
 
 @pytest.mark.cuda
 def test_compiled_rnn_step_replays_its_operators(monkeypatch):
-    """A compiled float32 RNN step, with PyTorch's default switches (cuDNN's RNN in TF32, cuBLAS
-    exact: the products on ``fp32_matmul``): its three operator calls are recorded replayable (a
-    compiled backward's operator sees ``reshape`` undecomposed), and every step's gradients equal
-    the eager layer's, which runs the same kernels through its Python."""
+    """A compiled float32 RNN step on the opaque operators (``USE_INDUCTOR_LOOPS`` off: the benchmark's
+    A/B; by default Inductor launches the kernels itself), with PyTorch's default switches (cuDNN's
+    RNN in TF32, cuBLAS exact: the products on ``fp32_matmul``): its three operator calls are
+    recorded replayable (a compiled backward's operator sees ``reshape`` undecomposed), and every
+    step's gradients equal the eager layer's, which runs the same kernels through its Python."""
+    from torchloom.kernels import recurrent as K
     from torchloom.layers.rnn import RNN
 
+    monkeypatch.setattr(K, "USE_INDUCTOR_LOOPS", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     torch._dynamo.reset()
     layer = RNN(32, 64).cuda()

@@ -392,7 +392,8 @@ def test_rnn_forward_operators_under_opcheck(fused, monkeypatch):
 def test_the_operators_a_compiled_graph_launches(products):
     """``torchloom::rnn_forward_launched`` / ``rnn_loop_backward_launched`` / ``recurrent_grads_launched``
     (``torch.library.triton_op``: a compiled RNN's graph holds their launches; called eagerly, as here,
-    their bodies run: on CPU the interpreter runs the kernels): ``torch.library.opcheck`` passes, no
+    their bodies run: on CPU the interpreter runs the loop kernel, and ``fp32_matmul``'s products take
+    its reference path): ``torch.library.opcheck`` passes, no
     input is written, and the values are those of the float64 projection, reference loops and
     products (``products``: cuBLAS's projection, or ``fp32_matmul``'s writing the loop's sentinel, in
     that precision: "tf32" rounds the operands, also on the interpreter). Batch 20: two batch blocks, so on the

@@ -257,6 +257,8 @@ def test_compiled_rnn_under_bf16_autocast_and_dynamic_shapes():
     torch.manual_seed(0)
     layer = torchloom.RNN(32, 64).cuda()
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    from torch._inductor.utils import run_and_get_code
+
     for B, T in ((8, 5), (12, 9), (33, 3)):
         x = torch.randn(B, T, 32, device="cuda", requires_grad=True)
         xc = x.detach().clone().requires_grad_()
@@ -266,8 +268,17 @@ def test_compiled_rnn_under_bf16_autocast_and_dynamic_shapes():
         y.backward(gy)
         grads = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
         layer.zero_grad(set_to_none=True)
-        yc = compiled(xc)
-        yc.backward(gy)
+
+        def step():
+            out = compiled(xc)
+            out.backward(gy)
+            return out
+
+        if B == 8:  # the first, traced call: the loop kernel launched by Inductor's code
+            yc, codes = run_and_get_code(step)
+            assert "_rnn_loop_kernel" in "\n".join(codes)
+        else:
+            yc = step()
         assert_close(yc.detach(), y.detach(), name=f"B={B} T={T} output", rtol=2e-4, atol=2e-5)
         for i, (got, ref) in enumerate(zip([xc.grad, *(p.grad for p in layer.parameters())], grads)):
             assert_close(got, ref, name=f"B={B} T={T} gradient {i}", rtol=2e-4, atol=2e-5)

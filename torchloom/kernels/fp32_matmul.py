@@ -83,8 +83,8 @@ def _product_tile(
     of ``BLOCK_K``), plus ``BIAS`` in split 0; ``C[split]`` starts at ``split · s_cs``, ``[M, N]``
     row-major. The contracted index ``k`` is ``(g, i) = divmod(k, KI)``: ``A[m, g, i]`` (strides
     ``s_am, s_ag, s_ak``), ``B[g, i, n]`` (``s_bg, s_bk, s_bn``). ``ROW_SUMS``: the first column tile
-    also writes ``Σ_ks A[m, k]`` to ``RS + split · s_rs + m``. ``HAS_FILL``: split 0 also writes
-    ``FILL_VALUE`` over the tile of ``FILL [M, N]`` (int32, row-major)."""
+    also writes ``Σ_ks A[m, k]`` to ``RS + split · s_rs + m``. ``HAS_FILL``: split 0 also writes the
+    bits of the int32 ``FILL_VALUE`` over the tile of ``FILL [M, N]`` (int32 or float32, row-major)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_mn = tl.cdiv(M, BLOCK_M) * tiles_n
     split = tile // tiles_mn
@@ -307,7 +307,7 @@ def mm_many(products: Sequence[Product], precision: str = "tf32", backend: str |
     if not use_triton(products[0].a, backend, (torch.float32,)):
         for p in products:
             if p.fill is not None:
-                p.fill.fill_(p.fill_value)
+                p.fill.view(torch.int32).fill_(p.fill_value)  # the bits, whichever of the two dtypes
         return [(mm_ref(p.a, p.b, precision, p.bias), p.a.reshape(p.a.shape[0], -1).sum(1) if p.row_sums else None)
                 for p in products]
     results, launches = [], []
@@ -325,8 +325,9 @@ def _launch(launches: list[_Launch], precision: str, launch=_launch_kernel) -> N
     """One ``_mm_many_kernel`` launch over ``launches``' programs (the unused slots repeat the first
     product's arguments, which the kernel never touches), then one ``_sum_splits_kernel`` launch over
     every split's sums; each through ``launch`` (``_launch.launch`` or ``launch_traced``). No tensor
-    the kernel writes is passed twice, nor overlaps another it writes: a compiled graph's
-    functionalisation copies each written argument on its own."""
+    the kernel writes is passed in another argument that it also writes, nor overlaps one: a compiled
+    graph's functionalisation copies each written argument on its own. (The spare slots and the absent
+    bias, row sums or fill repeat a product's output, in arguments the constexprs leave untouched.)"""
     spare = launches[0]
     if launch is launch_traced:  # the unused slots' tensors all the first output: in a compiled graph's code a
         # view of an operand is made anew for each argument that takes it
@@ -369,7 +370,7 @@ def _mm_op(a: Tensor, b: Tensor, bias: Tensor | None, precision: str) -> Tensor:
     return mm_many([Product(a, b, bias)], precision, traced=True)[0][0]
 
 
-if triton is not None:  # without Triton nothing reaches the kernel
+if triton is not None and hasattr(torch.library, "triton_op"):  # else ``recurrent.compiled_plan`` never routes here
     torch.library.triton_op("torchloom::fp32_mm", _mm_op, mutates_args=())
 
 

@@ -33,7 +33,8 @@ from torch import Tensor
 from . import _replay
 from ._launch import launch as _launch_kernel, launch_traced
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, tf32_capable, use_triton
+from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, interpreter_enabled, tf32_capable
+from ._triton import use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
 from . import fp32_matmul as _fp32_matmul
@@ -306,8 +307,12 @@ def clear_graph_cache() -> None:
 # (``_rnn_loop_settings``) and the kernel is a cooperative launch (Triton's
 # ``launch_cooperative_grid``: CUDA starts it only with every program resident, and refuses a grid
 # that cannot be — never a partial start behind other kernels, e.g. a data-parallel run's NCCL
-# kernels on another stream; same time on the H100, captured in CUDA graphs alike). A Triton
-# without that option launches it plainly. A wait longer than ``_SPIN_LIMIT`` polls still gives up
+# kernels on another stream; same time on the H100, captured in CUDA graphs alike). Launched plainly
+# (by a compiled graph's code, which makes no cooperative launch, or on a Triton without that option)
+# the kernel first checks that its programs all run at once (``_all_resident``) and otherwise takes
+# time-major (step, tile) tickets (``_rnn_tickets``), which cannot deadlock on a program that never
+# started; a compiled graph fills the sentinel with ``_sentinel_fill_kernel`` (Inductor writes an int32
+# view's fill as the float NaN, which is not the pattern). A wait longer than ``_SPIN_LIMIT`` polls still gives up
 # rather than hang the GPU: the sentinels it then reads become NaNs (in every precision), so the result
 # is NaN, never a silent number. A kernel that cannot compile or launch for a shape (registers, a grid
 # CUDA refuses) warns once and that shape runs the reference loop from then on. Triton's interpreter
@@ -438,13 +443,17 @@ def _w_tile(W, cols, s_wk, s_wn, H, BLOCK_K: tl.constexpr):
 def _all_resident(FLAGS, ARRIVE_LIMIT: tl.constexpr):
     """The handshake of a plainly launched loop (``FLAGS``: three int32 zeros on entry): whether every
     program of the grid was running at once. Each program counts itself in (``FLAGS[0]``) and polls the
-    count up to ``ARRIVE_LIMIT`` times; the first to decide writes the answer (``FLAGS[1]``: 1 all were,
-    2 not), and every program takes that one, so all of them agree."""
+    count up to ``ARRIVE_LIMIT`` times (or until the answer is in); the first to decide writes the answer
+    (``FLAGS[1]``: 1 all were, 2 not), and every program takes that one, so all of them agree."""
     programs = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(FLAGS, 1) + 1
+    both = tl.arange(0, 2)
+    decided = 0
     polls = 0
-    while (arrived < programs) & (polls < ARRIVE_LIMIT):
-        arrived = tl.load(FLAGS, volatile=True)
+    while (arrived < programs) & (decided == 0) & (polls < ARRIVE_LIMIT):  # a late program: the answer is in
+        seen = tl.load(FLAGS + both, volatile=True)
+        arrived = tl.sum(tl.where(both == 0, seen, 0))
+        decided = tl.sum(tl.where(both == 1, seen, 0))
         polls += 1
     want = tl.where(arrived >= programs, 1, 2)
     decided = tl.atomic_cas(FLAGS + 1, 0, want)
@@ -452,18 +461,17 @@ def _all_resident(FLAGS, ARRIVE_LIMIT: tl.constexpr):
 
 
 @jit
-def _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H,
+def _rnn_own_tiles(OUT, IN, AUX, W, w_slice, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, B, T, H,
                    BACKWARD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SENTINEL: tl.constexpr,
                    BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr):
     """The loop with every program running: program (b, n) owns its rows and ``COL_TILES`` column
-    tiles for every step (``W_RESIDENT``: its slice of W loaded and rounded once, before the loop)."""
+    tiles for every step (``W_RESIDENT``: ``w_slice``, its slice of W loaded before the loop, is
+    rounded once here)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rm = rows < B
     rows = rows.to(tl.int64)
-    w_slice = 0.0  # unused unless W_RESIDENT
     if W_RESIDENT:
-        w_slice = _w_tile(W, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), s_wk, s_wn, H, BLOCK_K)
         if PRECISION == "tf32":  # rounded once, as ``_chunk_dot`` would round it every step
             w_slice = _round_tf32(w_slice)
     for i in range(T):
@@ -535,15 +543,18 @@ def _rnn_loop_kernel(
     (step, tile) tickets in time-major order from ``FLAGS[2]``: a ticket waits only on lower ones, which
     started programs hold, so the loop cannot deadlock on a program that never started (the same
     numbers, bit for bit; W's slice loaded for every ticket)."""
+    w_slice = 0.0  # unused unless W_RESIDENT
+    if W_RESIDENT:  # loaded first: with a handshake, in flight while the programs count themselves in
+        w_slice = _w_tile(W, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), s_wk, s_wn, H, BLOCK_K)
     if HANDSHAKE:
         if _all_resident(FLAGS, ARRIVE_LIMIT):
-            _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD, BLOCK_B,
+            _rnn_own_tiles(OUT, IN, AUX, W, w_slice, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, B, T, H, BACKWARD, BLOCK_B,
                            BLOCK_N, BLOCK_K, COL_TILES, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
         else:
             _rnn_tickets(OUT, IN, AUX, W, FLAGS + 2, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD,
                          BLOCK_B, BLOCK_N, BLOCK_K, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
     else:
-        _rnn_own_tiles(OUT, IN, AUX, W, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, s_wn, B, T, H, BACKWARD, BLOCK_B,
+        _rnn_own_tiles(OUT, IN, AUX, W, w_slice, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, B, T, H, BACKWARD, BLOCK_B,
                        BLOCK_N, BLOCK_K, COL_TILES, PRECISION, DOT_F32, SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT)
 
 
@@ -650,13 +661,11 @@ def allows_tf32_traced(op: str) -> bool:
     """``_triton._allows_tf32(op)`` ("matmul" or "rnn") for code that ``torch.compile`` traces, where the
     getter it calls is a graph break, and a compiled graph must be traced anew when the answer changes.
     "rnn": read from the settings' attributes (``torch.backends.cudnn.rnn.fp32_precision``...), on
-    each of which Dynamo guards. "matmul": the answer taken as a constant; Dynamo's guard on PyTorch's
-    global state covers cuBLAS's switch."""
+    each of which Dynamo guards (a torch with the ``fp32_precision`` settings). "matmul": the answer
+    taken as a constant; Dynamo's guard on PyTorch's global state covers cuBLAS's switch."""
     b = torch.backends
     if op == "matmul":
         return _cublas_allows_tf32_constant()
-    if getattr(torch._C, "_get_fp32_precision_getter", None) is None:
-        return bool(b.cudnn.allow_tf32)
     for precision in (b.cudnn.rnn.fp32_precision, b.cudnn.fp32_precision, b.fp32_precision):
         if precision != "none":  # ("cuda", "rnn"), then ("cuda", "all"), then ("generic", "all")
             return precision == "tf32"
@@ -664,6 +673,15 @@ def allows_tf32_traced(op: str) -> bool:
 
 
 USE_INDUCTOR_LOOPS = True  # False: compiled, the RNN's loops and the products run as the opaque operators (the benchmark's A/B)
+
+
+@torch.compiler.assume_constant_result
+def _kernels_launchable_in_graphs() -> bool:
+    """Whether a compiled graph can launch the kernels itself: Triton installed and not its interpreter
+    (the eager kernels' own condition, ``use_triton``), ``torch.library.triton_op`` (torch 2.6) and the
+    ``fp32_precision`` settings ``allows_tf32_traced`` reads."""
+    return (triton is not None and not interpreter_enabled() and hasattr(torch.library, "triton_op")
+            and getattr(torch._C, "_get_fp32_precision_getter", None) is not None)
 
 
 @torch.compiler.assume_constant_result
@@ -678,8 +696,10 @@ def compiled_plan(t: Tensor) -> tuple[str, str | None] | None:
     ``_FP32_PRODUCT``). ``products``: None where cuBLAS's switch agrees with the RNN's (the products
     are traced cuBLAS calls), else the precision of ``fp32_matmul``'s kernel, launched by Inductor's
     code (``fp32_matmul.mm_traced``). Half dtypes: ``("ieee", None)``. None with
-    ``USE_INDUCTOR_LOOPS`` off: the opaque operators then decide everything at run time."""
-    if not USE_INDUCTOR_LOOPS or not t.is_cuda:
+    ``USE_INDUCTOR_LOOPS`` off, without Triton or under its interpreter, and on a torch without
+    ``torch.library.triton_op`` or the ``fp32_precision`` settings: the opaque operators then decide
+    everything at run time, as the eager code would."""
+    if not USE_INDUCTOR_LOOPS or not t.is_cuda or not _kernels_launchable_in_graphs():
         return None
     if t.dtype != torch.float32:
         return "ieee", None
@@ -696,8 +716,9 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
     RNN would compute them in (it computes the whole layer, projections included, under
     ``torch.backends.cudnn.rnn``'s switch): ``fp32_matmul.mm`` where ``gemm_precision`` names one (float32
     on CUDA where that switch and cuBLAS's disagree), else cuBLAS (``torch.mm`` / ``addmm``, into ``out``
-    when given). Under ``torch.compile`` a float32 CUDA product is the opaque ``torchloom::recurrent_mm``,
-    which decides the same at run time."""
+    when given). Under ``torch.compile`` a float32 CUDA product follows ``compiled_plan``: a traced
+    cuBLAS call or ``fp32_matmul.mm_traced`` (decided while tracing, from the same switches), else the
+    opaque ``torchloom::recurrent_mm``, which decides the same at run time."""
     if out is None and compiled_fp32(a, b, backend):
         plan = compiled_plan(a)
         if plan is None:
@@ -785,7 +806,7 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
             if filled:
                 flags.zero_()
             else:
-                launch_traced(_sentinel_fill_kernel, (-(-out.numel() // 1024),), (out, out.numel(), flags),
+                launch_traced(_sentinel_fill_kernel, (max(1, -(-out.numel() // 1024)),), (out, out.numel(), flags),
                               dict(SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, BLOCK=1024))
                 filled = True
     if not filled:
@@ -924,8 +945,8 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
     → ``(pre, hidden)``, fresh ``[B, T, H]`` tensors. Where the loop is the kernel's and the product
     ``fp32_matmul``'s (``gemm_precision``), the product also writes the loop's sentinel over ``hidden``
     (``Product.fill``): one launch fewer. While ``torch.compile`` traces (a compiled RNN reaches this
-    only where the loop kernel does not apply) the switches are not read here: ``projection_mm`` traces
-    its own operator, which reads them at run time."""
+    only where the loop kernel does not apply) the switches are not read here: ``projection_mm``
+    decides its product by ``compiled_plan``."""
     H, T = w_ih_t.shape[1], steps
     precision = None
     if not torch.compiler.is_compiling() and rnn_loop_uses_triton(x2, batch, H, backend):
@@ -1176,11 +1197,13 @@ def _cell_backend(x: Tensor, backend: str | None) -> str:
 # needs real buffers, and a Triton kernel launched into strided views of a ``[B, T, ·]`` buffer is a
 # write that Inductor must functionalise (a copy of the buffer per step unless its re-inplacing
 # proves the view free); a compiled LSTM at 64×64×256×256 on an H200 ended in an illegal memory access
-# (issue 36). The persistent loops need a cooperative launch (every program resident), which
-# Inductor's launcher does not promise, so where they apply they run behind opaque operators with
-# fresh outputs (``torchloom::rnn_forward``, which computes the input projection too, and
-# ``rnn_loop_backward``; ``torchloom::lstm_loop`` / ``lstm_loop_backward``): the compiled graph calls
-# the eager launcher at run time, and the compiled layer runs the very kernels of the eager one. Where the LSTM's loop kernel does not apply but its
+# (issue 36). Where the persistent loops apply, they get fresh outputs. The RNN's loop kernel is
+# launched by the compiled graph's own code (``torchloom::rnn_forward_launched``, which computes the
+# input projection too, and ``rnn_loop_backward_launched``: ``torch.library.triton_op``s; a plain
+# launch, which the kernel's handshake makes safe), wherever ``compiled_plan`` has a plan; else, and
+# for the LSTM, whose kernel has no handshake, they run behind opaque operators
+# (``torchloom::rnn_forward`` / ``rnn_loop_backward``; ``torchloom::lstm_loop`` / ``lstm_loop_backward``)
+# whose eager launchers start the kernels cooperatively at run time. Where the LSTM's loop kernel does not apply but its
 # fused cell kernels would, the loop is unrolled from fresh tensors instead (``*_unrolled``: the
 # formulas of ``lstm_cell_values`` / ``lstm_cell_backward_values``, which the references also use,
 # written as PyTorch ops that Inductor fuses into one kernel per step, stacked at the end). On the CPU
@@ -1321,16 +1344,31 @@ def _rnn_loop_backward_launched(grad_out: Tensor, weight_hh: Tensor, hidden: Ten
     return g_pre
 
 
+def recurrent_grads_mm_many(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
+                          needs_input_grad: bool, precision: str, backend: str | None = None, traced: bool = False
+                          ) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
+    """``layers.rnn.recurrent_grads`` (``(dx [B, T, I] or None, dW_ih [G, I], dW_hh [G, H], db [G] or
+    None)`` from ``g_pre [B, T, G]``, ``x [B, T, I]``, ``hidden [B, T, H]``, ``weight_ih [G, I]``) in
+    ``fp32_matmul.mm_many``'s one launch (and one summing its K splits), in ``precision`` (``traced``:
+    launched through ``torch.library.wrap_triton``)."""
+    Product, mm_many = _fp32_matmul.Product, _fp32_matmul.mm_many
+    B, T, G = g_pre.shape
+    g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
+    products = [Product(g2.t(), x2, row_sums=has_bias), Product(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])]
+    if needs_input_grad:
+        products.append(Product(g2, weight_ih))
+    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend, traced=traced)
+    return (dx[0][0].view(B, T, x.shape[-1]) if dx else None), dw_ih, dw_hh, db
+
+
 def _recurrent_grads_launched(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
                               needs_input_grad: bool, precision: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from ..layers.rnn import _grads_by_fp32_matmul  # the layers import this module on first use
-
-    dx, dw_ih, dw_hh, db = _grads_by_fp32_matmul(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision,
+    dx, dw_ih, dw_hh, db = recurrent_grads_mm_many(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision,
                                                  traced=True)
     return (g_pre.new_empty(0) if dx is None else dx), dw_ih, dw_hh, (g_pre.new_empty(0) if db is None else db)
 
 
-if triton is not None:  # without Triton the layers never reach the kernels: the operators Inductor launches
+if triton is not None and hasattr(torch.library, "triton_op"):  # else ``compiled_plan`` never routes here
     torch.library.triton_op("torchloom::rnn_forward_launched", _rnn_forward_launched, mutates_args=())
     torch.library.triton_op("torchloom::rnn_loop_backward_launched", _rnn_loop_backward_launched, mutates_args=())
     torch.library.triton_op("torchloom::recurrent_grads_launched", _recurrent_grads_launched, mutates_args=())

@@ -84,7 +84,7 @@ def rnn_forward(
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
     K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
+    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
         pre, hidden = K.rnn_forward_traced(x2, w_ih_t, bias, weight_hh, B, T, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
@@ -138,7 +138,7 @@ def rnn_backward(
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
     K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # opaque operators (kernels/recurrent.py)
+    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
         g_pre = K.rnn_backward_loop_traced(grad_out, weight_hh, hidden, backend)
     elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
         entry = _rnn_graph_entry(K, B, T, H, x)
@@ -170,9 +170,11 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     ``g_pre``'s dtype, computed in the precision of ``kernels.recurrent.projection_mm``. Where ``gemm_precision`` picks
     ``fp32_matmul``: one launch for all of them (``kernels.fp32_matmul.mm_many``; ``db`` as the row sums of
     ``dW_ih``'s operand) and one summing their K splits, where cuBLAS and a column sum took seven;
-    elsewhere cuBLAS and ``column_sum``. Under ``torch.compile`` a float32 CUDA backward calls the
-    opaque ``torchloom::recurrent_grads``, which decides the same at run time (``backend`` is not passed
-    to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
+    elsewhere cuBLAS and ``column_sum``. Under ``torch.compile`` a float32 CUDA backward follows
+    ``kernels.recurrent.compiled_plan``, decided while tracing from the same switches: traced cuBLAS
+    products, or ``fp32_matmul``'s launches in the compiled graph (``torchloom::recurrent_grads_launched``);
+    without a plan, the opaque ``torchloom::recurrent_grads``, which decides at run time (``backend`` is
+    not passed to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
     K = _kernels()
     plan = K.compiled_plan(g_pre) if K.compiled_fp32(g_pre, weight_ih, backend) else ()
     if plan is None:  # the opaque operator: its Python decides at run time
@@ -192,22 +194,7 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
         db = column_sum(g2) if has_bias else None
         dx = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, x.shape[-1]) if needs_input_grad else None
         return dx, dw_ih, dw_hh, db
-    return _grads_by_fp32_matmul(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision, backend)
-
-
-def _grads_by_fp32_matmul(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
-                          needs_input_grad: bool, precision: str, backend: str | None = None, traced: bool = False):
-    """``recurrent_grads`` in ``fp32_matmul.mm_many``'s one launch (and one summing its K splits), in
-    ``precision`` (``traced``: launched through ``torch.library.wrap_triton``)."""
-    from ..kernels.fp32_matmul import Product, mm_many
-
-    B, T, G = g_pre.shape
-    g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
-    products = [Product(g2.t(), x2, row_sums=has_bias), Product(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])]
-    if needs_input_grad:
-        products.append(Product(g2, weight_ih))
-    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend, traced=traced)
-    return (dx[0][0].view(B, T, x.shape[-1]) if dx else None), dw_ih, dw_hh, db
+    return K.recurrent_grads_mm_many(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision, backend)
 
 
 def _recurrent_grads_tensors(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
