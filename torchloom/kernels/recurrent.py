@@ -447,13 +447,11 @@ def _all_resident(FLAGS, ARRIVE_LIMIT: tl.constexpr):
     (``FLAGS[1]``: 1 all were, 2 not), and every program takes that one, so all of them agree."""
     programs = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(FLAGS, 1) + 1
-    both = tl.arange(0, 2)
     decided = 0
     polls = 0
     while (arrived < programs) & (decided == 0) & (polls < ARRIVE_LIMIT):  # a late program: the answer is in
-        seen = tl.load(FLAGS + both, volatile=True)
-        arrived = tl.sum(tl.where(both == 0, seen, 0))
-        decided = tl.sum(tl.where(both == 1, seen, 0))
+        arrived = tl.load(FLAGS, volatile=True)
+        decided = tl.load(FLAGS + 1, volatile=True)
         polls += 1
     want = tl.where(arrived >= programs, 1, 2)
     decided = tl.atomic_cas(FLAGS + 1, 0, want)
