@@ -403,20 +403,27 @@ def _state_product(acc, S, W, rows, rm, s_sb, cols, cm, s_wk, k, H,
 
 
 @jit
-def _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cm, t, prev, first,
+def _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cm, i, T,
               s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H,
               BACKWARD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
               SENTINEL: tl.constexpr, BITS: tl.constexpr, SPIN_LIMIT: tl.constexpr, W_RESIDENT: tl.constexpr,
               W_ROUNDED: tl.constexpr):
-    """One step ``t`` of one tile (``rows × cols``) of the loop (``_rnn_loop_kernel``'s operands), its
-    product with the previous state unless ``first``: with ``w_slice`` (``W_RESIDENT``: the tile's whole
-    slice of W, rounded for TF32 already where ``W_ROUNDED``) or chunk by chunk from ``W``."""
+    """Step ``i`` of ``T`` (time step ``t = i``, or ``T − 1 − i`` backward) of one tile (``rows × cols``)
+    of the loop (``_rnn_loop_kernel``'s operands), its product with the previous state after the first
+    step: with ``w_slice`` (``W_RESIDENT``: the tile's whole slice of W, rounded for TF32 already where
+    ``W_ROUNDED``) or chunk by chunk from ``W``."""
+    if BACKWARD:
+        t = T - 1 - i
+        prev = t + 1
+    else:
+        t = i
+        prev = t - 1
     m = rm[:, None] & cm[None, :]
     # This step's own inputs first: they do not wait for the siblings.
     acc = tl.load(IN + rows[:, None] * s_ib + t * s_it + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if BACKWARD:
         h = tl.load(AUX + rows[:, None] * s_ab + t * s_at + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    if not first:
+    if i > 0:
         if W_RESIDENT:
             s, _, _ = _wait_state(OUT + prev * s_ot, rows, rm, s_ob, 0, H, BLOCK_K, SENTINEL, BITS, SPIN_LIMIT)
             acc = _chunk_dot(acc, s, w_slice, PRECISION, DOT_F32, W_ROUNDED)
@@ -473,15 +480,9 @@ def _rnn_own_tiles(OUT, IN, AUX, W, w_slice, s_ob, s_ot, s_ib, s_it, s_ab, s_at,
         if PRECISION == "tf32":  # rounded once, as ``_chunk_dot`` would round it every step
             w_slice = _round_tf32(w_slice)
     for i in range(T):
-        if BACKWARD:
-            t = T - 1 - i
-            prev = t + 1
-        else:
-            t = i
-            prev = t - 1
         for j in tl.static_range(COL_TILES):
             cols = (tl.program_id(1) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, t, prev, i == 0,
+            _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, i, T,
                       s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H, BACKWARD, BLOCK_K, PRECISION, DOT_F32,
                       SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT, True)
 
@@ -507,13 +508,7 @@ def _rnn_tickets(OUT, IN, AUX, W, COUNTER, s_ob, s_ot, s_ib, s_it, s_ab, s_at, s
         w_slice = 0.0
         if W_RESIDENT:
             w_slice = _w_tile(W, cols, s_wk, s_wn, H, BLOCK_K)
-        if BACKWARD:
-            t = T - 1 - i
-            prev = t + 1
-        else:
-            t = i
-            prev = t - 1
-        _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, t, prev, i == 0,
+        _rnn_tile(OUT, IN, AUX, W, w_slice, rows, rm, cols, cols < H, i, T,
                   s_ob, s_ot, s_ib, s_it, s_ab, s_at, s_wk, H, BACKWARD, BLOCK_K, PRECISION, DOT_F32,
                   SENTINEL, BITS, SPIN_LIMIT, W_RESIDENT, False)
         ticket = following
