@@ -182,6 +182,29 @@ def test_the_switches_read_while_compiling_retrace_when_they_change():
     assert fresh_interpreter_output(_TRACED_SWITCH_CASES) == "81 0 True"
 
 
+def test_graphs_launch_the_kernels_only_where_the_eager_code_would(monkeypatch):
+    """``compiled_plan`` hands a compiled layer's kernels to Inductor only where ``torch.compile`` can
+    launch them and the eager code runs them (``_kernels_launchable_in_graphs``): not under Triton's
+    interpreter, without Triton, on a torch without ``torch.library.triton_op`` or without the
+    ``fp32_precision`` settings; the opaque operators then decide at run time. Off CUDA never."""
+    _triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert K._kernels_launchable_in_graphs() == hasattr(torch.library, "triton_op")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not K._kernels_launchable_in_graphs()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(K, "triton", None)
+    assert not K._kernels_launchable_in_graphs()
+    monkeypatch.setattr(K, "triton", _triton)
+    monkeypatch.delattr(torch.library, "triton_op", raising=False)
+    assert not K._kernels_launchable_in_graphs()
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delattr(torch._C, "_get_fp32_precision_getter", raising=False)
+    assert not K._kernels_launchable_in_graphs()
+    assert K.compiled_plan(torch.randn(2, 3, device="cpu")) is None
+
+
 @pytest.mark.cuda
 def test_cuda_fp32_precision_of_the_kernel_follows_the_switch():
     """On CUDA the kernel's fp32 product precision is the switch's (the test suite runs with cuDNN's
@@ -358,7 +381,8 @@ def test_a_kernel_that_cannot_launch_falls_back_once_with_a_warning(monkeypatch)
 @pytest.mark.parametrize("fused", [False, True], ids=["cublas-projection", "fp32_matmul-projection"])
 def test_rnn_forward_operators_under_opcheck(fused, monkeypatch):
     """``torchloom::rnn_forward`` / ``rnn_loop_backward`` (the RNN's forward from its input, and its
-    backward loop, as opaque operators, which a compiled RNN calls where the kernel applies):
+    backward loop, as opaque operators, which a compiled RNN calls where the kernel applies and
+    ``compiled_plan`` has no plan):
     ``torch.library.opcheck`` passes (schema, fake tensors, no input written), and the values are those
     of the float64 projection and reference loops. ``fused``: the projection is ``fp32_matmul``'s, which
     also writes the loop's sentinel flags (forced here; on CPU the interpreter runs both kernels)."""

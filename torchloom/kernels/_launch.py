@@ -4,7 +4,7 @@
 (dtype and 16-byte alignment of each tensor, value class of each integer), formats a cache key and
 looks the compiled kernel up on every call: 20 µs of host time for the RNN loop kernel's 15 arguments
 and about 60 µs for ``fp32_matmul``'s 66 on an H200's host (the compiled kernel's own launch: 6 µs).
-A host-bound caller, such as the compiled RNN's opaque operators, which launch five kernels per step,
+A host-bound caller, such as the recurrent layers' opaque operators (five kernels per compiled RNN step),
 calls ``launch`` instead. The compiled kernel is kept under a key that holds everything Triton
 specialises on, and more:
 

@@ -1,7 +1,8 @@
 """Replaying an opaque operator's kernel launches without re-running its Python.
 
-A compiled recurrent layer calls its persistent loops and products through opaque operators
-(``torch.library.custom_op``). Each call's Python chooses the kernels, plans the products, allocates
+A compiled LSTM calls its persistent loops through opaque operators (``torch.library.custom_op``), and
+so does a compiled RNN where ``recurrent.compiled_plan`` has no plan (by default its graph launches the
+kernels itself). Each call's Python chooses the kernels, plans the products, allocates
 and launches (``fp32_matmul.mm_many``, ``recurrent._launch_rnn_loop``...): about 1 ms of host time
 per compiled float32 RNN step on an H200's host, where the step's other host time (graph wrappers,
 dispatch) is about 0.5 ms and PyTorch's compiled ``nn.RNN`` step 0.7–0.9 ms (bench/RESULTS.md §10).
