@@ -638,9 +638,10 @@ def gemm_precision(a: Tensor, b: Tensor, backend: str | None) -> str | None:
 
 def compiled_fp32(a: Tensor, b: Tensor, backend: str | None) -> bool:
     """Whether a recurrent product of ``a`` and ``b`` is traced for ``torch.compile`` in float32 on CUDA
-    (not ``backend="reference"``): by ``compiled_plan``'s rule, as cuBLAS calls or, where that has no
-    answer, as one of the opaque operators (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads``
-    in ``layers.rnn``), which choose cuBLAS or ``fp32_matmul`` at run time."""
+    (not ``backend="reference"``): by ``compiled_plan``'s rule, as cuBLAS calls or ``fp32_matmul``'s
+    launches in the graph, or, where it has no plan, as one of the opaque operators
+    (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads`` in ``layers.rnn``), which choose
+    cuBLAS or ``fp32_matmul`` at run time."""
     return (torch.compiler.is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
             and backend != "reference")
 
@@ -794,14 +795,13 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
     if traced:  # the fill and the handshake's zeros in one launch of our own (``_sentinel_fill_kernel``)
         if not out.is_contiguous():
             raise ValueError(f"RNN loop: a traced launch's output must be contiguous, got strides {out.stride()}")
-        if flags is None:
-            flags = out.new_empty(3, dtype=torch.int32)
-            if filled:
-                flags.zero_()
-            else:
-                launch_traced(_sentinel_fill_kernel, (max(1, -(-out.numel() // 1024)),), (out, out.numel(), flags),
-                              dict(SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, BLOCK=1024))
-                filled = True
+        if not filled:  # never a fill of an int32 view here (``_sentinel_fill_kernel``'s note)
+            flags = out.new_empty(3, dtype=torch.int32) if flags is None else flags
+            launch_traced(_sentinel_fill_kernel, (max(1, -(-out.numel() // 1024)),), (out, out.numel(), flags),
+                          dict(SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, BLOCK=1024))
+            filled = True
+        elif flags is None:
+            flags = out.new_zeros(3, dtype=torch.int32)
     if not filled:
         out.view(int_dtype).fill_(sentinel)  # a view of the same bytes (unit last stride), whatever the strides
     # K × N: forward multiplies by W_hhᵀ, backward by W_hh (``_w_in_place``: read where it lies, else
