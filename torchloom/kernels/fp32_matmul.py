@@ -322,17 +322,16 @@ def mm_many(products: Sequence[Product], precision: str = "tf32", backend: str |
 
 
 def _launch(launches: list[_Launch], precision: str, launch=_launch_kernel) -> None:
-    """One ``_mm_many_kernel`` launch over ``launches``' programs (the unused slots repeat the first
-    product's arguments, which the kernel never touches), then one ``_sum_splits_kernel`` launch over
-    every split's sums; each through ``launch`` (``_launch.launch`` or ``launch_traced``). No tensor
-    the kernel writes is passed in another argument that it also writes, nor overlaps one: a compiled
-    graph's functionalisation copies each written argument on its own. (The spare slots and the absent
-    bias, row sums or fill repeat a product's output, in arguments the constexprs leave untouched.)"""
-    spare = launches[0]
-    if launch is launch_traced:  # the unused slots' tensors all the first output: in a compiled graph's code a
-        # view of an operand is made anew for each argument that takes it
-        out = spare.args[2]
-        spare = spare._replace(args=tuple(out if isinstance(x, Tensor) else x for x in spare.args))
+    """One ``_mm_many_kernel`` launch over ``launches``' programs (the unused slots take the first
+    product's numbers and, for every tensor, its output, which the kernel never touches there: in a
+    compiled graph's code a view of an operand is made anew for each argument that takes it), then one
+    ``_sum_splits_kernel`` launch over every split's sums; each through ``launch`` (``_launch.launch`` or
+    ``launch_traced``). No tensor the kernel writes is passed in another argument that it also writes,
+    nor overlaps one: a compiled graph's functionalisation copies each written argument on its own.
+    (The spare slots and the absent bias, row sums or fill repeat a product's output, in arguments the
+    constexprs leave untouched.)"""
+    first = launches[0]
+    spare = first._replace(args=tuple(first.args[2] if isinstance(x, Tensor) else x for x in first.args))
     slots = launches + [spare] * (MAX_PRODUCTS - len(launches))
     args = []
     for i, ln in enumerate(slots):

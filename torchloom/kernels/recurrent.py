@@ -815,17 +815,19 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
     kw = dict(_loop_constants(out, st, backward, precision), W_RESIDENT=_w_resident(st, H, out.dtype),
               ARRIVE_LIMIT=_ARRIVE_LIMIT)
 
-    def plain(launch):
+    def plain() -> None:  # with the handshake
         f = torch.zeros(3, dtype=torch.int32, device=out.device) if flags is None else flags
-        launch(grid, (out, inp, aux, w, f, *strides), dict(kw, HANDSHAKE=True))
+        args, constants = (out, inp, aux, w, f, *strides), dict(kw, HANDSHAKE=True)
+        if traced:
+            launch_traced(_rnn_loop_kernel, grid, args, constants)
+        else:
+            _cooperative_launch(_rnn_loop_kernel, grid, args, constants, False)
 
-    if traced:
-        plain(lambda grid, args, kw: launch_traced(_rnn_loop_kernel, grid, args, kw))
-    elif handshake:
-        plain(lambda grid, args, kw: _cooperative_launch(_rnn_loop_kernel, grid, args, kw, False))
+    if traced or handshake:
+        plain()
     else:
         _cooperative_launch(_rnn_loop_kernel, grid, (out, inp, aux, w, out, *strides), dict(kw, HANDSHAKE=False),
-                            out.is_cuda, plain=lambda: plain(lambda g, a, k: _cooperative_launch(_rnn_loop_kernel, g, a, k, False)))
+                            out.is_cuda, plain=plain)
 
 
 def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
@@ -836,14 +838,14 @@ def _w_resident(st: RNNLoopSettings, hidden: int, dtype: torch.dtype) -> bool:
             and st.block_k * st.block_n * dtype.itemsize <= 16384)
 
 
-def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor, precision: str | None = None) -> bool:
-    """Whether ``_rnn_loop_kernel`` reads W_hh (or its transpose) where it lies rather than from a
-    row-major copy: where it holds the slice across the loop (``_w_resident``) and multiplies on
+def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor, precision: str) -> bool:
+    """Whether ``_rnn_loop_kernel``, multiplying fp32 in ``precision``, reads W_hh (or its transpose)
+    where it lies rather than from a row-major copy: where it holds the slice across the loop (``_w_resident``) and multiplies on
     tensor cores (TF32, half inputs; the interpreter alike), which take it in any layout at the same
     speed (the forward's copy cost a launch: 0.328 vs 0.329 ms for the TF32 loops at 64 × 64 × 256 on
     an H200). fp32 FMA products ("ieee") on CUDA read the copy: a transposed tile cost them a layout
     change every step (0.647 vs 0.419 ms there; 2.4× the backward's time on an H100 re-reading W)."""
-    fma = out.is_cuda and out.dtype == torch.float32 and (precision or _dot_precision(out)) != "tf32"
+    fma = out.is_cuda and out.dtype == torch.float32 and precision != "tf32"
     return _RNN_W_IN_PLACE and _w_resident(st, hidden, out.dtype) and not fma
 
 
@@ -931,6 +933,16 @@ def rnn_forward_loop(pre: Tensor, weight_hh: Tensor, hidden: Tensor, backend: st
         rnn_forward_loop_ref(pre, weight_hh, hidden)
 
 
+def _projection_filling(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, hidden: Tensor, precision: str,
+                        backend: str | None = None, traced: bool = False) -> Tensor:
+    """``x2 @ w_ih_t (+ bias)`` (``[B·T, H]``) by ``fp32_matmul.mm_many`` in ``precision`` (``traced``: its
+    launches through ``torch.library.wrap_triton``), which also writes the loop's sentinel's bits over the
+    float32 ``hidden [B, T, H]`` (``Product.fill``: one launch fewer than a fill of its own)."""
+    fill = hidden.view(-1, hidden.shape[-1])
+    product = _fp32_matmul.Product(x2, w_ih_t, bias, fill=fill, fill_value=_SENTINEL[hidden.dtype][0])
+    return _fp32_matmul.mm_many([product], precision, backend, traced=traced)[0][0]
+
+
 def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int,
                           steps: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """The RNN's forward from its input: ``pre = x2 @ w_ih_t (+ bias)`` (``x2 [B·T, I]``, ``w_ih_t
@@ -946,11 +958,7 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
         precision = gemm_precision(x2, w_ih_t, backend)
     if precision is not None:
         hidden = x2.new_empty(batch, T, H)
-        sentinel, int_dtype = _SENTINEL[hidden.dtype]
-        flags = hidden.view(int_dtype).view(-1, H)
-        (pre, _), = _fp32_matmul.mm_many([_fp32_matmul.Product(x2, w_ih_t, bias, fill=flags, fill_value=sentinel)],
-                                          precision, backend)
-        pre = pre.view(batch, T, H)
+        pre = _projection_filling(x2, w_ih_t, bias, hidden, precision, backend).view(batch, T, H)
         rnn_forward_loop(pre, weight_hh, hidden, backend, filled=True)
         return pre, hidden
     pre = projection_mm(x2, w_ih_t, bias, backend=backend).view(batch, T, H)
@@ -1322,9 +1330,8 @@ def _rnn_forward_launched(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
     if products is None:  # cuBLAS
         pre = torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)
         filled = False
-    else:  # fp32_matmul, which also writes the loop's sentinel's bits over ``hidden`` (float32: no int32 view made)
-        product = _fp32_matmul.Product(x2, w_ih_t, bias, fill=hidden.view(-1, H), fill_value=_SENTINEL[hidden.dtype][0])
-        (pre, _), = _fp32_matmul.mm_many([product], products, traced=True)
+    else:  # fp32_matmul, which also writes the loop's sentinel
+        pre = _projection_filling(x2, w_ih_t, bias, hidden, products, traced=True)
         filled = True
     pre = pre.view(batch, steps, H)
     _launch_rnn_loop(hidden, pre, pre, weight_hh, False, filled=filled, precision=precision, traced=True)

@@ -177,12 +177,11 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     not passed to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
     K = _kernels()
     plan = K.compiled_plan(g_pre) if K.compiled_fp32(g_pre, weight_ih, backend) else ()
-    if plan is None:  # the opaque operator: its Python decides at run time
-        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
-        return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
-    if plan and plan[1] is not None:  # fp32_matmul's kernel, launched by Inductor's code
-        dx, dw_ih, dw_hh, db = torch.ops.torchloom.recurrent_grads_launched(g_pre, x, hidden, weight_ih, has_bias,
-                                                                          needs_input_grad, plan[1])
+    if plan is None or (plan and plan[1] is not None):  # an operator, which returns empty tensors for None
+        args = (g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
+        # the opaque operator (its Python decides at run time), or fp32_matmul launched by Inductor's code
+        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(*args) if plan is None else torch.ops.torchloom.recurrent_grads_launched(
+            *args, plan[1])
         return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
     # traced only where cuBLAS computes the products (not float32 on CUDA): no switch read while tracing
     precision = None if torch.compiler.is_compiling() else K.gemm_precision(g_pre, weight_ih, backend)
