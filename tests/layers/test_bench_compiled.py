@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,5 +34,36 @@ def test_compiled_table_smoke(capsys):
     assert len(rows) == 2, table
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[12:14] == ["0", "0 / 0"], row  # graph breaks, recompiles (torchloom / PyTorch)
+        assert cells[13:15] == ["0", "0 / 0"], row  # graph breaks, recompiles (torchloom / PyTorch)
+        low, high = (float(q.rstrip("×")) for q in cells[6].split("–"))  # the pairs' ratio quartiles
+        assert low <= high, row
         assert cells[3].replace(".", "").isdigit() and cells[4].replace(".", "").isdigit(), row  # both sides timed
+
+
+def test_paired_timing_alternates_the_order_and_measures_the_ratio():
+    """The pairs run A B B A, then B A A B, and so on; two steps that sleep 4 and 1 ms measure ~4×."""
+    spec = importlib.util.spec_from_file_location("bench_layers_paired", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+
+    def step(name, seconds):
+        def run():
+            calls.append(name)
+            time.sleep(seconds)
+        return run
+
+    t, p, ratio, (q1, q3) = bench._paired("sleeps", step("A", 0.004), step("B", 0.001), torch.device("cpu"), 0.01)
+    assert 2.0 < ratio < 6.0 and q1 <= ratio <= q3, (ratio, q1, q3)
+    assert 2.0 < t / p < 6.0, (t, p)
+    # One step per block here (target 0.01 s for 64 blocks of 4 ms steps); after the warm-up (3 steps of
+    # A, then of B), runs of one side: A B B A | B A A B | A B B A ...
+    runs = [[calls[0], 0]]
+    for c in calls:
+        if c == runs[-1][0]:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    assert runs[:2] == [["A", 3], ["B", 3]], runs[:2]
+    assert runs[2:11] == [["A", 1], ["B", 2], ["A", 1], ["B", 1], ["A", 2], ["B", 1], ["A", 1], ["B", 2], ["A", 1]], runs[2:11]
+    assert len(calls) == 6 + 4 * bench.PAIRS
