@@ -1,6 +1,6 @@
 """``mm_sum``: an input gradient fed by several projections, ``Σ a[i] @ b[i]``, against float64
-products; under ``torch.compile`` it stays one accumulating GEMM chain inside the opaque operator
-(a traced ``addmm_`` becomes an out-of-place ``addmm`` that copies its addend first)."""
+products, eagerly and compiled; under ``torch.compile`` its GEMMs are traced (``mm``, then ``addmm``
+with the running sum as addend: no opaque operator), and compiled equals eager in bfloat16 too."""
 
 import dataclasses
 
@@ -29,9 +29,13 @@ def test_equals_float64_sum_of_products(ks):
     assert all(got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in a + b)
 
 
-def test_operator_under_opcheck():
-    a, b = _pairs((4, 6))
-    torch.library.opcheck(torch.ops.torchloom.mm_sum.default, (a, b))
+@pytest.mark.parametrize("ks", [(4, 6), (3, 3, 8)])
+def test_compiled_equals_float64_sum_of_products(ks):
+    a, b = _pairs(ks)
+    torch._dynamo.reset()
+    got = torch.compile(mm_sum, backend="aot_eager", fullgraph=True)(a, b)
+    expected = sum(x.double() @ w.double() for x, w in zip(a, b))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def _backward_targets(layer, x):
@@ -52,26 +56,38 @@ def _backward_targets(layer, x):
 @pytest.mark.parametrize("make", [lambda: (MultiHeadAttention(16, 4), torch.randn(2, 5, 16)),
                                   lambda: (SwiGLU(8, 12), torch.randn(6, 8))],
                          ids=["attention", "swiglu"])
-def test_compiled_backward_accumulates_in_the_operator(make):
-    """The input gradient of the compiled backward: ``torchloom.mm_sum``, no ``aten.addmm`` (whose
-    traced form copies a [rows, features] addend before each GEMM)."""
+def test_compiled_backward_sums_traced_products(make):
+    """The input gradient of the compiled backward: traced GEMMs (``aten.mm``, ``aten.addmm``), no
+    opaque operator."""
     torch._dynamo.reset()
     layer, x = make()
     targets = _backward_targets(layer, x)
-    assert torch.ops.torchloom.mm_sum.default in targets, sorted(map(str, targets))
-    assert torch.ops.aten.addmm.default not in targets, sorted(map(str, targets))
+    assert {torch.ops.aten.mm.default, torch.ops.aten.addmm.default} <= targets, sorted(map(str, targets))
+    assert not any(str(t).startswith("torchloom.") for t in targets), sorted(map(str, targets))
+
+
+def test_compiled_bfloat16_rounds_as_eager():
+    """Each product is added inside its GEMM, compiled as eagerly: bfloat16 products that nearly cancel
+    give the eager sum (rounding the products first and adding them would not)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g)
+    w = torch.randn(32, 48, generator=g)
+    a = [x.bfloat16(), (-x + 1e-2 * torch.randn(64, 32, generator=g)).bfloat16()]
+    b = [w.bfloat16(), w.bfloat16()]
+    torch._dynamo.reset()
+    got = torch.compile(mm_sum, backend="aot_eager", fullgraph=True)(a, b)
+    torch.testing.assert_close(got, mm_sum(a, b), rtol=0, atol=0)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_flash_attention_backward_accumulates_in_the_operator(dtype):
+def test_compiled_flash_attention_backward_sums_traced_products(dtype):
     """The same on CUDA, where attention takes its flash path (the fused q|k|v projection) behind the
-    opaque operators: with the Triton kernel (``backend="triton"``). (Where PyTorch's fused kernel
+    opaque core operators: with the Triton kernel (``backend="triton"``). (Where PyTorch's fused kernel
     serves the core the compiled path is traced instead: tests/layers/test_compile_cuda.py.)"""
     torch._dynamo.reset()
     layer = MultiHeadAttention(64, 4, device="cuda", dtype=dtype)
     layer.spec = dataclasses.replace(layer.spec, backend="triton")
     targets = _backward_targets(layer, torch.randn(2, 33, 64, device="cuda", dtype=dtype))
     assert torch.ops.torchloom.flash_attention_core_backward.default in targets, sorted(map(str, targets))
-    assert torch.ops.torchloom.mm_sum.default in targets, sorted(map(str, targets))
-    assert torch.ops.aten.addmm.default not in targets, sorted(map(str, targets))
+    assert torch.ops.aten.addmm.default in targets, sorted(map(str, targets))

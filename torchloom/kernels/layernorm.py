@@ -245,9 +245,10 @@ def _norm_forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: flo
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[:-1], device=x2.device, dtype=torch.float32)
     mean = torch.empty_like(rstd)
-    b = bias.contiguous() if bias is not None else torch.empty(1, device=x2.device, dtype=weight.dtype)
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w  # read by no RMS program: no buffer of its own
     torch.library.wrap_triton(_norm_forward_kernel)[(-(-n_rows // rows),)](
-        y, mean, rstd, x2, weight.contiguous(), b, n_rows, n, eps,
+        y, mean, rstd, x2, w, b, n_rows, n, eps,
         RMS=rms, HAS_BIAS=bias is not None, ROWS=rows, BLOCK=block, num_warps=num_warps,
     )
     return y, mean, rstd
@@ -255,9 +256,12 @@ def _norm_forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: flo
 
 def _norm_backward_op(
     grad_out: Tensor, x: Tensor, weight: Tensor, mean: Optional[Tensor], rstd: Tensor, has_bias: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``torch.ops.torchloom.norm_backward``: ``(dx, dw, db)``, fresh tensors (``db`` empty without
-    ``has_bias``); LayerNorm with ``mean``, RMSNorm without."""
+) -> tuple[Tensor, Tensor]:
+    """``torch.ops.torchloom.norm_backward``: ``(dx, sums)``, fresh tensors; ``sums [2, n]`` holds
+    ``dw`` and ``db`` (``[1, n]``, ``dw`` alone, without ``has_bias``) in the weight's dtype: one
+    reduction of the partials for both, which a compiled graph launches once (the caller takes the
+    rows; an operator's outputs may not be views of one another). LayerNorm with ``mean``, RMSNorm
+    without."""
     x2, g2 = x.contiguous(), grad_out.contiguous()
     n = x2.shape[-1]
     n_rows = x2.numel() // n
@@ -266,14 +270,12 @@ def _norm_backward_op(
     dx = torch.empty_like(x2)
     partial = torch.empty(programs, 2 if has_bias else 1, n, device=x2.device, dtype=torch.float32)
     rstd2 = rstd.to(torch.float32).contiguous()
-    mean2 = torch.empty(1, device=x2.device, dtype=torch.float32) if mean is None else mean.to(torch.float32).contiguous()
+    mean2 = rstd2 if mean is None else mean.to(torch.float32).contiguous()  # read by no RMS program
     torch.library.wrap_triton(_norm_backward_kernel)[(programs,)](
         dx, partial, g2, x2, weight.contiguous(), mean2, rstd2, n_rows, n, tiles_per_program,
         RMS=mean is None, HAS_BIAS=has_bias, ROWS=rows, BLOCK=block, num_warps=num_warps,
     )
-    dw = partial[:, 0].sum(0).to(weight.dtype)
-    db = partial[:, 1].sum(0).to(weight.dtype) if has_bias else dw.new_empty(0)
-    return dx, dw, db
+    return dx, partial.sum(0).to(weight.dtype)
 
 
 if triton is not None:  # without Triton the layers never reach the kernels
@@ -316,8 +318,8 @@ def tiled_backward(
     tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s. While ``torch.compile``
     traces: the operator ``torch.ops.torchloom.norm_backward``."""
     if torch.compiler.is_compiling():
-        dx, dw, db = torch.ops.torchloom.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
-        return dx, dw, (db if has_bias else None)
+        dx, sums = torch.ops.torchloom.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
+        return dx, sums[0], (sums[1] if has_bias else None)
     x2, g2 = _dense(x), _dense(grad_out)
     n = x2.shape[-1]
     n_rows = x2.numel() // n

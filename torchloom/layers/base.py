@@ -223,41 +223,27 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    """``Σ_i a[i] @ b[i]`` (``a[i] [n, k_i]``, ``b[i] [k_i, m]``) → a fresh ``[n, m]``: one ``mm``,
-    then each further product accumulated into it by ``addmm_`` (the GEMM's β = 1: the sum is never
-    written twice). An input gradient fed by several projections (attention's q, k, v; SwiGLU's
-    gate and up). Under ``torch.compile`` the same calls run inside the opaque operator
-    ``torchloom::mm_sum``: traced, ``addmm_`` becomes an out-of-place ``addmm``, which first copies its
-    addend into the new output — in attention's bfloat16 backward at B·S = 8,192 × 1,024 two 7.5 µs
-    device copies per step on an H200, 1.03–1.06× PyTorch's compiled step (issue 36)."""
+    """``Σ_i a[i] @ b[i]`` (``a[i] [n, k_i]``, ``b[i] [k_i, m]``) → a fresh ``[n, m]``: an input
+    gradient fed by several projections (attention's q, k, v; SwiGLU's gate and up).
+
+    One ``mm``, then each further product accumulated by a GEMM with β = 1: ``addmm_`` eagerly (the
+    sum is never written twice), its out-of-place ``addmm`` under ``torch.compile`` (traced,
+    ``addmm_`` becomes that anyway). Each product is added to the running sum inside the GEMM, in its
+    float32 accumulator, so half precision rounds once per product, compiled as eagerly (two products
+    rounded and then added, as ``mm + mm`` would, differ from it by up to a few per cent in bfloat16
+    where they cancel). The previous compiled form, an opaque operator around the eager chain, cost
+    its Python dispatch on every step and measured slower on the device too (H200, bfloat16: SwiGLU's
+    compiled step graphed 0.76 against 0.80 ms; bench/RESULTS.md §10, run K)."""
     if torch.compiler.is_compiling():
-        return _MM_SUM(a, b)
-    return _mm_sum(a, b)
-
-
-def _mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
+        with autocast_off(a[0].device.type):  # a compiled backward may run under the caller's autocast
+            out = torch.mm(a[0], b[0])
+            for x, w in zip(a[1:], b[1:]):
+                out = torch.addmm(out, x, w)
+        return out
     out = torch.mm(a[0], b[0])
     for x, w in zip(a[1:], b[1:]):
         out.addmm_(x, w)
     return out
-
-
-def _mm_sum_operator(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    with autocast_off(a[0].device.type):  # a compiled backward may run under the caller's autocast
-        return _mm_sum(a, b)
-
-
-def _register_mm_sum():
-    op = torch.library.custom_op("torchloom::mm_sum", _mm_sum_operator, mutates_args=())
-
-    @op.register_fake
-    def _mm_sum_fake(a, b):
-        return a[0].new_empty(a[0].shape[0], b[0].shape[1])
-
-    return op
-
-
-_MM_SUM = _register_mm_sum()
 
 
 def dispatch_mode_active() -> bool:
