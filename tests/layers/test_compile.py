@@ -768,3 +768,24 @@ def test_compiled_rnn_reads_no_precision_switch_while_tracing(monkeypatch):
     got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert_close(got, layer(x), name="compiled RNN", rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (Dense(16, 32), torch.randn(2, 4, 16)),
+    lambda: (SwiGLU(16, 24), torch.randn(2, 4, 16)),
+    lambda: (MultiHeadAttention(16, 4), torch.randn(2, 5, 16)),
+], ids=["dense_3d", "swiglu", "attention"])
+def test_compiled_output_is_no_view_of_an_intermediate(make):
+    """Layers that reshape a 2-D product into their output return, compiled, a tensor that is not a view
+    (``layers.base.output_view``): AOTAutograd would otherwise rebuild the view in Python on every call.
+    Values and input gradients equal eager."""
+    layer, x = make()
+    x.requires_grad_()
+    torch._dynamo.reset()
+    y = torch.compile(layer, fullgraph=True)(x)
+    assert y._base is None
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    y_e = layer(x)
+    (g_e,) = torch.autograd.grad(y_e.square().sum(), x)
+    assert_close(y, y_e, rtol=1e-5, atol=1e-5, name="output")
+    assert_close(g, g_e, rtol=1e-5, atol=1e-5, name="input grad")

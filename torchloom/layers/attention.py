@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import (
-    column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
+    column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
 )
 from .rope import rope_rotate, rope_rotate_inverse, rope_tables
 
@@ -278,7 +278,7 @@ def attention_forward(
     probs = _kernels().softmax(scores, math.sqrt(hd))
     o = torch.matmul(probs, v)  # [B,K,G·S,D]
     pre = o.view(b, h, s, hd).transpose(1, 2).reshape(b, s, d)
-    y = _linear(pre.reshape(b * s, d), o_weight, o_bias).view(b, s, d)
+    y = output_view(_linear(pre.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = AttentionSaved(x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, q_bias is not None, spec)
     return y, saved
 
@@ -352,7 +352,7 @@ def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_
     core = _FLASH_OPS[0] if torch.compiler.is_compiling() else _flash_core
     o, lse = core(qkv, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope, spec.rope_theta, spec.backend)
     pre = o.view(b, s, d)
-    y = _linear(pre.view(b * s, d), o_weight, o_bias).view(b, s, d)
+    y = output_view(_linear(pre.view(b * s, d), o_weight, o_bias), b, s, d)
     return y, FlashAttentionSaved(x, qkv, lse, pre, w_qkv, o_weight, q_bias is not None, spec)
 
 
@@ -539,7 +539,7 @@ def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v
         cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
         qk = rope_rotate(qk, cos, sin).to(qk.dtype)
     o, lse, seed, offset = _flash().sdpa_forward_raw(choice, qk[:, :, :h], qk[:, :, h:], v, spec.causal, 1.0 / math.sqrt(hd))
-    y = _linear(o.reshape(b * s, d), o_weight, o_bias).view(b, s, d)
+    y = output_view(_linear(o.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = SdpaAttentionSaved(x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, q_bias is not None, spec, choice)
     return y, saved
 

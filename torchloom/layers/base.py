@@ -222,6 +222,17 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     return t.sum(0) if out is None else torch.sum(t, 0, out=out)
 
 
+def output_view(t: Tensor, *shape: int) -> Tensor:
+    """``t.view(*shape)`` as a layer's output (``t`` an intermediate, such as a 2-D product reshaped to
+    ``[batch, seq, features]``). Under ``torch.compile`` the result is not a view but a new tensor on
+    ``t``'s storage (``aten._unsafe_view``, which PyTorch's own ``matmul`` and ``F.linear`` return for
+    such inputs): a compiled graph's output that is a view of an intermediate makes AOTAutograd rebuild
+    the view in Python on every call (host time PyTorch's compiled modules do not pay)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.aten._unsafe_view(t, shape)
+    return t.view(*shape)
+
+
 def mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
     """``Σ_i a[i] @ b[i]`` (``a[i] [n, k_i]``, ``b[i] [k_i, m]``) → a fresh ``[n, m]``: an input
     gradient fed by several projections (attention's q, k, v; SwiGLU's gate and up).

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .activations import Activation, get_activation
-from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["Dense", "DenseFunction", "DenseSaved", "dense", "dense_forward", "dense_backward"]
 
@@ -58,7 +58,7 @@ def dense_forward(
     with autocast_off(dev):
         pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
         if x.dim() != 2:
-            pre = pre.view(*x.shape[:-1], weight.shape[0])
+            pre = output_view(pre, *x.shape[:-1], weight.shape[0])
         y = activation.forward(pre)
     return y, DenseSaved(x, weight, pre, activation, bias is not None, dtypes if cast_to is not None else None)
 

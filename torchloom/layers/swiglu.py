@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import column_sum, mm_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
 
@@ -82,7 +82,7 @@ def swiglu_forward(
         g = _linear(x2, gate_weight, gate_bias)
         u = _linear(x2, up_weight, up_bias)
         a = _kernels().swiglu(g, u)
-        y = _linear(a, down_weight, down_bias).view(*x.shape[:-1], down_weight.shape[0])
+        y = output_view(_linear(a, down_weight, down_bias), *x.shape[:-1], down_weight.shape[0])
     saved = SwiGLUSaved(
         x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None
     )
