@@ -24,10 +24,10 @@ parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤
 (LSTM/RNN ≤ 1.5× cuDNN) and ≤ 1.1× its peak memory.
 
 ``--compiled`` prints instead the *torchloom compiled vs PyTorch compiled* table (issue 36): each side
-under ``torch.compile`` with ``fullgraph=True`` (a side with a graph break, reported for torchloom's,
-is compiled without it), one step timed in pairs of blocks against the other side (host overhead
-included: what compiling saves; see ``_paired``), peak memory, the graph breaks, recompiles after the first step and the first step's compile
-time. Targets: ≤ 1.0× time, ≤ 1.1× peak memory. ``--budget S`` starts no new row after S seconds, so
+under ``torch.compile`` with ``fullgraph=True`` (a side with a graph break is reported and compiled
+without it), one step timed in pairs of blocks against the other side (host overhead included: what
+compiling saves; see ``_paired``), peak memory, the graph breaks, recompiles after the first step and
+the first step's compile time. Targets: ≤ 1.0× time, ≤ 1.1× peak memory. ``--budget S`` starts no new row after S seconds, so
 a run fits a time box (every row is printed as soon as it is measured).
 
 ``--kernels`` adds the older kernel-level rows (RMSNorm, SwiGLU gate, softmax kernels vs eager,
@@ -337,6 +337,14 @@ def _mb(b: float) -> str:
     return "—" if math.isnan(b) else f"{b / 2**20:.0f}"
 
 
+def _count(n: int) -> str:
+    return "?" if n < 0 else str(n)
+
+
+def _quartiles(q1: float, q3: float) -> str:
+    return "—" if math.isnan(q1) or math.isnan(q3) else f"{q1:.2f}×–{q3:.2f}×"
+
+
 def _times(r: float) -> str:
     return "—" if math.isnan(r) else f"{r:.2f}×"
 
@@ -429,8 +437,10 @@ def _graph_breaks(fn: Callable, x: torch.Tensor) -> tuple[int, str]:
 
 
 def _compile_and_first_step(label: str, fn: Callable, case: Case, params: list, backend: str, fullgraph: bool):
-    """``(compiled step or None, compile counter, first step's seconds)``: ``fn`` under ``torch.compile``
-    (``dynamic=False``), its first step run (and timed: the compile)."""
+    """``(compiled step or None, compile counter, first step's seconds, fullgraph)``: ``fn`` under
+    ``torch.compile`` (``dynamic=False``), its first step run (and timed: the compile). A
+    ``fullgraph=True`` compile that fails is tried once more without it (the last item says which ran)."""
+    import torch._dynamo
     import torch._dynamo.testing
 
     dev = case.x.device
@@ -442,10 +452,12 @@ def _compile_and_first_step(label: str, fn: Callable, case: Case, params: list, 
         t = time.perf_counter()
         step()
         _sync(dev)
-        return step, counter, time.perf_counter() - t
+        return step, counter, time.perf_counter() - t, fullgraph
     except Exception as e:  # report, don't hide
-        print(f"{label} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return None, counter, float("nan")
+        print(f"{label} compile failed{' with fullgraph=True' if fullgraph else ''}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if fullgraph:
+            return _compile_and_first_step(label, fn, case, params, backend, False)
+        return None, counter, float("nan"), fullgraph
 
 
 def _selected(cases: dict, dtypes: list, only: list | None):
@@ -510,11 +522,11 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
     header = [
         "",
         f"torchloom compiled vs PyTorch compiled (torch.compile, backend {backend!r}, dynamic=False, fullgraph=True on",
-        "both sides): forward + backward per step, host overhead included; peak memory above the inputs and",
+        "both sides unless that side breaks): forward + backward per step, host overhead included; peak memory above the inputs and",
         f"parameters. Time: {PAIRS} pairs of blocks of steps in the order A B B A (B A A B in every other pair); the",
-        "ratio is the median of the pairs' ratios, with their quartiles; each side's ms the median of its blocks.",
-        "Graph breaks of torchloom's side (explain); recompiles after the first step; the first step's seconds (the",
-        "compile). graphed = ten compiled steps captured in one CUDA graph and replayed (what mode='reduce-overhead'",
+        "ratio is the median of the pairs' ratios, with their quartiles; each side's ms the median of its blocks (the two",
+        "can disagree where the host drifted). Graph breaks (explain), recompiles after the first step and the first",
+        "step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps captured in one CUDA graph and replayed (what mode='reduce-overhead'",
         "runs): the device's time alone. Targets: time ≤ 1.0×, peak memory ≤ 1.1×.",
         "",
         "| layer (PyTorch side) | dtype | shape | torchloom compiled ms | PyTorch compiled ms | time ratio | ratio quartiles | graphed torchloom ms | graphed PyTorch ms | graphed ratio | torchloom compiled MB | PyTorch compiled MB | memory ratio | graph breaks | recompiles | compile s (torchloom / PyTorch) | targets met |",
@@ -529,15 +541,20 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         label = f"{case.name} {dtype_name}"
         torch._dynamo.reset()
         breaks, note = _graph_breaks(case.ours, case.x)
-        their_breaks, _ = _graph_breaks(case.theirs, case.x)
+        their_breaks, their_note = _graph_breaks(case.theirs, case.x)
         # Both sides fullgraph=True where they compile so (each per-call path of torch 2.11's compiled
         # callable costs host time of its own: measured on the CPU, fullgraph=True on one side alone
         # moved a compiled Dense step's ratio from 1.04× to 1.08×).
-        ours, c_ours, s_ours = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, breaks == 0)
-        theirs, c_theirs, s_theirs = _compile_and_first_step(f"{label} PyTorch", case.theirs, case, case.theirs_params,
-                                                             backend, their_breaks == 0)
-        if ours is None:
-            note = (note + "; " if note else "") + "compile failed"
+        # explain itself fails on some modules (cuDNN's nn.RNN / nn.LSTM in torch 2.11: an IndexError
+        # inside explain): such a side is still compiled fullgraph=True, and without it only if that fails.
+        ours, c_ours, s_ours, full = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, breaks <= 0)
+        theirs, c_theirs, s_theirs, their_full = _compile_and_first_step(f"{label} PyTorch", case.theirs, case,
+                                                                         case.theirs_params, backend, their_breaks <= 0)
+        notes = [f"torchloom's {'explain failed' if breaks < 0 else 'break'}: {note}"] if note else []
+        notes += [f"PyTorch's {'explain failed' if their_breaks < 0 else 'break'}: {their_note}"] if their_note else []
+        notes += [f"{side} compiled without fullgraph" for side, f, fn in (("torchloom", full, ours), ("PyTorch", their_full, theirs))
+                  if not f and fn is not None]
+        notes += [f"{side}'s compile failed" for side, fn in (("torchloom", ours), ("PyTorch", theirs)) if fn is None]
         first = (c_ours.frame_count, c_theirs.frame_count)
         t, p, ratio, (q1, q3) = _paired(label, ours, theirs, dev, target)
         gt = _measure(f"{label} compiled, graphed", ours, dev, target, graphed=True)
@@ -547,10 +564,11 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         time_met = "time ✓" if ratio <= 1.0 else "time ✗ (within the pairs' scatter)" if q1 <= 1.0 else "time ✗"
         graphed = "" if math.isnan(gt) or math.isnan(gp) else ", graphed ✓" if gt <= gp else ", graphed ✗"
         mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
-        met = (time_met if not math.isnan(ratio) else "time —") + graphed + ", " + mem + (f"; break: {note}" if note else "")
+        met = (time_met if not math.isnan(ratio) else "time —") + graphed + ", " + mem + "".join(f"; {n}" for n in notes)
         line = (
             f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_times(ratio)} | "
-            f"{_times(q1)}–{_times(q3)} | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | {breaks if breaks >= 0 else '?'} | {recompiles[0]} / {recompiles[1]} | "
+            f"{_quartiles(q1, q3)} | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | "
+            f"{_count(breaks)} / {_count(their_breaks)} | {recompiles[0]} / {recompiles[1]} | "
             f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
         )
         lines.append(line)

@@ -91,3 +91,19 @@ def test_compiled_flash_attention_backward_sums_traced_products(dtype):
     targets = _backward_targets(layer, torch.randn(2, 33, 64, device="cuda", dtype=dtype))
     assert torch.ops.torchloom.flash_attention_core_backward.default in targets, sorted(map(str, targets))
     assert torch.ops.aten.addmm.default in targets, sorted(map(str, targets))
+
+
+@pytest.mark.cuda
+def test_compiled_bfloat16_rounds_as_eager_under_inductor_on_cuda():
+    """The same under Inductor on CUDA: each product added inside its GEMM, so the compiled sum of two
+    nearly cancelling bfloat16 products stays within a thousandth of a product of eager's (rounding
+    each product first would be off by ~1/256 of one)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g)
+    w = torch.randn(128, 192, generator=g)
+    a = [x.bfloat16().cuda(), (-x + 1e-2 * torch.randn(256, 128, generator=g)).bfloat16().cuda()]
+    b = [w.bfloat16().cuda(), w.bfloat16().cuda()]
+    torch._dynamo.reset()
+    got = torch.compile(mm_sum, fullgraph=True)(a, b)
+    scale = (a[0].float() @ b[0].float()).abs().max().item()
+    assert (got.float() - mm_sum(a, b).float()).abs().max().item() <= 1e-3 * scale

@@ -225,9 +225,9 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
 def output_view(t: Tensor, *shape: int) -> Tensor:
     """``t.view(*shape)`` as a layer's output (``t`` an intermediate, such as a 2-D product reshaped to
     ``[batch, seq, features]``). Under ``torch.compile`` the result is not a view but a new tensor on
-    ``t``'s storage (``aten._unsafe_view``, which PyTorch's own ``matmul`` and ``F.linear`` return for
-    such inputs): a compiled graph's output that is a view of an intermediate makes AOTAutograd rebuild
-    the view in Python on every call (host time PyTorch's compiled modules do not pay)."""
+    ``t``'s storage (``aten._unsafe_view``, which PyTorch's own ``matmul`` returns for such a reshape):
+    a compiled graph's output that is a view of an intermediate makes AOTAutograd rebuild the view in
+    Python on every call."""
     if torch.compiler.is_compiling():
         return torch.ops.aten._unsafe_view(t, shape)
     return t.view(*shape)
@@ -240,11 +240,12 @@ def mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
     One ``mm``, then each further product accumulated by a GEMM with β = 1: ``addmm_`` eagerly (the
     sum is never written twice), its out-of-place ``addmm`` under ``torch.compile`` (traced,
     ``addmm_`` becomes that anyway). Each product is added to the running sum inside the GEMM, in its
-    float32 accumulator, so half precision rounds once per product, compiled as eagerly (two products
-    rounded and then added, as ``mm + mm`` would, differ from it by up to a few per cent in bfloat16
-    where they cancel). The previous compiled form, an opaque operator around the eager chain, cost
-    its Python dispatch on every step and measured slower on the device too (H200, bfloat16: SwiGLU's
-    compiled step graphed 0.76 against 0.80 ms; bench/RESULTS.md §10, run K)."""
+    float32 accumulator, so half precision rounds once per product, as eagerly (two products rounded
+    and then added, as ``mm + mm`` would, differ from it by up to a few per cent in bfloat16 where they
+    cancel). The traced ``addmm`` copies its addend into its output first (a device copy of the sum per
+    further product). The previous compiled form, an opaque operator around the eager chain, avoided
+    that copy, yet its graphed step measured slower (H200, bfloat16: SwiGLU's 0.80 against 0.76 ms
+    traced; host time included, no difference beyond the noise; bench/RESULTS.md §10, run K)."""
     if torch.compiler.is_compiling():
         with autocast_off(a[0].device.type):  # a compiled backward may run under the caller's autocast
             out = torch.mm(a[0], b[0])
