@@ -27,8 +27,8 @@ parameters excluded, the same for both sides). Targets (issue 16): torchloom ≤
 under ``torch.compile`` with ``fullgraph=True`` (a side with a graph break is reported and compiled
 without it), one step timed in pairs of blocks against the other side (host overhead included: what
 compiling saves; see ``_paired``), peak memory, the graph breaks, recompiles after the first step and
-the first step's compile time. Targets: ≤ 1.0× time, ≤ 1.1× peak memory. ``--budget S`` starts no new row after S seconds, so
-a run fits a time box (every row is printed as soon as it is measured).
+the first step's compile time. Targets: ≤ 1.0× time, ≤ 1.1× peak memory. ``--budget S`` starts no new
+row after S seconds, so a run fits a time box (every row is printed as soon as it is measured).
 
 ``--kernels`` adds the older kernel-level rows (RMSNorm, SwiGLU gate, softmax kernels vs eager,
 ``torch.compile`` and the bandwidth floor).
@@ -522,12 +522,13 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
     header = [
         "",
         f"torchloom compiled vs PyTorch compiled (torch.compile, backend {backend!r}, dynamic=False, fullgraph=True on",
-        "both sides unless that side breaks): forward + backward per step, host overhead included; peak memory above the inputs and",
-        f"parameters. Time: {PAIRS} pairs of blocks of steps in the order A B B A (B A A B in every other pair); the",
-        "ratio is the median of the pairs' ratios, with their quartiles; each side's ms the median of its blocks (the two",
-        "can disagree where the host drifted). Graph breaks (explain), recompiles after the first step and the first",
-        "step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps captured in one CUDA graph and replayed (what mode='reduce-overhead'",
-        "runs): the device's time alone. Targets: time ≤ 1.0×, peak memory ≤ 1.1×.",
+        "both sides unless that side breaks): forward + backward per step, host overhead included; peak memory above",
+        f"the inputs and parameters. Time: {PAIRS} pairs of blocks of steps in the order A B B A (B A A B in every other",
+        "pair); the ratio is the median of the pairs' ratios, with their quartiles; each side's ms the median of its",
+        "blocks (the two can disagree where the host drifted). Graph breaks (explain), recompiles after the first step",
+        "and the first step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps captured in",
+        "one CUDA graph and replayed (what mode='reduce-overhead' runs): the device's time alone. Targets: time ≤ 1.0×,",
+        "peak memory ≤ 1.1×.",
         "",
         "| layer (PyTorch side) | dtype | shape | torchloom compiled ms | PyTorch compiled ms | time ratio | ratio quartiles | graphed torchloom ms | graphed PyTorch ms | graphed ratio | torchloom compiled MB | PyTorch compiled MB | memory ratio | graph breaks | recompiles | compile s (torchloom / PyTorch) | targets met |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -545,15 +546,15 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         # Both sides fullgraph=True where they compile so (each per-call path of torch 2.11's compiled
         # callable costs host time of its own: measured on the CPU, fullgraph=True on one side alone
         # moved a compiled Dense step's ratio from 1.04× to 1.08×).
-        # explain itself fails on some modules (cuDNN's nn.RNN / nn.LSTM in torch 2.11: an IndexError
-        # inside explain): such a side is still compiled fullgraph=True, and without it only if that fails.
+        # explain itself fails on some modules (cuDNN's nn.RNN / nn.LSTM: an IndexError inside explain):
+        # such a side is still compiled fullgraph=True, and without it only if that fails (it does for those).
         ours, c_ours, s_ours, full = _compile_and_first_step(label, case.ours, case, case.ours_params, backend, breaks <= 0)
         theirs, c_theirs, s_theirs, their_full = _compile_and_first_step(f"{label} PyTorch", case.theirs, case,
                                                                          case.theirs_params, backend, their_breaks <= 0)
         notes = [f"torchloom's {'explain failed' if breaks < 0 else 'break'}: {note}"] if note else []
         notes += [f"PyTorch's {'explain failed' if their_breaks < 0 else 'break'}: {their_note}"] if their_note else []
-        notes += [f"{side} compiled without fullgraph" for side, f, fn in (("torchloom", full, ours), ("PyTorch", their_full, theirs))
-                  if not f and fn is not None]
+        notes += [f"{side} compiled without fullgraph"
+                  for side, f, fn in (("torchloom", full, ours), ("PyTorch", their_full, theirs)) if not f and fn is not None]
         notes += [f"{side}'s compile failed" for side, fn in (("torchloom", ours), ("PyTorch", theirs)) if fn is None]
         first = (c_ours.frame_count, c_theirs.frame_count)
         t, p, ratio, (q1, q3) = _paired(label, ours, theirs, dev, target)
