@@ -87,15 +87,17 @@ def time_fn(fn: Callable[[], object], dev: torch.device, target_s: float) -> flo
     _sync(dev)
     once = max(time.perf_counter() - t, 1e-6)
     n = max(1, min(1000, int(target_s / 5 / once)))
-    runs = []
-    for _ in range(5):
-        _sync(dev)
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync(dev)
-        runs.append((time.perf_counter() - t) / n)
-    return statistics.median(runs)
+    return statistics.median(_block(fn, dev, n) for _ in range(5))
+
+
+def _block(fn: Callable[[], object], dev: torch.device, n: int) -> float:
+    """Seconds per call of ``n`` calls of ``fn`` in a row, the device synchronised before and after."""
+    _sync(dev)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(dev)
+    return (time.perf_counter() - t) / n
 
 
 def graphed_time(fn: Callable[[], object], dev: torch.device, target_s: float, steps: int = 10) -> float:
@@ -440,7 +442,6 @@ def _compile_and_first_step(label: str, fn: Callable, case: Case, params: list, 
     """``(compiled step or None, compile counter, first step's seconds, fullgraph)``: ``fn`` under
     ``torch.compile`` (``dynamic=False``), its first step run (and timed: the compile). A
     ``fullgraph=True`` compile that fails is tried once more without it (the last item says which ran)."""
-    import torch._dynamo
     import torch._dynamo.testing
 
     dev = case.x.device
@@ -471,15 +472,6 @@ def _selected(cases: dict, dtypes: list, only: list | None):
 
 
 PAIRS = 16  # paired measurements of the two sides per compiled row
-
-
-def _block(fn: Callable, dev: torch.device, n: int) -> float:
-    _sync(dev)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    _sync(dev)
-    return (time.perf_counter() - t) / n
 
 
 def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: torch.device, target: float
