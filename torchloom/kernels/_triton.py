@@ -25,6 +25,8 @@ __all__ = [
     "triton_available",
     "interpreter_enabled",
     "use_triton",
+    "use_kernel",
+    "constant_under_compile",
     "traced_as_reference",
     "compute_dtype",
     "cast",
@@ -40,6 +42,17 @@ BACKENDS = (None, "triton", "reference")
 # dtypes the kernels of this package handle (they load these, compute in float32 and store back);
 # float64 runs the reference, which is exact in float64.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def constant_under_compile(fn: Callable) -> Callable:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does: while ``torch.compile`` traces a
+    call of ``fn``, Dynamo runs it once and keeps its result as a constant, without tracing into it and
+    without guarding on what it reads (the environment, module state, the Triton import). That public
+    decorator sets exactly this attribute (a test checks it), but importing it loads ``torch._dynamo``
+    (about a second), which ``import torchloom`` must not. Only for decisions that cannot change
+    within a process, or whose change may keep an already compiled graph."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def triton_available() -> bool:
@@ -136,13 +149,18 @@ COMPILED_AS_REFERENCE: dict[str, tuple[torch.dtype, ...]] = {
 def traced_as_reference(op: str, dtype: torch.dtype, backend: str | None = None) -> bool:
     """True while ``torch.compile`` traces ``op`` on an input of ``dtype`` that ``COMPILED_AS_REFERENCE``
     names, with the default backend: the caller then returns its reference's result."""
-    return backend is None and dtype in COMPILED_AS_REFERENCE.get(op, ()) and torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() and _named_as_reference(op, dtype, backend)
+
+
+@constant_under_compile
+def _named_as_reference(op: str, dtype: torch.dtype, backend: str | None) -> bool:
+    return backend is None and dtype in COMPILED_AS_REFERENCE.get(op, ())
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The references' arithmetic dtype: float32 for half-precision inputs (as the kernels compute),
     float32/64 in their own dtype."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+    return torch.float32 if t.dtype.is_floating_point and t.dtype.itemsize == 2 else t.dtype
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,22 +193,42 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[t
     ``RuntimeError`` when Triton was asked for and cannot run, ``ValueError`` when it was asked for
     a dtype outside ``dtypes``.
     """
+    return _use_triton(tensor.is_cuda, tensor.dtype, backend, dtypes)
+
+
+def use_kernel(tensor: torch.Tensor, backend: str | None = None) -> bool:
+    """``use_triton(tensor, backend, KERNEL_DTYPES)``: whether an op with kernels for float32, float16
+    and bfloat16 runs its kernel on ``tensor`` (the question every layer's op asks)."""
+    return _use_kernel(tensor.is_cuda, tensor.dtype, backend)
+
+
+# The decision itself, on plain values (the device and the dtype are fixed while torch.compile traces),
+# folded to a constant there: traced, its reads of the environment, the Triton import and the
+# tables below would each become a guard that every compiled call checks. (A tensor argument would
+# make Dynamo compute the tensor's real value at trace time.)
+@constant_under_compile
+def _use_kernel(is_cuda: bool, dtype: torch.dtype, backend: str | None) -> bool:
+    return _use_triton(is_cuda, dtype, backend, KERNEL_DTYPES)
+
+
+@constant_under_compile
+def _use_triton(is_cuda: bool, dtype: torch.dtype, backend: str | None, dtypes: tuple[torch.dtype, ...] | None) -> bool:
     check_backend(backend)
     if backend == "reference":
         return False
-    dtype_ok = dtypes is None or tensor.dtype in dtypes
+    dtype_ok = dtypes is None or dtype in dtypes
     if backend is None:
-        chosen = tensor.is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
+        chosen = is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
     else:
         if not triton_available():
             raise RuntimeError("backend='triton' was requested but the triton package is not installed")
-        if not tensor.is_cuda and not interpreter_enabled():
+        if not is_cuda and not interpreter_enabled():
             raise RuntimeError(
                 "backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "before importing torchloom's kernels"
             )
         if not dtype_ok:
-            raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {tensor.dtype}; use backend=None or 'reference'")
+            raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {dtype}; use backend=None or 'reference'")
         chosen = True
     if chosen and _preload._importing:  # a launch follows: Triton's modules must be whole first
         _preload.wait_for_imports()

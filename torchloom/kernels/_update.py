@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._triton import KERNEL_DTYPES, use_triton
+from ._triton import use_kernel
 
 __all__ = [
     "check_number",
@@ -109,7 +109,7 @@ def on_kernel_path(op: str, params: list[Tensor], backend: str | None, **states:
     kernel updates ``params`` and the ``states`` lists in place, so those must be contiguous."""
     if not params:
         return False
-    kernel = all(use_triton(p, backend, KERNEL_DTYPES) for p in params)
+    kernel = all(use_kernel(p, backend) for p in params)
     if kernel:
         for name, lst in {"params": params, **states}.items():
             for i, t in enumerate(lst or ()):

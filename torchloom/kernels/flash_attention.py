@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, cublas_allows_tf32, use_triton
+from ._triton import cublas_allows_tf32, use_kernel
 
 __all__ = [
     "flash_attention", "flash_attention_backward", "attention_ref", "rope_", "rope_ref_", "MAX_HEAD_DIM",
@@ -382,7 +382,7 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, backend: s
         raise ValueError(f"rope_: src must match x ({list(x.shape)}, {x.dtype}), got {list(src.shape)}, {src.dtype}")
     if src is not None and src.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("rope_: src must not share memory with x (pass src=None to rotate x in place)")
-    if not use_triton(x, backend, KERNEL_DTYPES):
+    if not use_kernel(x, backend):
         if src is not None:
             x.copy_(src)
         return rope_ref_(x, cos, sin, inverse)
@@ -442,7 +442,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float 
     _check(q, k, v)
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not use_triton(q, backend, KERNEL_DTYPES):
+    if not use_kernel(q, backend):
         return attention_ref(q, k, v, causal, scale)
     o = torch.empty(b, s, h, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, s, device=q.device, dtype=torch.float32)
@@ -465,7 +465,7 @@ def flash_attention_backward(
     b, s, h, d = q.shape
     kvh = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not use_triton(q, backend, KERNEL_DTYPES):
+    if not use_kernel(q, backend):
         grads = _backward_ref(do, q, k, v, causal, scale)
         if out is None:
             return grads

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
+from ._triton import elementwise_settings, use_kernel
 from ._update import coalesce
 
 __all__ = ["grad_norm_ref", "clip_scale_ref", "grad_norm", "grad_sq_partials", "grad_norm_clip_scale", "clip_grad_norm_"]
@@ -132,7 +132,7 @@ def _kernel_norm(grads: list[Tensor], max_norm: float | None) -> tuple[Tensor, T
 
 
 def _on_triton(grads: list[Tensor], backend: str | None) -> bool:
-    return all(use_triton(g, backend, KERNEL_DTYPES) for g in grads)
+    return all(use_kernel(g, backend) for g in grads)
 
 
 def grad_norm(grads: list[Tensor], backend: str | None = None) -> Tensor:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, cast, compute_dtype, traced_as_reference, use_triton
+from ._triton import cast, compute_dtype, traced_as_reference, use_kernel
 from ._triton import device_index, sm_count as _sm_count
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
@@ -346,7 +346,7 @@ def layernorm(
     CUDA for float32/float16/bfloat16 rows up to 8192 (``mean``, ``rstd`` float32), the reference
     elsewhere (``backend`` as ``_triton.use_triton``)."""
     if (
-        not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
+        not use_kernel(x, backend) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
         or traced_as_reference("layernorm", x.dtype, backend)
     ):
         return layernorm_ref(x, weight, bias, eps)
@@ -359,7 +359,7 @@ def layernorm_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dw, db)`` of LayerNorm: the Triton kernel on CUDA, the reference elsewhere."""
     if (
-        not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
+        not use_kernel(x, backend) or x.numel() == 0 or not fits_tiled(x.shape[-1], x.is_cuda)
         or traced_as_reference("layernorm", x.dtype, backend)
     ):
         return layernorm_backward_ref(grad_out, x, weight, mean, rstd)

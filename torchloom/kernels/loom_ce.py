@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
+from ._triton import elementwise_settings, use_kernel
 
 __all__ = ["loom_ce_loss_grad_ref", "loom_ce_loss_grad", "LOOM_CE_EPS"]
 
@@ -57,7 +57,7 @@ def loom_ce_loss_grad(output: Tensor, target: Tensor, backend: str | None = None
     float32, the sum of per-block partials, no host sync), the reference elsewhere.
     ``unreduced=True`` returns the 1-D partial sums instead of the loss (their sum is the loss), so a
     later kernel can add them up in its own pass."""
-    if not use_triton(output, backend, KERNEL_DTYPES) or output.numel() == 0:
+    if not use_kernel(output, backend) or output.numel() == 0:
         loss, grad = loom_ce_loss_grad_ref(output, target)
         return (loss.reshape(1) if unreduced else loss), grad
     o = output.contiguous()

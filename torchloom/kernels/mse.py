@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, elementwise_settings, use_triton
+from ._triton import elementwise_settings, use_kernel
 
 __all__ = ["mse_loss_grad_ref", "mse_loss_grad"]
 
@@ -60,7 +60,7 @@ def mse_loss_grad(output: Tensor, target: Tensor, backend: str | None = None, *,
     (``loss`` 0-d float32, the sum of per-block partials, no host sync), the reference elsewhere.
     ``unreduced=True`` returns the 1-D partial sums instead of the loss (their sum is the loss), so a
     later kernel can add them up in its own pass."""
-    if not use_triton(output, backend, KERNEL_DTYPES) or output.numel() == 0:
+    if not use_kernel(output, backend) or output.numel() == 0:
         loss, grad = mse_loss_grad_ref(output, target)
         return (loss.reshape(1) if unreduced else loss), grad
     o = output.contiguous()

@@ -33,7 +33,7 @@ from torch import Tensor
 from . import _replay
 from ._launch import launch as _launch_kernel, launch_traced
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, autocast_off, cublas_allows_tf32, device_index, interpreter_enabled, tf32_capable
+from ._triton import autocast_off, cublas_allows_tf32, device_index, interpreter_enabled, tf32_capable, use_kernel
 from ._triton import use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
@@ -184,7 +184,7 @@ def _block(hsz: int, is_cuda: bool) -> int:
 def lstm_cell(pre: Tensor, c_prev: Tensor | None, c_out: Tensor, h_out: Tensor, backend: str | None = None) -> None:
     """One forward step (see the module doc): ``pre [B, 4H]``, ``c_prev [B, H]`` or None (zero),
     results written into ``c_out``, ``h_out [B, H]``. The last dimension must have unit stride."""
-    if not use_triton(pre, backend, KERNEL_DTYPES):
+    if not use_kernel(pre, backend):
         lstm_cell_ref(pre, c_prev, c_out, h_out)
         return
     bsz, hsz = c_out.shape
@@ -202,7 +202,7 @@ def lstm_cell_backward(
     """One backward step (see the module doc): reads ``pre [B, 4H]``, ``c``, ``c_prev`` (None: zero),
     ``dh [B, H]`` and, when ``has_kappa``, the carry ``kappa [B, H]``; writes ``g_pre [B, 4H]`` and the
     new carry over ``kappa``. The last dimension must have unit stride."""
-    if not use_triton(pre, backend, KERNEL_DTYPES):
+    if not use_kernel(pre, backend):
         lstm_cell_backward_ref(pre, c, c_prev, dh, kappa, g_pre, has_kappa)
         return
     bsz, hsz = c.shape
@@ -751,7 +751,7 @@ def rnn_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | None
     ``_rnn_loop_kernel`` (``backend`` as in ``use_triton``; None also needs ``USE_PERSISTENT_RNN``).
     ``backend="triton"`` where the kernel does not apply is a ``ValueError``. An empty batch never
     does: the per-step loop has nothing to compute."""
-    if batch == 0 or not use_triton(x, backend, KERNEL_DTYPES) or (backend is None and not USE_PERSISTENT_RNN):
+    if batch == 0 or not use_kernel(x, backend) or (backend is None and not USE_PERSISTENT_RNN):
         return False
     if _rnn_loop_settings(x, batch, hidden) is None:
         if backend == "triton":
@@ -1106,7 +1106,7 @@ def lstm_loop_uses_triton(x: Tensor, batch: int, hidden: int, backend: str | Non
     is set, a grid of at most one program per SM exists (``_lstm_loop_settings``) and no launch at this
     shape has failed. Elsewhere the per-step loop runs (with ``backend="triton"``: its fused cell
     kernels, CUDA-graphed where they can be). An empty batch never does."""
-    if batch == 0 or not USE_PERSISTENT_LSTM or not use_triton(x, backend, KERNEL_DTYPES):
+    if batch == 0 or not USE_PERSISTENT_LSTM or not use_kernel(x, backend):
         return False
     return _lstm_loop_settings(x, batch, hidden) is not None and not _loop_failed("LSTM", x, batch, hidden)
 
@@ -1190,7 +1190,7 @@ def lstm_backward_loop(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: T
 
 def _cell_backend(x: Tensor, backend: str | None) -> str:
     """The per-step cell's backend: the fused kernels where Triton runs, else the reference."""
-    return "triton" if use_triton(x, backend, KERNEL_DTYPES) else "reference"
+    return "triton" if use_kernel(x, backend) else "reference"
 
 
 # -------------------------------------------------------------------- loops under torch.compile

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, row_settings, cast, compute_dtype, traced_as_reference, use_triton
+from ._triton import row_settings, cast, compute_dtype, traced_as_reference, use_kernel
 
 __all__ = ["rmsnorm_ref", "rmsnorm_backward_ref", "rmsnorm", "rmsnorm_backward"]
 
@@ -209,7 +209,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -
     """``(y, rstd)`` of RMSNorm over the last dimension of ``x [..., n]`` with ``weight [n]``: the
     Triton kernel on CUDA for float32/float16/bfloat16 (``rstd [...]`` float32), the reference
     elsewhere (``backend`` as ``_triton.use_triton``)."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
+    if not use_kernel(x, backend) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
         return rmsnorm_ref(x, weight, eps)
     if _tiled(x):
         from .layernorm import tiled_forward
@@ -223,7 +223,7 @@ def rmsnorm_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, backend: str | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(dx [..., n], dw [n])`` of RMSNorm: the Triton kernel on CUDA, the reference elsewhere."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
+    if not use_kernel(x, backend) or x.numel() == 0 or traced_as_reference("rmsnorm", x.dtype, backend):
         return rmsnorm_backward_ref(grad_out, x, weight, rstd)
     if _tiled(x):
         from .layernorm import tiled_backward

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, row_settings, cast, compute_dtype, traced_as_reference, use_triton
+from ._triton import row_settings, cast, compute_dtype, traced_as_reference, use_kernel
 
 __all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward", "OP_NAMES"]
 
@@ -197,7 +197,7 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
     float32/float16/bfloat16, the reference elsewhere (``backend`` as ``_triton.use_triton``); while
     ``torch.compile`` traces, the reference (or, where ``COMPILED_AS_REFERENCE`` does not name it, the
     operator ``torch.ops.torchloom.softmax``)."""
-    if not use_triton(x, backend, KERNEL_DTYPES) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
+    if not use_kernel(x, backend) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
         return softmax_ref(x, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax(x, float(temperature))
@@ -208,7 +208,7 @@ def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, back
     """``p ⊙ (g − ⟨g, p⟩) / T`` over the last dimension; ``grad_out`` and ``p`` are ``[..., C]``. The
     Triton kernel on CUDA, the reference elsewhere; while ``torch.compile`` traces, as ``softmax``
     (the reference, or the operator ``torch.ops.torchloom.softmax_backward``)."""
-    if not use_triton(p, backend, KERNEL_DTYPES) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
+    if not use_kernel(p, backend) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
         return softmax_backward_ref(grad_out, p, temperature)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.softmax_backward(grad_out, p, float(temperature))

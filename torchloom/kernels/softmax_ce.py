@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl
-from ._triton import KERNEL_DTYPES, row_settings, use_triton
+from ._triton import row_settings, use_kernel
 
 __all__ = ["softmax_ce_loss_grad_ref", "softmax_ce_loss_grad"]
 
@@ -95,7 +95,7 @@ def softmax_ce_loss_grad(logits: Tensor, target: Tensor, backend: str | None = N
     sum of per-row partials, no host sync), the reference elsewhere. Labels must lie in ``[0, C)``
     (``trainers.losses.check_target`` checks them; the kernel does not). ``unreduced=True`` returns
     the per-row partials instead of the loss (their sum is the loss)."""
-    if not use_triton(logits, backend, KERNEL_DTYPES) or logits.numel() == 0:
+    if not use_kernel(logits, backend) or logits.numel() == 0:
         loss, grad = softmax_ce_loss_grad_ref(logits, target)
         return (loss.reshape(1) if unreduced else loss), grad
     c = logits.shape[-1]

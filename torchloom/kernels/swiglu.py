@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ._tl import jit, tl, triton
-from ._triton import KERNEL_DTYPES, elementwise_settings, cast, compute_dtype, traced_as_reference, use_triton
+from ._triton import elementwise_settings, cast, compute_dtype, traced_as_reference, use_kernel
 
 __all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward", "OP_NAMES"]
 
@@ -138,7 +138,7 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     reference elsewhere (``backend`` as ``_triton.use_triton``); while ``torch.compile`` traces, the
     reference (``_triton.COMPILED_AS_REFERENCE``), or with ``backend="triton"`` the operator
     ``torch.ops.torchloom.swiglu``."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
+    if not use_kernel(gate, backend) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_ref(gate, up)
     if torch.compiler.is_compiling():
         return torch.ops.torchloom.swiglu(gate, up)
@@ -161,7 +161,7 @@ def swiglu_backward(
     ``backend="triton"`` the operator ``torch.ops.torchloom.swiglu_backward_`` (``d_gate`` over
     ``grad``) when ``out_gate`` is ``grad`` itself and fits, else ``torch.ops.torchloom.swiglu_backward``
     (fresh outputs)."""
-    if not use_triton(gate, backend, KERNEL_DTYPES) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
+    if not use_kernel(gate, backend) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_backward_ref(grad, gate, up)
     if torch.compiler.is_compiling():
         if out_gate is grad and grad.is_contiguous() and grad.shape == gate.shape and grad.dtype == gate.dtype:

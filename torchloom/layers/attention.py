@@ -334,14 +334,14 @@ def _use_flash(x: Tensor, spec: AttentionSpec) -> bool:
         return False
     if spec.backend is None and not x.is_cuda:
         return False
-    from ..kernels._triton import KERNEL_DTYPES, use_triton
+    from ..kernels._triton import use_kernel
 
     hd = x.shape[-1] // spec.num_heads
     if hd > 128 or hd < 1:
         if spec.backend == "triton":
             raise ValueError(f"MultiHeadAttention: the flash kernel handles head sizes up to 128, got {hd}")
         return False
-    return use_triton(x, spec.backend, KERNEL_DTYPES)
+    return use_kernel(x, spec.backend)
 
 
 def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):

@@ -73,6 +73,14 @@ def conv_forward(
     ``out = ⌊(n + 2p − k)/s⌋ + 1``. Cross-correlation, as Loom and PyTorch. No autograd. Under
     ``torch.autocast`` the input and parameters are cast to the autocast dtype first (as autocast does
     for ``F.conv2d``) and ``y`` has that dtype."""
+    y, x, weight, pre, dtypes = _conv_forward(x, weight, bias, stride, padding, activation)
+    return y, ConvSaved(x, weight, pre, activation, bias is not None, stride, padding, dtypes)
+
+
+# The bodies of conv_forward / conv_backward on plain arguments, which ConvFunction calls: a saved
+# record (a NamedTuple) built while torch.compile traces adds ~20 guards to every compiled call.
+def _conv_forward(x, weight, bias, stride, padding, activation):
+    """``(y, x, weight, pre, dtypes)``: ``conv_forward``'s result, its record's fields unpacked."""
     nd = weight.dim() - 2
     dev = x.device.type
     dtypes = (x.dtype, weight.dtype)
@@ -80,8 +88,7 @@ def conv_forward(
     with autocast_off(dev):
         pre = _CONV_FNS[nd](x, weight, bias, stride, padding)
         y = activation.forward(pre)
-    saved = ConvSaved(x, weight, pre, activation, bias is not None, stride, padding, dtypes if cast_to is not None else None)
-    return y, saved
+    return y, x, weight, pre, dtypes if cast_to is not None else None
 
 
 def conv_backward(
@@ -92,12 +99,15 @@ def conv_backward(
     x_pad[b, c, o·s + κ]``, ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``.
     Runs in the saved tensors' dtype with autocast off; after an autocast cast the gradients come
     back in the input's and the parameters' own dtypes."""
-    x, weight, pre, activation, has_bias, stride, padding, dtypes = saved
+    return _conv_backward(grad_out, *saved, needs_input_grad)
+
+
+def _conv_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, dtypes, needs_input_grad):
     nd = weight.dim() - 2
     if grad_out.dtype != pre.dtype:
         grad_out = grad_out.to(pre.dtype)
     with autocast_off(x.device.type):
-        grad_x, grad_w, grad_b = _conv_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad)
+        grad_x, grad_w, grad_b = _conv_products(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad)
     if dtypes is not None:
         grad_x = grad_x.to(dtypes[0]) if grad_x is not None else None
         grad_w = grad_w.to(dtypes[1])
@@ -105,7 +115,7 @@ def conv_backward(
     return (grad_x if needs_input_grad else None), (grad_w, grad_b if has_bias else None)
 
 
-def _conv_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad):
+def _conv_products(grad_out, x, weight, pre, activation, has_bias, stride, padding, nd, needs_input_grad):
     g_pre = activation.grad(grad_out, pre)
     # One explicit primitive computes the three products (it is what torch.nn.grad.conv*d_input /
     # conv*d_weight call); output_mask skips what is not needed.
@@ -129,18 +139,21 @@ class ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, activation):
-        y, saved = conv_forward(x, weight, bias, stride, padding, activation)
-        ctx.save_for_backward(saved.input, saved.weight, saved.pre)
+        y, x_used, w_used, pre, dtypes = _conv_forward(x, weight, bias, stride, padding, activation)
+        ctx.save_for_backward(x_used, w_used, pre)
         ctx.activation, ctx.has_bias, ctx.stride, ctx.padding = activation, bias is not None, stride, padding
-        ctx.dtypes = saved.dtypes
+        ctx.dtypes = dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        forbid_double_backward(f"Conv{len(ctx.stride)}D")
+        if torch.is_grad_enabled():
+            forbid_double_backward(f"Conv{len(ctx.stride)}D")
         x, weight, pre = ctx.saved_tensors
-        saved = ConvSaved(x, weight, pre, ctx.activation, ctx.has_bias, ctx.stride, ctx.padding, ctx.dtypes)
-        grad_x, (grad_w, grad_b) = conv_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        grad_x, (grad_w, grad_b) = _conv_backward(
+            grad_out.contiguous(), x, weight, pre, ctx.activation, ctx.has_bias, ctx.stride, ctx.padding, ctx.dtypes,
+            ctx.needs_input_grad[0],
+        )
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -251,6 +264,10 @@ class _ConvND(Layer):
         return tuple((n + 2 * p - k) // s + 1 for n, k, s, p in zip(spatial, self.kernel_size, self.stride, self.padding))
 
     def _check(self, x: Tensor) -> None:
+        w = self.weight  # the common case reads only tensors (guarded by torch.compile already) and padding
+        if isinstance(x, Tensor) and x.dim() == w.dim() and x.shape[1] == w.shape[1] and x.dtype == w.dtype:
+            if all(n + 2 * p >= k for n, k, p in zip(x.shape[2:], w.shape[2:], self.padding)):
+                return
         name, nd = type(self).__name__, self.ndim
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")

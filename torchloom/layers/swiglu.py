@@ -73,6 +73,14 @@ def swiglu_forward(
     """``x [*, h]``, ``gate_weight, up_weight [m, h]``, ``down_weight [h, m]``, biases ``[m], [m], [h]``
     (all or none) → ``(y [*, h], saved)``. No autograd. Under ``torch.autocast`` the input, weights
     and biases are cast to the autocast dtype first (as autocast does for ``F.linear``)."""
+    y, fields = _swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return y, SwiGLUSaved(*fields)
+
+
+# The bodies of swiglu_forward / swiglu_backward on plain arguments, which SwiGLUFunction calls: a
+# saved record (a NamedTuple) built while torch.compile traces adds ~20 guards to every compiled call.
+def _swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
+    """``(y, fields)``: ``swiglu_forward``'s result with its record's fields as a plain tuple."""
     dev = x.device.type
     dtypes = (x.dtype, gate_weight.dtype)
     cast_to, tensors = cast_for_autocast(dev, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
@@ -83,10 +91,7 @@ def swiglu_forward(
         u = _linear(x2, up_weight, up_bias)
         a = _kernels().swiglu(g, u)
         y = output_view(_linear(a, down_weight, down_bias), *x.shape[:-1], down_weight.shape[0])
-    saved = SwiGLUSaved(
-        x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None
-    )
-    return y, saved
+    return y, (x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None)
 
 
 def swiglu_backward(
@@ -98,7 +103,10 @@ def swiglu_backward(
     Memory: ``pre`` is recomputed when it was not saved and released after ``dW_down``; the gate's
     gradient is written over ``da``'s buffer, so the backward holds at most four ``[rows, m]``
     tensors (``g``, ``u``, ``da``/``dg``, ``du``)."""
-    x, g, u, a, gate_weight, up_weight, down_weight, has_bias, dtypes = saved
+    return _swiglu_backward(grad_out, *saved, needs_input_grad)
+
+
+def _swiglu_backward(grad_out, x, g, u, a, gate_weight, up_weight, down_weight, has_bias, dtypes, needs_input_grad):
     h = down_weight.shape[0]
     kernels = _kernels()
     with autocast_off(x.device.type):
@@ -134,18 +142,20 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
-        y, saved = swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-        ctx.save_for_backward(saved.input, saved.gate, saved.up, saved.gate_weight, saved.up_weight, saved.down_weight)
-        ctx.has_bias = saved.has_bias
-        ctx.dtypes = saved.dtypes
+        y, (x, g, u, _, gw, uw, dw, has_bias, dtypes) = _swiglu_forward(
+            x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
+        )
+        ctx.save_for_backward(x, g, u, gw, uw, dw)
+        ctx.has_bias = has_bias
+        ctx.dtypes = dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        forbid_double_backward("SwiGLU")
+        if torch.is_grad_enabled():
+            forbid_double_backward("SwiGLU")
         x, g, u, gw, uw, dw = ctx.saved_tensors
-        saved = SwiGLUSaved(x, g, u, None, gw, uw, dw, ctx.has_bias, ctx.dtypes)
-        dx, grads = swiglu_backward(grad_out, saved, ctx.needs_input_grad[0])
+        dx, grads = _swiglu_backward(grad_out, x, g, u, None, gw, uw, dw, ctx.has_bias, ctx.dtypes, ctx.needs_input_grad[0])
         biases = grads[3:] if ctx.has_bias else (None, None, None)
         return (dx, *grads[:3], *biases)
 
@@ -226,6 +236,9 @@ class SwiGLU(Layer):
                     b.zero_()
 
     def _check(self, x: Tensor) -> None:
+        w = self.gate_weight  # the common case reads only tensors, which torch.compile guards already
+        if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
+            return
         if not isinstance(x, Tensor):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2 or x.shape[-1] != self.hidden:
