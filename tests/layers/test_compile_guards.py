@@ -1,0 +1,98 @@
+"""What a compiled layer's every call checks: Dynamo's guards.
+
+Every call of a ``torch.compile``d function first evaluates the guards of its cached graph, and each
+guard is host time on every step. A compiled torchloom layer used to guard about twice what PyTorch's
+module guards (issue 36): its saved-tensor ``NamedTuple`` (the class, its ``__new__``, the closure of
+``collections.namedtuple``), the kernel dispatch's tables (``BACKENDS``, ``KERNEL_DTYPES``, on CUDA
+the environment and the Triton import) and its modules' integer attributes. These tests compile the
+layers on the CPU and read the guards Dynamo installed: none of those sources may appear.
+
+``constant_under_compile`` stands in for ``torch.compiler.assume_constant_result``, whose import costs
+``import torchloom`` a second; the first test checks that it does exactly what that decorator does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from torchloom.kernels import _triton
+from torchloom.layers.conv import Conv2D
+from torchloom.layers.dense import Dense
+from torchloom.layers.norm import LayerNorm, RMSNorm
+from torchloom.layers.swiglu import SwiGLU
+
+
+def test_constant_under_compile_marks_as_assume_constant_result_does():
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    before = set(vars(theirs))
+    torch.compiler.assume_constant_result(theirs)
+    added = {k: v for k, v in vars(theirs).items() if k not in before}
+    assert _triton.constant_under_compile(ours) is ours
+    assert added and vars(ours) == added
+
+
+def test_a_folded_choice_is_not_traced():
+    """Folded, the choice's reads leave no guard; and it is still made (the reference runs on the CPU)."""
+    x = torch.randn(4, 8)
+
+    def fn(x):
+        return x * (2.0 if _triton.use_kernel(x) else 3.0)
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, fullgraph=True, backend="eager")(x)
+        tree = str(_debug_get_cache_entry_list(fn.__code__)[0].guard_manager)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, x * 3.0)
+    for source in ("KERNEL_DTYPES", "BACKENDS", "check_backend", "interpreter_enabled", "environ"):
+        assert source not in tree, source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_use_kernel_is_use_triton_with_the_kernel_dtypes(dtype, backend):
+    t = torch.zeros(2, dtype=dtype)
+    assert _triton.use_kernel(t, backend) == _triton.use_triton(t, backend, _triton.KERNEL_DTYPES)
+
+
+LAYERS = {
+    "Dense": (lambda: Dense(8, 6), (5, 8)),
+    "Conv2D": (lambda: Conv2D(3, 4, 3, padding=1), (2, 3, 6, 6)),
+    "RMSNorm": (lambda: RMSNorm(8), (5, 8)),
+    "LayerNorm": (lambda: LayerNorm(8), (5, 8)),
+    "SwiGLU": (lambda: SwiGLU(8, 12), (5, 8)),
+}
+# Sources that a compiled step must not guard: the saved records (built only outside the autograd
+# Functions), the dispatch's tables and decisions, and the layers' size attributes (the weights'
+# shapes, guarded with every tensor, say the same).
+FORBIDDEN = ("Saved", "_tuple_new", "KERNEL_DTYPES", "BACKENDS", "check_backend", "COMPILED_AS_REFERENCE",
+             "in_features", "out_features", "in_channels", "normalized_shape", "hidden")
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_a_compiled_layer_guards_no_record_table_or_size_attribute(name):
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(*shape, requires_grad=True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+        compiled(x).square().sum().backward()
+        entries = _debug_get_cache_entry_list(type(layer).forward.__code__)
+        tree = str(entries[0].guard_manager)
+    finally:
+        torch._dynamo.reset()
+    assert len(entries) == 1
+    assert "TENSOR_MATCH" in tree  # the tree is the layer's (it guards the input and the weights)
+    found = [s for s in FORBIDDEN if s in tree]
+    assert not found, found
