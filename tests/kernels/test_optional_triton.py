@@ -106,7 +106,10 @@ def test_the_kernel_choice_traces_under_compile_without_a_warning(monkeypatch):
     from torchloom.kernels import _triton
     from torchloom.kernels import recurrent as K
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=7))
+    if not torch.cuda.is_available():
+        # A stand-in only without a GPU: with one, Dynamo reads (and caches, past this test) the
+        # device's real properties too, and a partial stand-in there broke every later compile.
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=7))
     _triton.sm_count.cache_clear()
 
     def fn(x):

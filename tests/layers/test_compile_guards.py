@@ -96,3 +96,30 @@ def test_a_compiled_layer_guards_no_record_table_or_size_attribute(name):
     assert "TENSOR_MATCH" in tree  # the tree is the layer's (it guards the input and the weights)
     found = [s for s in FORBIDDEN if s in tree]
     assert not found, found
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("name", ["Dense", "Conv2D"])
+def test_autocast_entered_inside_the_compiled_function_is_seen(name, enabled):
+    """``autocast_dtype`` and ``autocast_off`` are folded to constants while Dynamo traces (the
+    autocast state is guarded with the global state); an autocast region opened inside the compiled
+    function is the state they must see. Output dtype, output and input gradient equal eager's."""
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(*shape, requires_grad=True)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            return layer(x)
+
+    torch._dynamo.reset()
+    try:
+        want = step(x)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+        (g_want,) = torch.autograd.grad(want.float().sum(), x)
+        (g_got,) = torch.autograd.grad(got.float().sum(), x)
+    finally:
+        torch._dynamo.reset()
+    assert got.dtype == want.dtype == (torch.bfloat16 if enabled else torch.float32)
+    assert torch.equal(got, want) and torch.equal(g_got, g_want)

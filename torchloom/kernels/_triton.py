@@ -118,9 +118,14 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     dtypes their forward saved, whether or not the caller's ``backward()`` sits inside autocast; and
     an opaque operator of a compiled graph computes in its inputs' dtypes, whether or not the graph
     runs under the caller's autocast."""
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+@constant_under_compile  # sound: the autocast state is part of every compiled graph's global-state guard
+def _autocast_enabled(device_type: str) -> bool:
+    return device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
 
 
 def interpreter_enabled() -> bool:

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels._triton import autocast_off  # noqa: F401 - the layers' and methods' name for it
+from ..kernels._triton import constant_under_compile
 
 __all__ = [
     "Layer",
@@ -146,6 +147,7 @@ def gather_param_grads(owner: nn.Module, children, child_grads) -> tuple[Tensor,
 
 
 # ------------------------------------------------------------------------------ mixed precision
+@constant_under_compile  # sound: the autocast state is part of every compiled graph's global-state guard
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype ``torch.autocast`` casts matrix products to on ``device_type`` ("cuda", "cpu"), or
     ``None`` when autocast is off there."""
