@@ -67,3 +67,24 @@ def test_paired_timing_alternates_the_order_and_measures_the_ratio():
     assert runs[:2] == [["A", 3], ["B", 3]], runs[:2]
     assert runs[2:11] == [["A", 1], ["B", 2], ["A", 1], ["B", 1], ["A", 2], ["B", 1], ["A", 1], ["B", 2], ["A", 1]], runs[2:11]
     assert len(calls) == 6 + 4 * bench.PAIRS
+
+
+def test_compiled_host_table_runs_and_counts_guards(capsys):
+    """bench/bench_compiled_host.py: a row per layer with both sides timed and both guard trees found."""
+    path = BENCH.parent / "bench_compiled_host.py"
+    spec = importlib.util.spec_from_file_location("bench_compiled_host", path)
+    bench = importlib.util.module_from_spec(spec)
+    threads = torch.get_num_threads()
+    try:
+        spec.loader.exec_module(bench)
+        assert bench.main(["--only", "Dense", "--rounds", "2", "--block", "0.002"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script runs single-threaded
+        torch._dynamo.reset()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Dense")]
+    assert len(rows) == 1, rows
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4].rstrip("×")) > 0, rows
+    for guards in cells[6:8]:  # "leaf + accessor" counts, both sides
+        leaf, nodes = (int(v) for v in guards.split(" + "))
+        assert leaf > 0 and nodes > 0, rows

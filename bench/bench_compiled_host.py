@@ -1,0 +1,146 @@
+"""Host time of compiled layers: torchloom compiled vs PyTorch compiled, on shapes so small that the step is
+all host work (issue 36).
+
+``bench_layers.py --compiled`` times the layers at working sizes on a GPU, where a compiled step's host
+time (Dynamo's guards, AOTAutograd's wrappers, the autograd engine, the launches) hides behind or beside
+the device's time, and where the host's own drift (±5 % from one run to the next on the H200 machines)
+is larger than the difference left between the two sides. This script measures what is left: each
+layer of ``bench_layers``' smoke shapes (a few rows), compiled with ``fullgraph=True`` on both sides
+(not PyTorch's cuDNN RNN and LSTM, which do not compile so), one forward and backward per step, timed
+in pairs of blocks in the order A B B A, then B A A B (``bench_layers._paired``' design), with the
+median of the pairs' ratios and their quartiles.
+
+Beside the times it counts the guards of each side's compiled frame: the checks Dynamo runs before
+every call of a compiled graph (leaf guards and the accessor nodes that lead to them, from the guard
+tree's printed form), and the time of one check run alone, warm.
+
+Run: ``PYTHONPATH=. python bench/bench_compiled_host.py`` (CPU; ``--device cuda`` on a GPU machine);
+``--only Dense,Conv2D --dtypes float32,bfloat16 --rounds 30``. Results: bench/RESULTS.md §10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_layers as BL  # noqa: E402
+
+
+def guard_tree(fn, compiled):
+    """The guard manager of the frame Dynamo compiled for ``fn`` (a module's ``forward``, or the frame
+    ``torch.compile`` adds around PyTorch's own modules), or None."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    codes = []
+    for f in (getattr(getattr(compiled, "forward", None), "_torchdynamo_orig_callable", None),
+              getattr(compiled, "_torchdynamo_orig_callable", None)):
+        if f is not None and hasattr(f, "__code__"):
+            codes.append(f.__code__)
+    if isinstance(fn, torch.nn.Module):
+        codes.append(type(fn).forward.__code__)
+    elif hasattr(fn, "__code__"):
+        codes.append(fn.__code__)
+    for code in codes:
+        entries = _debug_get_cache_entry_list(code)
+        if entries:
+            return entries[0].guard_manager
+    return None
+
+
+def guard_count(manager) -> tuple[int, int, int]:
+    """``(leaf guards, accessor nodes, Python lambda guards)`` of a guard tree."""
+    lines = str(manager).splitlines()
+    leaves = sum(1 for line in lines if "+- " in line and "GuardManager" not in line)
+    nodes = sum(1 for line in lines if "GuardManager:" in line)
+    return leaves, nodes, sum("LAMBDA_GUARD" in line for line in lines)
+
+
+def check_time(manager, fn, x, n: int = 5000) -> float:
+    """Seconds of one warm guard check of the frame's locals (nan where they are not known here)."""
+    text = str(manager)
+    frame = {"args": (x,), "kwargs": {}, "fn": fn} if "L['args']" in text else {"self": fn, "x": x}
+    if not manager.check(frame):
+        return float("nan")
+    for _ in range(300):
+        manager.check(frame)
+    t = time.perf_counter()
+    for _ in range(n):
+        manager.check(frame)
+    return (time.perf_counter() - t) / n
+
+
+def _block(step, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t) / n
+
+
+def measure(case, rounds: int, block_s: float) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    sides = {}
+    for side, fn, params in (("ours", case.ours, case.ours_params), ("theirs", case.theirs, case.theirs_params)):
+        cudnn_rnn = side == "theirs" and ("LSTM" in case.name or "RNN" in case.name)
+        compiled = torch.compile(fn, fullgraph=not cudnn_rnn, dynamic=False)
+        step = BL._step(compiled, case.x, case.gy, params)
+        for _ in range(30):
+            step()
+        manager = guard_tree(fn, compiled)
+        sides[side] = (step, manager, guard_count(manager) if manager is not None else None,
+                       check_time(manager, fn, case.x) if manager is not None else float("nan"))
+    n = max(5, int(block_s / _block(sides["ours"][0], 5)))
+    ours_t, theirs_t, ratios = [], [], []
+    for i in range(rounds):
+        first, second = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
+        t = [_block(sides[k][0], n) for k in (first, second, second, first)]
+        a, b = (t[0] + t[3], t[1] + t[2]) if first == "ours" else (t[1] + t[2], t[0] + t[3])
+        ours_t.append(a / 2)
+        theirs_t.append(b / 2)
+        ratios.append(a / b)
+    q = statistics.quantiles(ratios, n=4)
+    torch._dynamo.reset()
+    return {"ours": statistics.median(ours_t), "theirs": statistics.median(theirs_t), "ratio": statistics.median(ratios),
+            "q": (q[0], q[2]), "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
+
+
+def _guards(g) -> str:
+    return "—" if g is None else f"{g[0]} + {g[1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--only", default="Dense,Conv2D,SwiGLU,RMSNorm,LayerNorm", help="comma-separated name parts ('' for all)")
+    ap.add_argument("--rounds", type=int, default=30, help="pairs of blocks per row")
+    ap.add_argument("--block", type=float, default=0.02, help="seconds per block of steps")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # one thread: the steps are host-bound, and threads add their own noise
+    dev = torch.device(args.device)
+    only = [o for o in args.only.split(",") if o]
+    print(f"torchloom compiled vs PyTorch compiled, host-bound shapes, {dev} ({torch.__version__}); "
+          f"{args.rounds} pairs of {args.block:g} s blocks per row. Guards: leaf checks + accessor nodes "
+          "of the compiled frame's guard tree; check: one warm guard check alone.\n")
+    print("| layer (PyTorch side) | dtype | torchloom µs | PyTorch µs | ratio | ratio quartiles | guards torchloom | guards PyTorch | check µs (torchloom / PyTorch) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype_name in args.dtypes.split(","):
+        for case in BL.layer_cases(dev, getattr(torch, dtype_name), smoke=True):
+            if only and not any(o in case.name for o in only):
+                continue
+            r = measure(case, args.rounds, args.block)
+            print(f"| {case.name} | {dtype_name} | {r['ours'] * 1e6:.1f} | {r['theirs'] * 1e6:.1f} | {r['ratio']:.3f}× | "
+                  f"{r['q'][0]:.3f}–{r['q'][1]:.3f}× | {_guards(r['guards'][0])} | {_guards(r['guards'][1])} | "
+                  f"{r['check'][0] * 1e6:.2f} / {r['check'][1] * 1e6:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
