@@ -97,7 +97,7 @@ def test_the_kernel_choice_traces_under_compile_without_a_warning(monkeypatch):
     """``use_triton`` (with ``triton_available``) and the recurrent loops' SM count run while
     ``torch.compile`` traces a CUDA layer: Dynamo must not trace through a ``functools.lru_cache``
     function there, which it warns every user about ("Dynamo detected a call to a
-    `functools.lru_cache`-wrapped function"). The device's properties are stand-ins here."""
+    `functools.lru_cache`-wrapped function"). Without a GPU the device's properties are stand-ins."""
     import types
     import warnings
 

@@ -5,7 +5,9 @@ guard is host time on every step. A compiled torchloom layer used to guard about
 module guards (issue 36): its saved-tensor ``NamedTuple`` (the class, its ``__new__``, the closure of
 ``collections.namedtuple``), the kernel dispatch's tables (``BACKENDS``, ``KERNEL_DTYPES``, on CUDA
 the environment and the Triton import) and its modules' integer attributes. These tests compile the
-layers on the CPU and read the guards Dynamo installed: none of those sources may appear.
+layers on the CPU and read the guards Dynamo installed: none of those sources may appear (the
+environment's and the import's reads are made on the CPU through ``backend="triton"`` with Triton's
+interpreter).
 
 ``constant_under_compile`` stands in for ``torch.compiler.assume_constant_result``, whose import costs
 ``import torchloom`` a second; the first test checks that it does exactly what that decorator does.
@@ -39,12 +41,19 @@ def test_constant_under_compile_marks_as_assume_constant_result_does():
     assert added and vars(ours) == added
 
 
-def test_a_folded_choice_is_not_traced():
-    """Folded, the choice's reads leave no guard; and it is still made (the reference runs on the CPU)."""
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_a_folded_choice_is_not_traced(backend, monkeypatch):
+    """Folded, the choice's reads leave no guard, and it is still made. With ``backend="triton"`` and
+    the interpreter on, the choice reads the environment and the Triton import (traced, both are
+    guarded: ``environ``, ``interpreter_enabled``, ``triton_available`` appear in the tree)."""
+    if backend == "triton":
+        if not _triton.triton_available():
+            pytest.skip("backend='triton' needs the triton package")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(4, 8)
 
     def fn(x):
-        return x * (2.0 if _triton.use_kernel(x) else 3.0)
+        return x * (2.0 if _triton.use_kernel(x, backend) else 3.0)
 
     torch._dynamo.reset()
     try:
@@ -52,9 +61,25 @@ def test_a_folded_choice_is_not_traced():
         tree = str(_debug_get_cache_entry_list(fn.__code__)[0].guard_manager)
     finally:
         torch._dynamo.reset()
-    assert torch.equal(out, x * 3.0)
-    for source in ("KERNEL_DTYPES", "BACKENDS", "check_backend", "interpreter_enabled", "environ"):
+    assert torch.equal(out, x * (2.0 if backend == "triton" else 3.0))
+    for source in ("KERNEL_DTYPES", "BACKENDS", "interpreter_enabled", "environ", "triton_available", "_preload"):
         assert source not in tree, source
+
+
+def test_a_bad_backend_under_compile_raises_what_eager_raises(monkeypatch):
+    """The folded choice returns its error; the caller raises it, so compiled code (where the
+    graph breaks at the raise) fails with the same ValueError / RuntimeError as eager code."""
+    from torchloom.kernels import rmsnorm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = torch.randn(4, 8), torch.ones(8)
+    for backend, error in (("bogus", ValueError), ("triton", RuntimeError)):
+        torch._dynamo.reset()
+        try:
+            with pytest.raises(error, match="backend"):
+                torch.compile(lambda x: rmsnorm.rmsnorm(x, w, 1e-6, backend)[0], backend="eager")(x)
+        finally:
+            torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])

@@ -186,7 +186,11 @@ def exact_div(t: torch.Tensor, by: float) -> torch.Tensor:
 
 def check_backend(backend: str | None) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(_bad_backend(backend))
+
+
+def _bad_backend(backend: object) -> str:
+    return f"backend must be one of {BACKENDS}, got {backend!r}"
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
@@ -198,46 +202,54 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None, dtypes: tuple[t
     ``RuntimeError`` when Triton was asked for and cannot run, ``ValueError`` when it was asked for
     a dtype outside ``dtypes``.
     """
-    return _use_triton(tensor.is_cuda, tensor.dtype, backend, dtypes)
+    return _chosen(*_use_triton(tensor.is_cuda, tensor.dtype, backend, dtypes))
 
 
 def use_kernel(tensor: torch.Tensor, backend: str | None = None) -> bool:
     """``use_triton(tensor, backend, KERNEL_DTYPES)``: whether an op with kernels for float32, float16
     and bfloat16 runs its kernel on ``tensor`` (the question every layer's op asks)."""
-    return _use_kernel(tensor.is_cuda, tensor.dtype, backend)
+    return _chosen(*_use_kernel(tensor.is_cuda, tensor.dtype, backend))
+
+
+def _chosen(chosen: bool, error: str, message: str) -> bool:
+    # Raised here, outside the folded decision: an exception raised inside a function Dynamo runs
+    # while tracing reaches the user as Dynamo's internal error, not as this ValueError/RuntimeError.
+    if error:
+        raise (ValueError if error == "value" else RuntimeError)(message)
+    return chosen
 
 
 # The decision itself, on plain values (the device and the dtype are fixed while torch.compile traces),
 # folded to a constant there: traced, its reads of the environment, the Triton import and the
 # tables below would each become a guard that every compiled call checks. (A tensor argument would
-# make Dynamo compute the tensor's real value at trace time.)
+# make Dynamo compute the tensor's real value at trace time.) Returns (chosen, error kind, message).
 @constant_under_compile
-def _use_kernel(is_cuda: bool, dtype: torch.dtype, backend: str | None) -> bool:
+def _use_kernel(is_cuda: bool, dtype: torch.dtype, backend: str | None) -> tuple[bool, str, str]:
     return _use_triton(is_cuda, dtype, backend, KERNEL_DTYPES)
 
 
 @constant_under_compile
-def _use_triton(is_cuda: bool, dtype: torch.dtype, backend: str | None, dtypes: tuple[torch.dtype, ...] | None) -> bool:
-    check_backend(backend)
+def _use_triton(is_cuda: bool, dtype: torch.dtype, backend: str | None, dtypes: tuple[torch.dtype, ...] | None
+                ) -> tuple[bool, str, str]:
+    if backend not in BACKENDS:
+        return False, "value", _bad_backend(backend)
     if backend == "reference":
-        return False
+        return False, "", ""
     dtype_ok = dtypes is None or dtype in dtypes
     if backend is None:
         chosen = is_cuda and dtype_ok and not interpreter_enabled() and triton_available()
     else:
         if not triton_available():
-            raise RuntimeError("backend='triton' was requested but the triton package is not installed")
+            return False, "runtime", "backend='triton' was requested but the triton package is not installed"
         if not is_cuda and not interpreter_enabled():
-            raise RuntimeError(
-                "backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                "before importing torchloom's kernels"
-            )
+            return False, "runtime", ("backend='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                                      "before importing torchloom's kernels")
         if not dtype_ok:
-            raise ValueError(f"backend='triton': the kernel handles dtypes {dtypes}, got {dtype}; use backend=None or 'reference'")
+            return False, "value", f"backend='triton': the kernel handles dtypes {dtypes}, got {dtype}; use backend=None or 'reference'"
         chosen = True
     if chosen and _preload._importing:  # a launch follows: Triton's modules must be whole first
         _preload.wait_for_imports()
-    return chosen
+    return chosen, "", ""
 
 
 # ------------------------------------------------------------------------------- launch settings
