@@ -73,6 +73,15 @@ def conv_transpose_forward(
     ``out = (n − 1)·s − 2p + k + output_padding``. No autograd graph is built. Under
     ``torch.autocast`` the input and parameters are cast to the autocast dtype first (as autocast does
     for ``F.conv_transpose2d``) and ``y`` has that dtype."""
+    y, x, weight, pre, dtypes = _conv_transpose_forward(x, weight, bias, stride, padding, output_padding, activation)
+    return y, ConvTransposeSaved(x, weight, pre, activation, bias is not None, stride, padding, output_padding, dtypes)
+
+
+# The bodies of conv_transpose_forward / conv_transpose_backward on plain arguments, which
+# ConvTransposeFunction calls: a saved record (a NamedTuple) built while torch.compile traces adds ~20
+# guards to every compiled call.
+def _conv_transpose_forward(x, weight, bias, stride, padding, output_padding, activation):
+    """``(y, x, weight, pre, dtypes)``: ``conv_transpose_forward``'s result, its record's fields unpacked."""
     nd = weight.dim() - 2
     dev = x.device.type
     dtypes = (x.dtype, weight.dtype)
@@ -80,8 +89,7 @@ def conv_transpose_forward(
     with torch.no_grad(), autocast_off(dev):
         pre = _FNS[nd](x, weight, bias, stride, padding, output_padding)
         y = activation.forward(pre)
-    dtypes = dtypes if cast_to is not None else None
-    return y, ConvTransposeSaved(x, weight, pre, activation, bias is not None, stride, padding, output_padding, dtypes)
+    return y, x, weight, pre, dtypes if cast_to is not None else None
 
 
 def conv_transpose_backward(
@@ -92,7 +100,11 @@ def conv_transpose_backward(
     ``db[f] = Σ_{b, o} gPre[b, f, o]``. Returns ``(dx or None, (dW, db or None))``. Runs in the saved
     tensors' dtype with autocast off; after an autocast cast the gradients come back in the input's
     and the parameters' own dtypes."""
-    x, weight, pre, activation, has_bias, stride, padding, output_padding, dtypes = saved
+    return _conv_transpose_backward(grad_out, *saved, needs_input_grad)
+
+
+def _conv_transpose_backward(grad_out, x, weight, pre, activation, has_bias, stride, padding, output_padding, dtypes,
+                             needs_input_grad):
     nd = weight.dim() - 2
     if grad_out.dtype != pre.dtype:
         grad_out = grad_out.to(pre.dtype)
@@ -123,17 +135,18 @@ class ConvTransposeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, output_padding, activation):
-        y, saved = conv_transpose_forward(x, weight, bias, stride, padding, output_padding, activation)
-        ctx.save_for_backward(saved.input, saved.weight, saved.pre)
-        ctx.meta = (activation, bias is not None, stride, padding, output_padding, saved.dtypes)
+        y, x_used, w_used, pre, dtypes = _conv_transpose_forward(x, weight, bias, stride, padding, output_padding, activation)
+        ctx.save_for_backward(x_used, w_used, pre)
+        ctx.meta = (activation, bias is not None, stride, padding, output_padding, dtypes)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        forbid_double_backward(f"ConvTranspose{len(ctx.meta[2])}D")
+        if torch.is_grad_enabled():
+            forbid_double_backward(f"ConvTranspose{len(ctx.meta[2])}D")
         x, weight, pre = ctx.saved_tensors
-        saved = ConvTransposeSaved(x, weight, pre, *ctx.meta)
-        grad_x, (grad_w, grad_b) = conv_transpose_backward(grad_out.contiguous(), saved, ctx.needs_input_grad[0])
+        grad_x, (grad_w, grad_b) = _conv_transpose_backward(grad_out.contiguous(), x, weight, pre, *ctx.meta,
+                                                            ctx.needs_input_grad[0])
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

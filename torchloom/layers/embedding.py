@@ -80,10 +80,19 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
 def embedding_forward(x: Tensor, weight: Tensor, activation: Activation | None = None) -> tuple[Tensor, EmbeddingSaved]:
     """``x [B, …]`` (integer, in range) and ``weight [V, E]`` → ``(f(W[x]) [B, …, E], saved)``; ``f``
     the activation (``None`` or linear: the rows themselves). No autograd."""
+    y, pre, activation = _embedding_forward(x, weight, activation)
+    return y, EmbeddingSaved(x, weight.shape[0], weight.dtype, pre, activation)
+
+
+# The bodies of embedding_forward / embedding_backward on plain arguments, which EmbeddingFunction
+# calls: a saved record (a NamedTuple) built while torch.compile traces adds ~20 guards to every
+# compiled call.
+def _embedding_forward(x, weight, activation):
+    """``(y, pre, activation)``, the last two None for a linear activation (nothing more is kept)."""
     pre = weight.index_select(0, x.reshape(-1)).view(*x.shape, weight.shape[1])
     if activation is None or activation.name == "linear":
-        return pre, EmbeddingSaved(x, weight.shape[0], weight.dtype)
-    return activation.forward(pre), EmbeddingSaved(x, weight.shape[0], weight.dtype, pre, activation)
+        return pre, None, None
+    return activation.forward(pre), pre, activation
 
 
 def embedding_backward(
@@ -92,7 +101,10 @@ def embedding_backward(
     """Hand-written backward: ``gPre = gOut ⊙ f'(pre)`` (for a non-linear activation), ``dW = 0``,
     then ``dW[x[n]] += gPre[n]`` for every position ``n`` (``index_add_``; a row used k times gets the
     sum of its k gradients). Returns ``(None, (dW,))``: integer indices have no gradient."""
-    indices, num_embeddings, weight_dtype, pre, activation = saved
+    return None, (_embedding_backward(grad_out, *saved),)
+
+
+def _embedding_backward(grad_out, indices, num_embeddings, weight_dtype, pre, activation):
     E = grad_out.shape[-1]
     if weight_dtype is not None and grad_out.dtype != weight_dtype:
         grad_out = grad_out.to(weight_dtype)  # e.g. a bfloat16 gradient for a float32 table
@@ -100,23 +112,23 @@ def embedding_backward(
         grad_out = activation.grad(grad_out, pre)
     grad_w = grad_out.new_zeros(num_embeddings, E)
     grad_w.index_add_(0, indices.reshape(-1), grad_out.reshape(-1, E))
-    return None, (grad_w,)
+    return grad_w
 
 
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, activation=None):
-        y, saved = embedding_forward(x, weight, activation)
-        ctx.save_for_backward(x, saved.pre)
-        ctx.num_embeddings, ctx.weight_dtype, ctx.activation = saved.num_embeddings, saved.weight_dtype, saved.activation
+        y, pre, kept = _embedding_forward(x, weight, activation)
+        ctx.save_for_backward(x, pre)
+        ctx.num_embeddings, ctx.weight_dtype, ctx.activation = weight.shape[0], weight.dtype, kept
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        forbid_double_backward("Embedding")
+        if torch.is_grad_enabled():
+            forbid_double_backward("Embedding")
         x, pre = ctx.saved_tensors
-        saved = EmbeddingSaved(x, ctx.num_embeddings, ctx.weight_dtype, pre, ctx.activation)
-        _, (grad_w,) = embedding_backward(grad_out.contiguous(), saved)
+        grad_w = _embedding_backward(grad_out.contiguous(), x, ctx.num_embeddings, ctx.weight_dtype, pre, ctx.activation)
         return None, grad_w, None
 
 

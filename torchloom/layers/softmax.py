@@ -57,19 +57,25 @@ def softmax_backward(grad_out: Tensor, saved: SoftmaxSaved, needs_input_grad: bo
 
 
 class SoftmaxFunction(torch.autograd.Function):
+    # The ops of softmax_forward / softmax_backward, without their saved record: a NamedTuple built
+    # while torch.compile traces adds ~20 guards to every compiled call.
     @staticmethod
     def forward(ctx, x, dim, temperature):
-        p, _ = softmax_forward(x, dim, temperature)
+        p = _kernels().softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
         ctx.save_for_backward(p)
         ctx.dim, ctx.temperature = dim, temperature
         return p
 
     @staticmethod
     def backward(ctx, grad_out):
-        forbid_double_backward("Softmax")
+        if torch.is_grad_enabled():
+            forbid_double_backward("Softmax")
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
         (p,) = ctx.saved_tensors
-        dx, _ = softmax_backward(grad_out, SoftmaxSaved(p, ctx.dim, ctx.temperature), ctx.needs_input_grad[0])
-        return dx, None, None
+        dim = ctx.dim
+        dx = _kernels().softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), ctx.temperature)
+        return dx.movedim(-1, dim), None, None
 
 
 def softmax(x: Tensor, dim: int = -1, temperature: float = 1.0) -> Tensor:
