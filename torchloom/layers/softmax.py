@@ -42,7 +42,7 @@ class SoftmaxSaved(NamedTuple):
 
 def softmax_forward(x: Tensor, dim: int = -1, temperature: float = 1.0) -> tuple[Tensor, SoftmaxSaved]:
     """``softmax(x / T)`` along ``dim`` → ``(p, saved)``; ``p`` has ``x``'s shape. No autograd."""
-    p = _kernels().softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
+    p = _softmax(x, dim, temperature)
     return p, SoftmaxSaved(p, dim, temperature)
 
 
@@ -52,16 +52,23 @@ def softmax_backward(grad_out: Tensor, saved: SoftmaxSaved, needs_input_grad: bo
     if not needs_input_grad:
         return None, ()
     p, dim, temperature = saved
-    dx = _kernels().softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature)
-    return dx.movedim(-1, dim), ()
+    return _softmax_grad(grad_out, p, dim, temperature), ()
+
+
+# The bodies of softmax_forward / softmax_backward on plain arguments, which SoftmaxFunction calls: a
+# saved record (a NamedTuple) built while torch.compile traces adds ~20 guards to every compiled call.
+def _softmax(x: Tensor, dim: int, temperature: float) -> Tensor:
+    return _kernels().softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
+
+
+def _softmax_grad(grad_out: Tensor, p: Tensor, dim: int, temperature: float) -> Tensor:
+    return _kernels().softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature).movedim(-1, dim)
 
 
 class SoftmaxFunction(torch.autograd.Function):
-    # The ops of softmax_forward / softmax_backward, without their saved record: a NamedTuple built
-    # while torch.compile traces adds ~20 guards to every compiled call.
     @staticmethod
     def forward(ctx, x, dim, temperature):
-        p = _kernels().softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
+        p = _softmax(x, dim, temperature)
         ctx.save_for_backward(p)
         ctx.dim, ctx.temperature = dim, temperature
         return p
@@ -73,9 +80,7 @@ class SoftmaxFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         (p,) = ctx.saved_tensors
-        dim = ctx.dim
-        dx = _kernels().softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), ctx.temperature)
-        return dx.movedim(-1, dim), None, None
+        return _softmax_grad(grad_out, p, ctx.dim, ctx.temperature), None, None
 
 
 def softmax(x: Tensor, dim: int = -1, temperature: float = 1.0) -> Tensor:
