@@ -7,7 +7,7 @@ the device's time, and where the host's own drift (±5 % from one run to the nex
 is larger than the difference left between the two sides. This script measures what is left: each
 layer of ``bench_layers``' smoke shapes (a few rows), compiled with ``fullgraph=True`` on both sides
 (not PyTorch's cuDNN RNN and LSTM, which do not compile so), one forward and backward per step, timed
-in pairs of blocks in the order A B B A, then B A A B (``bench_layers._paired``' design), with the
+in pairs of blocks in the order A B B A, then B A A B (``bench_layers._paired``), with the
 median of the pairs' ratios and their quartiles.
 
 Beside the times it counts the guards of each side's compiled frame: the checks Dynamo runs before
@@ -21,7 +21,6 @@ Run: ``PYTHONPATH=. python bench/bench_compiled_host.py`` (CPU; ``--device cuda`
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,13 +74,6 @@ def check_time(manager, fn, x, n: int = 5000) -> float:
     return (time.perf_counter() - t) / n
 
 
-def _block(step, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t) / n
-
-
 def measure(case, rounds: int, block_s: float) -> dict:
     import torch._dynamo
 
@@ -96,19 +88,12 @@ def measure(case, rounds: int, block_s: float) -> dict:
         manager = guard_tree(fn, compiled)
         sides[side] = (step, manager, guard_count(manager) if manager is not None else None,
                        check_time(manager, fn, case.x) if manager is not None else float("nan"))
-    n = max(5, int(block_s / _block(sides["ours"][0], 5)))
-    ours_t, theirs_t, ratios = [], [], []
-    for i in range(rounds):
-        first, second = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
-        t = [_block(sides[k][0], n) for k in (first, second, second, first)]
-        a, b = (t[0] + t[3], t[1] + t[2]) if first == "ours" else (t[1] + t[2], t[0] + t[3])
-        ours_t.append(a / 2)
-        theirs_t.append(b / 2)
-        ratios.append(a / b)
-    q = statistics.quantiles(ratios, n=4)
+    # bench_layers' paired timing: A B B A / B A A B blocks of about block_s seconds each
+    t_ours, t_theirs, ratio, q = BL._paired(case.name, sides["ours"][0], sides["theirs"][0], case.x.device,
+                                            block_s * rounds / 3, pairs=rounds)
     torch._dynamo.reset()
-    return {"ours": statistics.median(ours_t), "theirs": statistics.median(theirs_t), "ratio": statistics.median(ratios),
-            "q": (q[0], q[2]), "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
+    return {"ours": t_ours, "theirs": t_theirs, "ratio": ratio, "q": q,
+            "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
 
 
 def _guards(g) -> str:

@@ -476,10 +476,11 @@ def _selected(cases: dict, dtypes: list, only: list | None):
 PAIRS = 16  # paired measurements of the two sides per compiled row
 
 
-def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: torch.device, target: float
-            ) -> tuple[float, float, float, tuple[float, float]]:
-    """``(torchloom s, PyTorch s, ratio, (first quartile, third quartile))`` per step, from ``PAIRS``
-    paired measurements taking about ``12 × target`` seconds in all.
+def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: torch.device, target: float,
+            pairs: int = PAIRS) -> tuple[float, float, float, tuple[float, float]]:
+    """``(torchloom s, PyTorch s, ratio, (first quartile, third quartile))`` per step, from ``pairs``
+    paired measurements taking about ``12 × target`` seconds in all (each block about
+    ``3 × target / pairs`` seconds).
 
     Host overhead dominates most of these steps, and it drifts by ±30 % within a run; measured one
     after the other, the side measured first also paid for its position (two identical cuDNN steps
@@ -492,9 +493,9 @@ def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: tor
         return nan, nan, nan, (nan, nan)
     try:
         once = max(_block(fn, dev, 3) for fn in (ours, theirs))  # also the warm-up
-        n = max(1, min(500, int(12 * target / (4 * PAIRS) / once)))
+        n = max(1, min(500, int(12 * target / (4 * pairs) / once)))
         mine, other, ratios = [], [], []
-        for i in range(PAIRS):
+        for i in range(pairs):
             first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
             t1, t2, t3, t4 = (_block(f, dev, n) for f in (first, second, second, first))
             a, b = ((t1, t4), (t2, t3)) if first is ours else ((t2, t3), (t1, t4))
