@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from torch import autocast, bfloat16
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from torchloom.kernels import _triton
@@ -156,3 +157,41 @@ def test_autocast_entered_inside_the_compiled_function_is_seen(name, enabled):
         torch._dynamo.reset()
     assert got.dtype == want.dtype == (torch.bfloat16 if enabled else torch.float32)
     assert torch.equal(got, want) and torch.equal(g_got, g_want)
+
+
+def _aliasing_guards(tree: str) -> list[str]:
+    """The guard tree's object-aliasing checks (``a is b``): Dynamo adds one, evaluated by a Python
+    lambda on every call, for each object it reached from two sources, such as the ``torch`` module
+    read from two modules' globals."""
+    return [line.split("LAMBDA_GUARD:")[1].split("#")[0].strip()
+            for line in tree.splitlines() if "LAMBDA_GUARD" in line and " is " in line]
+
+
+@pytest.mark.parametrize("autocast_on", [False, True], ids=["float32", "autocast"])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on):
+    """The traced code reaches torch's functions by imported names or as tensor methods (``from torch
+    import is_tensor``, ``x.mm(w)``), never as ``torch.X`` or through the ``Tensor`` class: any
+    module's ``torch`` is the module that ``autograd.Function``'s own tracing reads first (and that the
+    caller's code reads too), so each further module reading it added an aliasing check to every
+    compiled call. The function compiled here opens autocast through an imported name, as such a
+    caller would."""
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randint(0, 10, (4, 3)) if shape is None else torch.randn(*shape, requires_grad=True)
+
+    def step(x):
+        with autocast("cpu", dtype=bfloat16, enabled=autocast_on):
+            return layer(x)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+        compiled(x).float().square().sum().backward()
+        entries = _debug_get_cache_entry_list(step.__code__)
+        tree = str(entries[0].guard_manager)
+    finally:
+        torch._dynamo.reset()
+    assert "TENSOR_MATCH" in tree
+    assert _aliasing_guards(tree) == []

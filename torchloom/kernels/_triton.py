@@ -16,6 +16,9 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
+from contextlib import nullcontext
+from torch import autocast, float32, get_autocast_dtype, is_autocast_enabled
+from torch.compiler import is_compiling
 
 from . import _preload
 
@@ -113,19 +116,43 @@ def device_index(t: torch.Tensor) -> int | None:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+# ------------------------------------------------------------------------------ autocast
+# Kept together, and reached by the names imported above (``nullcontext``, ``autocast``), never as
+# ``torch.X`` / ``contextlib.X``: while torch.compile traces a layer, every global it reads is a guard
+# checked on each call of the compiled graph, and the ``torch`` module read from a second module's
+# globals adds a Python-level aliasing check (``a.torch is b.torch``) to those guards.
+@constant_under_compile  # sound: the autocast state is part of every compiled graph's global-state guard
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts matrix products to on ``device_type`` ("cuda", "cpu"), or
+    ``None`` when autocast is off there."""
+    try:
+        if is_autocast_enabled(device_type):
+            return get_autocast_dtype(device_type)
+    except (RuntimeError, ValueError):  # a device type autocast does not know
+        return None
+    return None
+
+
+def cast_for_autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.dtype | None, tuple[torch.Tensor | None, ...]]:
+    """``(dtype, tensors)``: under autocast on ``device_type``, every float32/float16/bfloat16 tensor
+    cast to the autocast dtype (float64 and integer tensors and ``None`` pass unchanged, as autocast
+    leaves them); otherwise ``(None, tensors)`` unchanged."""
+    dt = autocast_dtype(device_type)
+    if dt is None:
+        return None, tensors
+    return dt, tuple(
+        t.to(dt) if t is not None and t.is_floating_point() and t.dtype.itemsize <= 4 else t for t in tensors
+    )
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast disabled on ``device_type``: the hand-written backwards run in the
     dtypes their forward saved, whether or not the caller's ``backward()`` sits inside autocast; and
     an opaque operator of a compiled graph computes in its inputs' dtypes, whether or not the graph
     runs under the caller's autocast."""
-    if _autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-@constant_under_compile  # sound: the autocast state is part of every compiled graph's global-state guard
-def _autocast_enabled(device_type: str) -> bool:
-    return device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+    if device_type in ("cuda", "cpu") and autocast_dtype(device_type) is not None:
+        return autocast(device_type=device_type, enabled=False)
+    return nullcontext()
 
 
 def interpreter_enabled() -> bool:
@@ -154,7 +181,7 @@ COMPILED_AS_REFERENCE: dict[str, tuple[torch.dtype, ...]] = {
 def traced_as_reference(op: str, dtype: torch.dtype, backend: str | None = None) -> bool:
     """True while ``torch.compile`` traces ``op`` on an input of ``dtype`` that ``COMPILED_AS_REFERENCE``
     names, with the default backend: the caller then returns its reference's result."""
-    return torch.compiler.is_compiling() and _named_as_reference(op, dtype, backend)
+    return is_compiling() and _named_as_reference(op, dtype, backend)
 
 
 @constant_under_compile
@@ -165,7 +192,7 @@ def _named_as_reference(op: str, dtype: torch.dtype, backend: str | None) -> boo
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The references' arithmetic dtype: float32 for half-precision inputs (as the kernels compute),
     float32/64 in their own dtype."""
-    return torch.float32 if t.dtype.is_floating_point and t.dtype.itemsize == 2 else t.dtype
+    return float32 if t.dtype.is_floating_point and t.dtype.itemsize == 2 else t.dtype
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

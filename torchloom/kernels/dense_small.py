@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import use_triton
@@ -206,8 +208,8 @@ def dense_small_backward(
     ``torch.ops.torchloom.dense_small_backward`` (``out`` is then copied into)."""
     if not use_triton(g, backend):
         return dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
-    if torch.compiler.is_compiling():
-        dx, dw, db = torch.ops.torchloom.dense_small_backward(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
+    if is_compiling():
+        dx, dw, db = torchloom_ops.dense_small_backward(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
         dw_out, db_out = out if out is not None else (None, None)
         dw = dw_out.copy_(dw) if dw_out is not None else dw
         db = (db_out.copy_(db) if db_out is not None else db) if has_bias else None

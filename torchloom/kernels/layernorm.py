@@ -39,6 +39,8 @@ from typing import Optional  # (the operators' schemas are read from their annot
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import cast, compute_dtype, traced_as_reference, use_kernel
@@ -70,7 +72,7 @@ def layernorm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[
     xc = cast(x, dt)
     mean = xc.mean(dim=-1)
     centered = xc - mean.unsqueeze(-1)
-    rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
+    rstd = (centered.square().mean(dim=-1) + eps).rsqrt()
     y = centered * rstd.unsqueeze(-1) * cast(weight, dt) + cast(bias, dt)
     return cast(y, x.dtype), mean, rstd
 
@@ -292,8 +294,8 @@ def tiled_forward(
     """``(y, mean or None, rstd)`` of LayerNorm (``rms=False``) or RMSNorm (``rms=True``, no bias)
     through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``. While
     ``torch.compile`` traces: the operator ``torch.ops.torchloom.norm_forward``."""
-    if torch.compiler.is_compiling():
-        y, mean, rstd = torch.ops.torchloom.norm_forward(x, weight, bias, eps, rms)
+    if is_compiling():
+        y, mean, rstd = torchloom_ops.norm_forward(x, weight, bias, eps, rms)
         return y, (None if rms else mean), rstd
     x2 = _dense(x)
     n = x2.shape[-1]
@@ -317,8 +319,8 @@ def tiled_backward(
     """``(dx, dw, db or None)`` of LayerNorm (``mean`` given) or RMSNorm (``mean=None``) through the
     tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s. While ``torch.compile``
     traces: the operator ``torch.ops.torchloom.norm_backward``."""
-    if torch.compiler.is_compiling():
-        dx, sums = torch.ops.torchloom.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
+    if is_compiling():
+        dx, sums = torchloom_ops.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
         return dx, sums[0], (sums[1] if has_bias else None)
     x2, g2 = _dense(x), _dense(grad_out)
     n = x2.shape[-1]

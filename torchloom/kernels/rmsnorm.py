@@ -33,7 +33,7 @@ __all__ = ["rmsnorm_ref", "rmsnorm_backward_ref", "rmsnorm", "rmsnorm_backward"]
 def rmsnorm_ref(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``x [..., n]``, ``weight [n]`` → ``(y [..., n] in x's dtype, rstd [...] in the compute dtype)``."""
     xc = cast(x, compute_dtype(x))
-    rstd = torch.rsqrt(xc.square().mean(dim=-1) + eps)
+    rstd = (xc.square().mean(dim=-1) + eps).rsqrt()
     y = xc * rstd.unsqueeze(-1) * cast(weight, xc.dtype)
     return cast(y, x.dtype), rstd
 

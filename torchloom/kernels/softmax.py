@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import row_settings, cast, compute_dtype, traced_as_reference, use_kernel
@@ -38,7 +40,7 @@ __all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward",
 def softmax_ref(x: Tensor, temperature: float = 1.0) -> Tensor:
     """``softmax(x / T)`` over the last dimension; ``x [..., C]`` → ``p [..., C]`` in ``x``'s dtype."""
     xc = cast(x, compute_dtype(x))
-    return cast(torch.softmax(xc / temperature, dim=-1), x.dtype)
+    return cast((xc / temperature).softmax(dim=-1), x.dtype)
 
 
 def softmax_backward_ref(grad_out: Tensor, p: Tensor, temperature: float = 1.0) -> Tensor:
@@ -199,8 +201,8 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
     operator ``torch.ops.torchloom.softmax``)."""
     if not use_kernel(x, backend) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
         return softmax_ref(x, temperature)
-    if torch.compiler.is_compiling():
-        return torch.ops.torchloom.softmax(x, float(temperature))
+    if is_compiling():
+        return torchloom_ops.softmax(x, float(temperature))
     return _launch_softmax(x, temperature)
 
 
@@ -210,6 +212,6 @@ def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, back
     (the reference, or the operator ``torch.ops.torchloom.softmax_backward``)."""
     if not use_kernel(p, backend) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
         return softmax_backward_ref(grad_out, p, temperature)
-    if torch.compiler.is_compiling():
-        return torch.ops.torchloom.softmax_backward(grad_out, p, float(temperature))
+    if is_compiling():
+        return torchloom_ops.softmax_backward(grad_out, p, float(temperature))
     return _launch_softmax_backward(grad_out, p, temperature)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import elementwise_settings, cast, compute_dtype, traced_as_reference, use_kernel
@@ -38,14 +40,14 @@ def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) ⊙ up``; ``gate``, ``up`` of one shape → the same shape, in ``gate``'s dtype."""
     dt = compute_dtype(gate)
     g, u = cast(gate, dt), cast(up, dt)
-    return cast(g * torch.sigmoid(g) * u, gate.dtype)
+    return cast(g * g.sigmoid() * u, gate.dtype)
 
 
 def swiglu_backward_ref(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """``(d_gate, d_up)`` from the gradient ``grad`` w.r.t. ``silu(gate) ⊙ up`` (all of one shape)."""
     dt = compute_dtype(gate)
     da, g, u = cast(grad, dt), cast(gate, dt), cast(up, dt)
-    s = torch.sigmoid(g)
+    s = g.sigmoid()
     d_gate = da * u * s * (1.0 + g * (1.0 - s))
     d_up = da * g * s
     return cast(d_gate, gate.dtype), cast(d_up, up.dtype)
@@ -140,8 +142,8 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     ``torch.ops.torchloom.swiglu``."""
     if not use_kernel(gate, backend) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_ref(gate, up)
-    if torch.compiler.is_compiling():
-        return torch.ops.torchloom.swiglu(gate, up)
+    if is_compiling():
+        return torchloom_ops.swiglu(gate, up)
     g, u = gate.contiguous(), up.contiguous()
     a = torch.empty_like(g)
     block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
@@ -163,10 +165,10 @@ def swiglu_backward(
     (fresh outputs)."""
     if not use_kernel(gate, backend) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_backward_ref(grad, gate, up)
-    if torch.compiler.is_compiling():
+    if is_compiling():
         if out_gate is grad and grad.is_contiguous() and grad.shape == gate.shape and grad.dtype == gate.dtype:
-            return grad, torch.ops.torchloom.swiglu_backward_(grad, gate, up)
-        return torch.ops.torchloom.swiglu_backward(grad, gate, up)
+            return grad, torchloom_ops.swiglu_backward_(grad, gate, up)
+        return torchloom_ops.swiglu_backward(grad, gate, up)
     da, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
     fits = out_gate is not None and out_gate.is_contiguous() and out_gate.shape == g.shape and out_gate.dtype == g.dtype
     d_gate, d_up = (out_gate if fits else torch.empty_like(g)), torch.empty_like(u)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch import Tensor
+from torch import Tensor, erf, exp, full_like, ones_like, relu, sigmoid, tanh, where, zeros
+from torch.ops import aten
+
+# The formulas call torch's functions by these imported names: torch.compile traces them inside every
+# layer, and the ``torch`` module read from this module's globals too added an aliasing check to each
+# compiled call (see kernels/_triton.py, autocast).
 
 __all__ = ["Activation", "get_activation", "ACTIVATIONS", "activation_names"]
 
@@ -54,7 +58,7 @@ class ReLU(Activation):
     name = "relu"
 
     def forward(self, x):
-        return torch.relu(x)
+        return relu(x)
 
     def derivative(self, x):  # f'(0) = 0, as Loom
         return (x > 0).to(x.dtype)
@@ -66,42 +70,42 @@ class ReLU(Activation):
         # A NaN pre-activation makes the output NaN, so the step it belongs to is skipped either way.
         # Twice differentiable as ``where`` is: w.r.t. ``grad_out`` the same mask, w.r.t. ``x`` zero.
         if grad_out.dtype == x.dtype:
-            return torch.ops.aten.threshold_backward(grad_out, x, 0)
-        return torch.where(x > 0, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
+            return aten.threshold_backward(grad_out, x, 0)
+        return where(x > 0, grad_out, zeros((), dtype=grad_out.dtype, device=grad_out.device))
 
 
 class LeakyReLU(Activation):
     name = "leaky_relu"
 
     def forward(self, x):
-        return torch.where(x >= 0, x, x * _LEAKY_SLOPE)
+        return where(x >= 0, x, x * _LEAKY_SLOPE)
 
     def derivative(self, x):  # 1 if x > 0 else 0.01 (Loom: f'(0) = 0.01)
-        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, _LEAKY_SLOPE))
+        return where(x > 0, ones_like(x), full_like(x, _LEAKY_SLOPE))
 
     def grad(self, grad_out, x):
-        return torch.where(x > 0, grad_out, grad_out * _LEAKY_SLOPE)
+        return where(x > 0, grad_out, grad_out * _LEAKY_SLOPE)
 
 
 class ReLU2(Activation):
     name = "relu2"
 
     def forward(self, x):
-        r = torch.relu(x)
+        r = relu(x)
         return r * r
 
     def derivative(self, x):
-        return 2.0 * torch.relu(x)
+        return 2.0 * relu(x)
 
 
 class Sigmoid(Activation):
     name = "sigmoid"
 
     def forward(self, x):
-        return torch.sigmoid(x)
+        return sigmoid(x)
 
     def derivative(self, x):
-        s = torch.sigmoid(x)
+        s = sigmoid(x)
         return s * (1.0 - s)
 
 
@@ -109,10 +113,10 @@ class Tanh(Activation):
     name = "tanh"
 
     def forward(self, x):
-        return torch.tanh(x)
+        return tanh(x)
 
     def derivative(self, x):
-        t = torch.tanh(x)
+        t = tanh(x)
         return 1.0 - t * t
 
 
@@ -120,10 +124,10 @@ class SiLU(Activation):
     name = "silu"
 
     def forward(self, x):
-        return x * torch.sigmoid(x)
+        return x * sigmoid(x)
 
     def derivative(self, x):
-        s = torch.sigmoid(x)
+        s = sigmoid(x)
         return s * (1.0 + x * (1.0 - s))
 
 
@@ -133,11 +137,11 @@ class GELU(Activation):
     name = "gelu"
 
     def forward(self, x):
-        return x * 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
+        return x * 0.5 * (1.0 + erf(x * _INV_SQRT_2))
 
     def derivative(self, x):
-        cdf = 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
-        pdf = torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
+        pdf = exp(-0.5 * x * x) * _INV_SQRT_2PI
         return cdf + x * pdf
 
 
@@ -148,11 +152,11 @@ class GELUTanh(Activation):
     name = "gelu_tanh"
 
     def forward(self, x):
-        return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
+        return 0.5 * x * (1.0 + tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
 
     def derivative(self, x):
         u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
-        t = torch.tanh(u)
+        t = tanh(u)
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
 
@@ -169,12 +173,12 @@ class GELULoom(Activation):
 
     def forward(self, x):
         v = x.double()
-        return (0.5 * v * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))).to(x.dtype)
+        return (0.5 * v * (1.0 + tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))).to(x.dtype)
 
     def derivative(self, x):
         v = x.double()
-        cdf = 0.5 * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))
-        pdf = torch.exp(-0.5 * v * v) * _INV_SQRT_2PI
+        cdf = 0.5 * (1.0 + tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))
+        pdf = exp(-0.5 * v * v) * _INV_SQRT_2PI
         return (cdf + v * pdf).to(x.dtype)
 
 
@@ -185,7 +189,7 @@ class Linear(Activation):
         return x
 
     def derivative(self, x):
-        return torch.ones_like(x)
+        return ones_like(x)
 
     def grad(self, grad_out, x):
         return grad_out

@@ -43,9 +43,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
+from torch.ops import aten
 
-from ..kernels._triton import autocast_off  # noqa: F401 - the layers' and methods' name for it
-from ..kernels._triton import constant_under_compile
+# the layers' and methods' names for the autocast helpers, which the kernels share
+from ..kernels._triton import autocast_dtype, autocast_off, cast_for_autocast  # noqa: F401
 
 __all__ = [
     "Layer",
@@ -147,30 +149,6 @@ def gather_param_grads(owner: nn.Module, children, child_grads) -> tuple[Tensor,
 
 
 # ------------------------------------------------------------------------------ mixed precision
-@constant_under_compile  # sound: the autocast state is part of every compiled graph's global-state guard
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` casts matrix products to on ``device_type`` ("cuda", "cpu"), or
-    ``None`` when autocast is off there."""
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (RuntimeError, ValueError):  # a device type autocast does not know
-        return None
-    return None
-
-
-def cast_for_autocast(device_type: str, *tensors: Tensor | None) -> tuple[torch.dtype | None, tuple[Tensor | None, ...]]:
-    """``(dtype, tensors)``: under autocast on ``device_type``, every float32/float16/bfloat16 tensor
-    cast to the autocast dtype (float64 and integer tensors and ``None`` pass unchanged, as autocast
-    leaves them); otherwise ``(None, tensors)`` unchanged."""
-    dt = autocast_dtype(device_type)
-    if dt is None:
-        return None, tensors
-    return dt, tuple(
-        t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors
-    )
-
-
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
@@ -214,9 +192,9 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     first copy — ``t.sum(0)``. Under ``torch.compile``, ``t.sum(0)`` too: the compiler plans the
     reduction's memory itself, and reading strides while it traces a backward makes Dynamo trace that
     backward again (which, inside the backward's ``autocast_off``, leaves autocast switched off)."""
-    if torch.compiler.is_compiling():
+    if not t.is_cuda or is_compiling():
         return t.sum(0) if out is None else torch.sum(t, 0, out=out)
-    gemv = t.is_cuda and t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type)
+    gemv = t.dim() == 2 and t.is_floating_point() and not torch.is_autocast_enabled(t.device.type)
     gemv = gemv and (out is None or out.dtype == t.dtype) and (t.stride(1) == 1 or t.stride(0) == 1)
     if gemv:
         ones = torch.ones(t.shape[0], dtype=t.dtype, device=t.device)
@@ -230,8 +208,8 @@ def output_view(t: Tensor, *shape: int) -> Tensor:
     ``t``'s storage (``aten._unsafe_view``, which PyTorch's own ``matmul`` returns for such a reshape):
     a compiled graph's output that is a view of an intermediate makes AOTAutograd rebuild the view in
     Python on every call."""
-    if torch.compiler.is_compiling():
-        return torch.ops.aten._unsafe_view(t, shape)
+    if is_compiling():
+        return aten._unsafe_view(t, shape)
     return t.view(*shape)
 
 
@@ -248,11 +226,11 @@ def mm_sum(a: list[Tensor], b: list[Tensor]) -> Tensor:
     further product). The previous compiled form, an opaque operator around the eager chain, avoided
     that copy, yet its graphed step measured slower (H200, bfloat16: SwiGLU's 0.80 against 0.76 ms
     traced; host time included, no difference beyond the noise; bench/RESULTS.md §10, run K)."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         with autocast_off(a[0].device.type):  # a compiled backward may run under the caller's autocast
-            out = torch.mm(a[0], b[0])
+            out = a[0].mm(b[0])
             for x, w in zip(a[1:], b[1:]):
-                out = torch.addmm(out, x, w)
+                out = out.addmm(x, w)
         return out
     out = torch.mm(a[0], b[0])
     for x, w in zip(a[1:], b[1:]):

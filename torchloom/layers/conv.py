@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn
+from torch.ops import aten
 
 from .activations import Activation, get_activation
 from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
@@ -119,7 +120,7 @@ def _conv_products(grad_out, x, weight, pre, activation, has_bias, stride, paddi
     g_pre = activation.grad(grad_out, pre)
     # One explicit primitive computes the three products (it is what torch.nn.grad.conv*d_input /
     # conv*d_weight call); output_mask skips what is not needed.
-    return torch.ops.aten.convolution_backward(
+    return aten.convolution_backward(
         g_pre,
         x,
         weight,
@@ -147,7 +148,7 @@ class ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward(f"Conv{len(ctx.stride)}D")
         x, weight, pre = ctx.saved_tensors
         grad_x, (grad_w, grad_b) = _conv_backward(
@@ -265,7 +266,7 @@ class _ConvND(Layer):
 
     def _check(self, x: Tensor) -> None:
         w = self.weight  # the common case reads only tensors (guarded by torch.compile already) and padding
-        if isinstance(x, Tensor) and x.dim() == w.dim() and x.shape[1] == w.shape[1] and x.dtype == w.dtype:
+        if is_tensor(x) and x.dim() == w.dim() and x.shape[1] == w.shape[1] and x.dtype == w.dtype:
             if all(n + 2 * p >= k for n, k, p in zip(x.shape[2:], w.shape[2:], self.padding)):
                 return
         name, nd = type(self).__name__, self.ndim

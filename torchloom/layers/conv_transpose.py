@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn, no_grad
+from torch.ops import aten
 
 from .activations import Activation, get_activation
 from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
@@ -86,7 +87,7 @@ def _conv_transpose_forward(x, weight, bias, stride, padding, output_padding, ac
     dev = x.device.type
     dtypes = (x.dtype, weight.dtype)
     cast_to, (x, weight, bias) = cast_for_autocast(dev, x, weight, bias)
-    with torch.no_grad(), autocast_off(dev):
+    with no_grad(), autocast_off(dev):
         pre = _FNS[nd](x, weight, bias, stride, padding, output_padding)
         y = activation.forward(pre)
     return y, x, weight, pre, dtypes if cast_to is not None else None
@@ -108,9 +109,9 @@ def _conv_transpose_backward(grad_out, x, weight, pre, activation, has_bias, str
     nd = weight.dim() - 2
     if grad_out.dtype != pre.dtype:
         grad_out = grad_out.to(pre.dtype)
-    with torch.no_grad(), autocast_off(x.device.type):
+    with no_grad(), autocast_off(x.device.type):
         g_pre = activation.grad(grad_out, pre)
-        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        grad_x, grad_w, grad_b = aten.convolution_backward(
             g_pre.contiguous(),
             x,
             weight,
@@ -142,7 +143,7 @@ class ConvTransposeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward(f"ConvTranspose{len(ctx.meta[2])}D")
         x, weight, pre = ctx.saved_tensors
         grad_x, (grad_w, grad_b) = _conv_transpose_backward(grad_out.contiguous(), x, weight, pre, *ctx.meta,
@@ -249,7 +250,7 @@ class _ConvTransposeND(Layer):
 
     def _check(self, x: Tensor) -> None:
         name, nd = type(self).__name__, self.ndim
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
         fits = x.dim() == nd + 2 and x.shape[1] == self.in_channels and all(n >= 1 for n in x.shape[2:])
         fits = fits and all(o >= 1 for o in self.output_shape(tuple(x.shape[2:])))

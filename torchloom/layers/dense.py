@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn
 
 from .activations import Activation, get_activation
 from .base import column_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
@@ -64,7 +64,7 @@ def _dense_forward(x: Tensor, weight: Tensor, bias: Tensor | None, activation: A
     cast_to, (x, weight, bias) = cast_for_autocast(dev, x, weight, bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     with autocast_off(dev):
-        pre = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        pre = x2.mm(weight.t()) if bias is None else bias.addmm(x2, weight.t())
         if x.dim() != 2:
             pre = output_view(pre, *x.shape[:-1], weight.shape[0])
         y = activation.forward(pre)
@@ -112,16 +112,16 @@ def _dense_backward(grad_out, x, weight, pre, activation, has_bias, dtypes, need
         if not flat:
             g_pre = g_pre.reshape(-1, weight.shape[0])
         if dtypes is not None:  # computed in the autocast dtype, returned in each tensor's own
-            grad_w = _into(torch.mm(g_pre.t(), x2), w_out).to(dtypes[1])
+            grad_w = _into(g_pre.t().mm(x2), w_out).to(dtypes[1])
             grad_b = _into(column_sum(g_pre), b_out).to(dtypes[1]) if has_bias else None
         else:
-            grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else torch.mm(g_pre.t(), x2)
+            grad_w = torch.mm(g_pre.t(), x2, out=w_out) if w_out is not None else g_pre.t().mm(x2)
             grad_b = None
             if has_bias:
                 grad_b = column_sum(g_pre, out=b_out)
         grad_x = None
         if needs_input_grad:
-            grad_x = torch.mm(g_pre, weight) if flat else torch.mm(g_pre, weight).view(x.shape)
+            grad_x = g_pre.mm(weight) if flat else g_pre.mm(weight).view(x.shape)
             if dtypes is not None:
                 grad_x = grad_x.to(dtypes[0])
     return grad_x, (grad_w, grad_b)
@@ -155,7 +155,7 @@ class DenseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, pre, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative will be asked for
+        if is_grad_enabled():  # create_graph=True: a second derivative will be asked for
             if ctx.dtypes is not None:
                 forbid_double_backward("Dense (run under torch.autocast)")
             grad_x, grad_w, grad_b = _dense_backward_graph(grad_out, x, weight, bias, ctx.activation)
@@ -229,7 +229,7 @@ class Dense(Layer):
 
     def _check(self, x: Tensor) -> None:
         w = self.weight  # the common case reads only tensors, which torch.compile guards already
-        if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
+        if is_tensor(x) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
             return
         if not isinstance(x, Tensor):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, _assert_async, is_grad_enabled, is_tensor, nn
+from torch.compiler import is_compiling
 
 from .activations import Activation, get_activation
 from .base import forbid_double_backward, host_checks_enabled, Layer
@@ -60,16 +61,16 @@ def check_indices(x: Tensor, num_embeddings: int, owner: str = "Embedding", chec
     check reads back min and max (one host sync on CUDA). Under ``torch.compile`` it is a
     device-side assertion in the graph instead (``torch._assert_async``: no host read, no graph
     break), which raises ``RuntimeError`` with the same message when the graph runs."""
-    if not isinstance(x, Tensor):
+    if not is_tensor(x):
         raise TypeError(f"{owner}: input must be a torch.Tensor of integer indices, got {type(x).__name__}")
     if x.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{owner}: input must hold integer indices (int64, int32, ...), got dtype {x.dtype}")
     if x.dim() < 1:
         raise ValueError(f"{owner}: input must have shape [batch, ...] (at least 1-d), got {list(x.shape)}")
     if check_range and x.numel() > 0 and host_checks_enabled():
-        if torch.compiler.is_compiling():  # no host read in a compiled graph: a device-side assertion
+        if is_compiling():  # no host read in a compiled graph: a device-side assertion
             in_range = ((x >= 0) & (x < num_embeddings)).all()
-            torch._assert_async(in_range, f"{owner}: indices must lie in [0, {num_embeddings})")
+            _assert_async(in_range, f"{owner}: indices must lie in [0, {num_embeddings})")
             return
         lo, hi = torch.aminmax(x)
         lo, hi = int(lo), int(hi)
@@ -125,7 +126,7 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward("Embedding")
         x, pre = ctx.saved_tensors
         grad_w = _embedding_backward(grad_out.contiguous(), x, ctx.num_embeddings, ctx.weight_dtype, pre, ctx.activation)

@@ -24,7 +24,7 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn
 
 from .base import Layer, forbid_double_backward
 
@@ -34,17 +34,10 @@ __all__ = [
 ]
 
 
-def _kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import rmsnorm as kernels
-
-    return kernels
-
-
-def _ln_kernels():
-    from ..kernels import layernorm as kernels
-
-    return kernels
+# The kernel functions are imported where they are called: a kernel module imports Triton, which
+# ``import torchloom`` must not; and a function imported by name leaves a compiled graph one guard,
+# where reading it from the module object (``kernels.rmsnorm``) also made Dynamo check, on every call,
+# that this module object is the one the kernel's own code runs in.
 
 
 def _check_size(n: int, layer: str) -> None:
@@ -58,7 +51,7 @@ def _check_eps(eps: float, layer: str) -> None:
 
 
 def _check_input(x: Tensor, n: int, layer: nn.Module) -> None:
-    if not isinstance(x, Tensor):
+    if not is_tensor(x):
         raise TypeError(f"{layer!r}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2 or x.shape[-1] != n:
         raise ValueError(f"{layer!r}: input must have shape [batch, ..., {n}], got {list(x.shape)}")
@@ -79,7 +72,9 @@ class RMSNormSaved(NamedTuple):
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, RMSNormSaved]:
     """``y = x / sqrt(mean(x²) + eps) · weight`` over the last dim of ``x [..., n]``. No autograd."""
-    y, rstd = _kernels().rmsnorm(x, weight, eps)
+    from ..kernels.rmsnorm import rmsnorm
+
+    y, rstd = rmsnorm(x, weight, eps)
     return y, RMSNormSaved(x, weight, rstd)
 
 
@@ -89,7 +84,9 @@ def rms_norm_backward(
     """Hand-written backward: ``dx = r·(gw − x̂·mean(gw ⊙ x̂))``, ``dw = Σ_rows gy ⊙ x̂``.
     Returns ``(dx or None, (dw,))``."""
     x, weight, rstd = saved
-    dx, dw = _kernels().rmsnorm_backward(grad_out, x, weight, rstd)
+    from ..kernels.rmsnorm import rmsnorm_backward
+
+    dx, dw = rmsnorm_backward(grad_out, x, weight, rstd)
     return (dx if needs_input_grad else None), (dw,)
 
 
@@ -98,16 +95,20 @@ class RMSNormFunction(torch.autograd.Function):
     # NamedTuple built while torch.compile traces adds ~20 guards to every compiled call.
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _kernels().rmsnorm(x, weight, eps)
+        from ..kernels.rmsnorm import rmsnorm
+
+        y, rstd = rmsnorm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # forbid_double_backward's question, asked here: one call fewer to trace
+        if is_grad_enabled():  # forbid_double_backward's question, asked here: one call fewer to trace
             forbid_double_backward("RMSNorm")
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = _kernels().rmsnorm_backward(grad_out, x, weight, rstd)
+        from ..kernels.rmsnorm import rmsnorm_backward
+
+        dx, dw = rmsnorm_backward(grad_out, x, weight, rstd)
         return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 
@@ -177,7 +178,9 @@ class LayerNormSaved(NamedTuple):
 def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, LayerNormSaved]:
     """``y = (x − mean) / sqrt(var + eps) · weight + bias`` (biased variance) over the last dim of
     ``x [..., n]``. No autograd. Half precision is computed in float32."""
-    y, mean, rstd = _ln_kernels().layernorm(x, weight, bias, eps)
+    from ..kernels.layernorm import layernorm
+
+    y, mean, rstd = layernorm(x, weight, bias, eps)
     return y, LayerNormSaved(x, weight, mean, rstd)
 
 
@@ -187,7 +190,9 @@ def layer_norm_backward(
     """Hand-written backward: ``dx = r·(gw − mean(gw) − x̂·mean(gw ⊙ x̂))``, ``dw = Σ_rows gy ⊙ x̂``,
     ``db = Σ_rows gy``. Returns ``(dx or None, (dw, db))``."""
     x, weight, mean, rstd = saved
-    dx, dw, db = _ln_kernels().layernorm_backward(grad_out, x, weight, mean, rstd)
+    from ..kernels.layernorm import layernorm_backward
+
+    dx, dw, db = layernorm_backward(grad_out, x, weight, mean, rstd)
     return (dx if needs_input_grad else None), (dw, db)
 
 
@@ -195,16 +200,20 @@ class LayerNormFunction(torch.autograd.Function):
     # As RMSNormFunction: the ops of layer_norm_forward / layer_norm_backward, without the record.
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = _ln_kernels().layernorm(x, weight, bias, eps)
+        from ..kernels.layernorm import layernorm
+
+        y, mean, rstd = layernorm(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward("LayerNorm")
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _ln_kernels().layernorm_backward(grad_out, x, weight, mean, rstd)
+        from ..kernels.layernorm import layernorm_backward
+
+        dx, dw, db = layernorm_backward(grad_out, x, weight, mean, rstd)
         return (dx if ctx.needs_input_grad[0] else None), dw, db, None
 
 

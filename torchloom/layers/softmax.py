@@ -18,18 +18,11 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, is_grad_enabled, is_tensor
 
 from .base import Layer, forbid_double_backward
 
 __all__ = ["Softmax", "SoftmaxFunction", "SoftmaxSaved", "softmax", "softmax_forward", "softmax_backward"]
-
-
-def _kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import softmax as kernels
-
-    return kernels
 
 
 class SoftmaxSaved(NamedTuple):
@@ -57,12 +50,17 @@ def softmax_backward(grad_out: Tensor, saved: SoftmaxSaved, needs_input_grad: bo
 
 # The bodies of softmax_forward / softmax_backward on plain arguments, which SoftmaxFunction calls: a
 # saved record (a NamedTuple) built while torch.compile traces adds ~20 guards to every compiled call.
+# The kernel functions are imported here, on first use: the kernel module imports Triton (see norm.py).
 def _softmax(x: Tensor, dim: int, temperature: float) -> Tensor:
-    return _kernels().softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
+    from ..kernels.softmax import softmax
+
+    return softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
 
 
 def _softmax_grad(grad_out: Tensor, p: Tensor, dim: int, temperature: float) -> Tensor:
-    return _kernels().softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature).movedim(-1, dim)
+    from ..kernels.softmax import softmax_backward
+
+    return softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature).movedim(-1, dim)
 
 
 class SoftmaxFunction(torch.autograd.Function):
@@ -75,7 +73,7 @@ class SoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward("Softmax")
         if not ctx.needs_input_grad[0]:
             return None, None, None
@@ -119,7 +117,7 @@ class Softmax(Layer):
 
     def _check(self, x: Tensor) -> int:
         """Validate ``x`` and return ``dim`` as a non-negative index."""
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"{self!r}: input must be a floating-point tensor, got dtype {x.dtype}")

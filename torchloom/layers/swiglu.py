@@ -24,23 +24,16 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn
 
 from .base import column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
 
 
-def _kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import swiglu as kernels
-
-    return kernels
-
-
 def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x2 [rows, in] Wᵀ + b`` → ``[rows, out]``."""
-    return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return x2.mm(weight.t()) if bias is None else bias.addmm(x2, weight.t())
 
 
 class SwiGLUSaved(NamedTuple):
@@ -86,10 +79,12 @@ def _swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
     cast_to, tensors = cast_for_autocast(dev, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = tensors
     x2 = x.reshape(-1, x.shape[-1])
+    from ..kernels.swiglu import swiglu as swiglu_gate  # here: the kernels import Triton (see norm.py)
+
     with autocast_off(dev):
         g = _linear(x2, gate_weight, gate_bias)
         u = _linear(x2, up_weight, up_bias)
-        a = _kernels().swiglu(g, u)
+        a = swiglu_gate(g, u)
         y = output_view(_linear(a, down_weight, down_bias), *x.shape[:-1], down_weight.shape[0])
     return y, (x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None)
 
@@ -108,21 +103,22 @@ def swiglu_backward(
 
 def _swiglu_backward(grad_out, x, g, u, a, gate_weight, up_weight, down_weight, has_bias, dtypes, needs_input_grad):
     h = down_weight.shape[0]
-    kernels = _kernels()
+    from ..kernels.swiglu import swiglu as swiglu_gate, swiglu_backward as swiglu_gate_backward
+
     with autocast_off(x.device.type):
         gy = grad_out.reshape(-1, h)
         if gy.dtype != g.dtype:
             gy = gy.to(g.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if a is None:
-            a = kernels.swiglu(g, u)
-        d_down = torch.mm(gy.t(), a)  # [h, m]: the correct orientation (Loom's code transposes it)
+            a = swiglu_gate(g, u)
+        d_down = gy.t().mm(a)  # [h, m]: the correct orientation (Loom's code transposes it)
         del a  # a recomputed intermediate is freed here
-        da = torch.mm(gy, down_weight)  # [rows, m]
-        dg, du = kernels.swiglu_backward(da, g, u, out_gate=da)  # dg over da: one [rows, m] less
+        da = gy.mm(down_weight)  # [rows, m]
+        dg, du = swiglu_gate_backward(da, g, u, out_gate=da)  # dg over da: one [rows, m] less
         del da
-        d_gate = torch.mm(dg.t(), x2)
-        d_up = torch.mm(du.t(), x2)
+        d_gate = dg.t().mm(x2)
+        d_up = du.t().mm(x2)
         grads: tuple[Tensor, ...] = (d_gate, d_up, d_down)
         if has_bias:
             grads += (column_sum(dg), column_sum(du), column_sum(gy))
@@ -152,7 +148,7 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             forbid_double_backward("SwiGLU")
         x, g, u, gw, uw, dw = ctx.saved_tensors
         dx, grads = _swiglu_backward(grad_out, x, g, u, None, gw, uw, dw, ctx.has_bias, ctx.dtypes, ctx.needs_input_grad[0])
@@ -237,9 +233,9 @@ class SwiGLU(Layer):
 
     def _check(self, x: Tensor) -> None:
         w = self.gate_weight  # the common case reads only tensors, which torch.compile guards already
-        if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
+        if is_tensor(x) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
             return
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2 or x.shape[-1] != self.hidden:
             raise ValueError(
