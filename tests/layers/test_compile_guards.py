@@ -25,8 +25,11 @@ from torchloom.kernels import _triton
 from torchloom.layers.conv import Conv2D
 from torchloom.layers.conv_transpose import ConvTranspose2D
 from torchloom.layers.dense import Dense
+from torchloom.layers.attention import MultiHeadAttention
 from torchloom.layers.embedding import Embedding
+from torchloom.layers.lstm import LSTM
 from torchloom.layers.norm import LayerNorm, RMSNorm
+from torchloom.layers.rnn import RNN
 from torchloom.layers.softmax import Softmax
 from torchloom.layers.swiglu import SwiGLU
 
@@ -103,6 +106,11 @@ LAYERS = {
     "Softmax": (lambda: Softmax(), (5, 8)),
     "Embedding": (lambda: Embedding(10, 6, activation="tanh"), None),
 }
+RECURRENT_AND_ATTENTION = {
+    "RNN": (lambda: RNN(8, 6), (2, 5, 8)),
+    "LSTM": (lambda: LSTM(8, 6), (2, 5, 8)),
+    "MultiHeadAttention": (lambda: MultiHeadAttention(8, 2), (2, 5, 8)),
+}
 # Sources that a compiled step must not guard: the saved records (built only outside the autograd
 # Functions), the dispatch's tables and decisions, and the layers' size attributes (the weights'
 # shapes, guarded with every tensor, say the same).
@@ -168,7 +176,7 @@ def _aliasing_guards(tree: str) -> list[str]:
 
 
 @pytest.mark.parametrize("autocast_on", [False, True], ids=["float32", "autocast"])
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name", sorted(LAYERS) + sorted(RECURRENT_AND_ATTENTION))
 def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on):
     """The traced code reaches torch's functions by imported names or as tensor methods (``from torch
     import is_tensor``, ``x.mm(w)``), never as ``torch.X`` or through the ``Tensor`` class: any
@@ -176,7 +184,7 @@ def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on)
     caller's code reads too), so each further module reading it added an aliasing check to every
     compiled call. The function compiled here opens autocast through an imported name, as such a
     caller would."""
-    make, shape = LAYERS[name]
+    make, shape = {**LAYERS, **RECURRENT_AND_ATTENTION}[name]
     torch.manual_seed(0)
     layer = make()
     x = torch.randint(0, 10, (4, 3)) if shape is None else torch.randn(*shape, requires_grad=True)
@@ -188,7 +196,8 @@ def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on)
     torch._dynamo.reset()
     try:
         compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
-        compiled(x).float().square().sum().backward()
+        y = compiled(x)
+        (y[0] if isinstance(y, tuple) else y).float().square().sum().backward()
         entries = _debug_get_cache_entry_list(step.__code__)
         tree = str(entries[0].guard_manager)
     finally:

@@ -28,7 +28,9 @@ in one kernel launch (their sections below), and the loops under ``torch.compile
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, addcmul, addmm, cat, empty_like, mm, mul, sigmoid, stack, tanh, zeros, zeros_like
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from . import _replay
 from ._launch import launch as _launch_kernel, launch_traced
@@ -124,7 +126,7 @@ def _store(op, *args: Tensor, out: Tensor) -> None:
     """``op(*args, out=out)``; under ``torch.compile``, ``out.copy_(op(*args))`` (the same values).
     Dynamo traces no ``out=`` into a strided view such as one time step of a ``[B, T, H]`` buffer (a
     graph break); eager keeps the one-kernel form that the CUDA-graphed loops capture."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         out.copy_(op(*args))
     else:
         op(*args, out=out)
@@ -134,11 +136,11 @@ def lstm_cell_values(pre: Tensor, c_prev: Tensor | None) -> tuple[Tensor, Tensor
     """One forward step as fresh tensors: ``(c_t, h_t)`` ``[B, H]`` from ``pre [B, 4H]`` and ``c_{t−1}``
     (None: zero); the formulas of the module doc, in the inputs' dtype."""
     hsz = pre.shape[-1] // 4
-    act = torch.sigmoid(pre)
+    act = sigmoid(pre)
     i, f, o = act[:, :hsz], act[:, hsz : 2 * hsz], act[:, 3 * hsz :]
-    g = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
-    c = i * g if c_prev is None else torch.addcmul(i * g, f, c_prev)
-    return c, o * torch.tanh(c)
+    g = tanh(pre[:, 2 * hsz : 3 * hsz])
+    c = i * g if c_prev is None else addcmul(i * g, f, c_prev)
+    return c, o * tanh(c)
 
 
 def lstm_cell_backward_values(
@@ -147,15 +149,15 @@ def lstm_cell_backward_values(
     """One backward step as fresh tensors: ``(gPre_t [B, 4H], κ_t [B, H])`` from the carry ``κ_{t+1}``
     (None after the last step); the formulas of the module doc."""
     hsz = c.shape[-1]
-    act = torch.sigmoid(pre)
+    act = sigmoid(pre)
     i, f, o = act[:, :hsz], act[:, hsz : 2 * hsz], act[:, 3 * hsz :]
-    g = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
-    tc = torch.tanh(c)
+    g = tanh(pre[:, 2 * hsz : 3 * hsz])
+    tc = tanh(c)
     dc = dh * o * (1.0 - tc * tc)
     if kappa is not None:
         dc = dc + kappa
-    cp = torch.zeros_like(c) if c_prev is None else c_prev
-    g_pre = torch.cat((dc * g * i * (1.0 - i), dc * cp * f * (1.0 - f), dc * i * (1.0 - g * g), dh * tc * o * (1.0 - o)), dim=1)
+    cp = zeros_like(c) if c_prev is None else c_prev
+    g_pre = cat((dc * g * i * (1.0 - i), dc * cp * f * (1.0 - f), dc * i * (1.0 - g * g), dh * tc * o * (1.0 - o)), dim=1)
     return g_pre, dc * f
 
 
@@ -235,7 +237,7 @@ def graphs_usable(t: Tensor) -> bool:
     """True when the per-step recurrent loops on ``t``'s device may run as CUDA graphs: never while
     ``torch.compile`` traces (its tensors are fake: no buffer to keep, no graph to capture; the traced
     layer calls the loop operators or unrolls the loop instead, see "loops under torch.compile")."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return False
     return USE_CUDA_GRAPHS and t.is_cuda and t.numel() > 0 and not torch.cuda.is_current_stream_capturing()
 
@@ -558,7 +560,7 @@ def rnn_forward_loop_ref(pre: Tensor, weight_hh: Tensor, hidden: Tensor) -> None
     for t in range(pre.shape[1]):
         if t > 0:  # h_0 = 0 contributes nothing
             pre[:, t].addmm_(hidden[:, t - 1], w_hh_t)
-        _store(torch.tanh, pre[:, t], out=hidden[:, t])
+        _store(tanh, pre[:, t], out=hidden[:, t])
 
 
 def rnn_backward_loop_ref(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh: Tensor) -> None:
@@ -567,7 +569,7 @@ def rnn_backward_loop_ref(grad_out: Tensor, weight_hh: Tensor, g_pre: Tensor, dh
     T = g_pre.shape[1]
     g_pre[:, T - 1].mul_(grad_out[:, T - 1])
     for t in range(T - 2, -1, -1):
-        torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh)  # gOut_t + gPre_{t+1} W_hh
+        addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh)  # gOut_t + gPre_{t+1} W_hh
         g_pre[:, t].mul_(dh)
 
 
@@ -642,7 +644,7 @@ def compiled_fp32(a: Tensor, b: Tensor, backend: str | None) -> bool:
     launches in the graph, or, where it has no plan, as one of the opaque operators
     (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads`` in ``layers.rnn``), which choose
     cuBLAS or ``fp32_matmul`` at run time."""
-    return (torch.compiler.is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
+    return (is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
             and backend != "reference")
 
 
@@ -721,15 +723,15 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
             return _fp32_matmul.mm_traced(a, b, plan[1], bias)
         # else traced as cuBLAS's below
     # traced otherwise only where cuBLAS computes it (not float32 on CUDA): no switch read while tracing
-    precision = None if torch.compiler.is_compiling() else gemm_precision(a, b, backend)
+    precision = None if is_compiling() else gemm_precision(a, b, backend)
     if precision is not None:
         r = _fp32_matmul.mm(a, b, precision, bias)
         return r if out is None else out.copy_(r)
     if a.dim() == 3:  # [M, G, K] @ [G, K, N]: a copy, as the rows need (sizes given: M or N may be 0)
         a, b = a.reshape(a.shape[0], a.shape[1] * a.shape[2]), b.reshape(b.shape[0] * b.shape[1], b.shape[2])
     if out is None:
-        return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
-    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+        return mm(a, b) if bias is None else addmm(bias, a, b)
+    return mm(a, b, out=out) if bias is None else addmm(bias, a, b, out=out)
 
 
 def _recurrent_mm_eager(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
@@ -816,7 +818,7 @@ def _launch_rnn_loop(out: Tensor, inp: Tensor, aux: Tensor, weight_hh: Tensor, b
               ARRIVE_LIMIT=_ARRIVE_LIMIT)
 
     def plain() -> None:  # with the handshake
-        f = torch.zeros(3, dtype=torch.int32, device=out.device) if flags is None else flags
+        f = zeros(3, dtype=torch.int32, device=out.device) if flags is None else flags
         args, constants = (out, inp, aux, w, f, *strides), dict(kw, HANDSHAKE=True)
         if traced:
             launch_traced(_rnn_loop_kernel, grid, args, constants)
@@ -954,7 +956,7 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
     decides its product by ``compiled_plan``."""
     H, T = w_ih_t.shape[1], steps
     precision = None
-    if not torch.compiler.is_compiling() and rnn_loop_uses_triton(x2, batch, H, backend):
+    if not is_compiling() and rnn_loop_uses_triton(x2, batch, H, backend):
         precision = gemm_precision(x2, w_ih_t, backend)
     if precision is not None:
         hidden = x2.new_empty(batch, T, H)
@@ -962,7 +964,7 @@ def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
         rnn_forward_loop(pre, weight_hh, hidden, backend, filled=True)
         return pre, hidden
     pre = projection_mm(x2, w_ih_t, bias, backend=backend).view(batch, T, H)
-    hidden = torch.empty_like(pre)
+    hidden = empty_like(pre)
     rnn_forward_loop(pre, weight_hh, hidden, backend)
     return pre, hidden
 
@@ -974,7 +976,7 @@ def rnn_backward_loop(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, g_pre
     B, _, H = g_pre.shape
     if not rnn_loop_uses_triton(g_pre, B, H, backend) or not _launch_or_fallback(
             "RNN", g_pre, H, lambda: _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True)):
-        torch.mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
+        mul(hidden, hidden, out=g_pre).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         rnn_backward_loop_ref(grad_out, weight_hh, g_pre, g_pre.new_empty(B, H))
 
 
@@ -1161,7 +1163,7 @@ def lstm_backward_loop_steps(grad_out: Tensor, pre: Tensor, cell: Tensor, weight
     [B, T, 4H]`` and the carry over ``kappa [B, H]``."""
     T = pre.shape[1]
     for t in range(T - 1, -1, -1):
-        dh = grad_out[:, t] if t == T - 1 else torch.addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh_buf)
+        dh = grad_out[:, t] if t == T - 1 else addmm(grad_out[:, t], g_pre[:, t + 1], weight_hh, out=dh_buf)
         lstm_cell_backward(pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa, g_pre[:, t],
                            has_kappa=t < T - 1, backend=backend)
 
@@ -1218,12 +1220,12 @@ def lstm_forward_loop_unrolled(proj: Tensor, weight_hh: Tensor) -> tuple[Tensor,
     pres, cells, hiddens = [], [], []
     c = h = None
     for t in range(proj.shape[1]):
-        p = proj[:, t] if t == 0 else torch.addmm(proj[:, t], h, w_hh_t)
+        p = proj[:, t] if t == 0 else addmm(proj[:, t], h, w_hh_t)
         c, h = lstm_cell_values(p, c)
         pres.append(p)
         cells.append(c)
         hiddens.append(h)
-    return torch.stack(pres, 1), torch.stack(cells, 1), torch.stack(hiddens, 1)
+    return stack(pres, 1), stack(cells, 1), stack(hiddens, 1)
 
 
 def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor) -> Tensor:
@@ -1233,9 +1235,9 @@ def lstm_backward_loop_unrolled(grad_out: Tensor, pre: Tensor, cell: Tensor, wei
     g_pres: list = [None] * T
     kappa = None
     for t in range(T - 1, -1, -1):
-        dh = grad_out[:, t] if t == T - 1 else torch.addmm(grad_out[:, t], g_pres[t + 1], weight_hh)
+        dh = grad_out[:, t] if t == T - 1 else addmm(grad_out[:, t], g_pres[t + 1], weight_hh)
         g_pres[t], kappa = lstm_cell_backward_values(pre[:, t], cell[:, t], cell[:, t - 1] if t > 0 else None, dh, kappa)
-    return torch.stack(g_pres, 1)
+    return stack(g_pres, 1)
 
 
 def replay_key(name: str) -> tuple:
@@ -1257,7 +1259,7 @@ def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_h
 
 def _rnn_loop_backward(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None) -> Tensor:
     hidden = hidden.contiguous()
-    g_pre = torch.empty_like(hidden)
+    g_pre = empty_like(hidden)
     rnn_backward_loop(grad_out.contiguous(), weight_hh, hidden, g_pre, backend)
     return g_pre
 
@@ -1284,7 +1286,7 @@ def _lstm_loop_eager(proj: Tensor, weight_hh: Tensor, backend: str | None) -> tu
 
 def _lstm_loop_backward(grad_out: Tensor, pre: Tensor, cell: Tensor, weight_hh: Tensor, backend: str | None) -> Tensor:
     pre = pre.contiguous()
-    g_pre = torch.empty_like(pre)
+    g_pre = empty_like(pre)
     lstm_backward_loop(grad_out.contiguous(), pre, cell.contiguous(), weight_hh, g_pre, backend)
     return g_pre
 
@@ -1328,7 +1330,7 @@ def _rnn_forward_launched(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
     H = w_ih_t.shape[1]
     hidden = x2.new_empty(batch, steps, H)
     if products is None:  # cuBLAS
-        pre = torch.mm(x2, w_ih_t) if bias is None else torch.addmm(bias, x2, w_ih_t)
+        pre = mm(x2, w_ih_t) if bias is None else addmm(bias, x2, w_ih_t)
         filled = False
     else:  # fp32_matmul, which also writes the loop's sentinel
         pre = _projection_filling(x2, w_ih_t, bias, hidden, products, traced=True)
@@ -1339,7 +1341,7 @@ def _rnn_forward_launched(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weigh
 
 
 def _rnn_loop_backward_launched(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, precision: str) -> Tensor:
-    g_pre = torch.empty_like(hidden)
+    g_pre = empty_like(hidden)
     _launch_rnn_loop(g_pre, grad_out, hidden, weight_hh, True, precision=precision, traced=True)
     return g_pre
 
@@ -1387,7 +1389,7 @@ def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_h
     plan = compiled_plan(x2)
     if plan is None:
         return _RNN_OPS[0](x2, w_ih_t, bias, weight_hh, batch, steps, backend)
-    return torch.ops.torchloom.rnn_forward_launched(x2, w_ih_t, bias, weight_hh, batch, steps, *plan)
+    return torchloom_ops.rnn_forward_launched(x2, w_ih_t, bias, weight_hh, batch, steps, *plan)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
@@ -1398,7 +1400,7 @@ def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
     plan = compiled_plan(hidden)
     if plan is None:
         return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
-    return torch.ops.torchloom.rnn_loop_backward_launched(grad_out, weight_hh, hidden, plan[0])
+    return torchloom_ops.rnn_loop_backward_launched(grad_out, weight_hh, hidden, plan[0])
 
 
 def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:

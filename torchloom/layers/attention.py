@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, addmm, arange, cat, empty, float32, float64, is_tensor, matmul, mm, nn, no_grad
+from torch.compiler import is_compiling
 
 from .base import (
     column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
@@ -73,13 +74,6 @@ __all__ = [
     "multi_head_attention", "attention_forward", "attention_backward",
     "rope_tables", "rope_rotate", "rope_rotate_inverse",
 ]
-
-
-def _kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import softmax as kernels
-
-    return kernels
 
 
 def _flash():
@@ -128,7 +122,7 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     compiled layer runs them) are called with real tensors at run time, so they read and fill the
     store as eager calls do; the traced flash path's tables are constants of its graph
     (``_traced_attention.rope_constants``)."""
-    if torch.compiler.is_compiling() or dispatch_mode_active():
+    if is_compiling() or dispatch_mode_active():
         return rope_tables(seq_len, head_dim, theta, device, dtype)
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
     key = (seq_len, head_dim, theta, device, dtype, stream)
@@ -141,7 +135,7 @@ def _rope_tables_kept(seq_len: int, head_dim: int, theta: float, device: torch.d
     kept = _ROPE_CACHE.get(key)
     if kept is not None:
         return kept
-    with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever the caller's mode
+    with torch.inference_mode(False), no_grad():  # plain tensors, whatever the caller's mode
         tables = rope_tables(seq_len, head_dim, theta, device, dtype)
     size = _nbytes(tables)
     if size > _ROPE_CACHE_BYTES:  # larger than the whole store: made each time, the kept ones stay
@@ -226,12 +220,12 @@ class SdpaAttentionSaved(NamedTuple):
 
 
 def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return mm(x2, weight.t()) if bias is None else addmm(bias, x2, weight.t())
 
 
 def _causal_mask(seq_len: int, groups: int, device) -> Tensor:
     """``[G·S, S]`` bool, True where key ``j`` comes after the query's position ``r mod S``."""
-    pos = torch.arange(seq_len, device=device)
+    pos = arange(seq_len, device=device)
     return (pos[None, :] > pos[:, None]).repeat(groups, 1)
 
 
@@ -254,7 +248,7 @@ def attention_forward(
     S), ``saved`` a ``FlashAttentionSaved``. While ``torch.compile`` traces, where PyTorch's fused
     kernel serves it, the traced flash path (``_traced_forward``; ``saved`` a ``SdpaAttentionSaved``).
     Otherwise the materialised path (``AttentionSaved``)."""
-    if torch.compiler.is_compiling():  # before _use_flash: the traced core needs no Triton
+    if is_compiling():  # before _use_flash: the traced core needs no Triton
         choice = _traced_choice(x, spec)
         if choice is not None:
             return _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec, choice)
@@ -272,11 +266,13 @@ def attention_forward(
         q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
     q = q.reshape(b, kv, g * s, hd)  # query heads h = kv·G + j → group kv, rows j·S … j·S+S−1
     k = k.contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [B,K,G·S,S], unscaled: the softmax divides by √D
+    scores = matmul(q, k.transpose(-1, -2))  # [B,K,G·S,S], unscaled: the softmax divides by √D
     if spec.causal:
         scores.masked_fill_(_causal_mask(s, g, x.device), float("-inf"))
-    probs = _kernels().softmax(scores, math.sqrt(hd))
-    o = torch.matmul(probs, v)  # [B,K,G·S,D]
+    from ..kernels.softmax import softmax  # here: the kernels import Triton (see norm.py)
+
+    probs = softmax(scores, math.sqrt(hd))
+    o = matmul(probs, v)  # [B,K,G·S,D]
     pre = o.view(b, h, s, hd).transpose(1, 2).reshape(b, s, d)
     y = output_view(_linear(pre.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = AttentionSaved(x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, q_bias is not None, spec)
@@ -301,13 +297,15 @@ def attention_backward(
     gy = grad_out.reshape(b * s, d)
     x2 = x.reshape(b * s, d)
 
-    d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
-    d_o = torch.mm(gy, o_weight).view(b, s, h, hd).transpose(1, 2).reshape(b, kv, g * s, hd)
-    d_probs = torch.matmul(d_o, v.transpose(-1, -2))  # [B,K,G·S,S]
-    d_v = torch.matmul(probs.transpose(-1, -2), d_o)  # [B,K,S,D], summed over the group's heads
-    d_scores = _kernels().softmax_backward(d_probs, probs, math.sqrt(hd))
-    d_q = torch.matmul(d_scores, k).view(b, h, s, hd)
-    d_k = torch.matmul(d_scores.transpose(-1, -2), q)  # [B,K,S,D], summed over the group's heads
+    d_o_weight = mm(gy.t(), pre.reshape(b * s, d))
+    d_o = mm(gy, o_weight).view(b, s, h, hd).transpose(1, 2).reshape(b, kv, g * s, hd)
+    d_probs = matmul(d_o, v.transpose(-1, -2))  # [B,K,G·S,S]
+    d_v = matmul(probs.transpose(-1, -2), d_o)  # [B,K,S,D], summed over the group's heads
+    from ..kernels.softmax import softmax_backward
+
+    d_scores = softmax_backward(d_probs, probs, math.sqrt(hd))
+    d_q = matmul(d_scores, k).view(b, h, s, hd)
+    d_k = matmul(d_scores.transpose(-1, -2), q)  # [B,K,S,D], summed over the group's heads
     if spec.rope:
         cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, x.dtype)
         d_q, d_k = rope_rotate_inverse(d_q, cos, sin), rope_rotate_inverse(d_k, cos, sin)
@@ -315,7 +313,7 @@ def attention_backward(
     d_k = d_k.transpose(1, 2).reshape(b * s, kv * hd)
     d_v = d_v.transpose(1, 2).reshape(b * s, kv * hd)
 
-    grads: tuple[Tensor, ...] = (torch.mm(d_q.t(), x2), torch.mm(d_k.t(), x2), torch.mm(d_v.t(), x2), d_o_weight)
+    grads: tuple[Tensor, ...] = (mm(d_q.t(), x2), mm(d_k.t(), x2), mm(d_v.t(), x2), d_o_weight)
     if has_bias:
         grads += (column_sum(d_q), column_sum(d_k), column_sum(d_v), column_sum(gy))
     dx = None
@@ -330,7 +328,7 @@ def _to_param_dtype(grads: tuple[Tensor, ...], param_dtype: torch.dtype | None) 
 
 # ------------------------------------------------------------------------------------ flash path
 def _use_flash(x: Tensor, spec: AttentionSpec) -> bool:
-    if spec.backend == "reference" or x.dtype == torch.float64 and spec.backend is None:
+    if spec.backend == "reference" or x.dtype == float64 and spec.backend is None:
         return False
     if spec.backend is None and not x.is_cuda:
         return False
@@ -346,10 +344,10 @@ def _use_flash(x: Tensor, spec: AttentionSpec) -> bool:
 
 def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec):
     b, s, d = x.shape
-    w_qkv = torch.cat((q_weight, k_weight, v_weight))
-    b_qkv = None if q_bias is None else torch.cat((q_bias, k_bias, v_bias))
+    w_qkv = cat((q_weight, k_weight, v_weight))
+    b_qkv = None if q_bias is None else cat((q_bias, k_bias, v_bias))
     qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
-    core = _FLASH_OPS[0] if torch.compiler.is_compiling() else _flash_core
+    core = _FLASH_OPS[0] if is_compiling() else _flash_core
     o, lse = core(qkv, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope, spec.rope_theta, spec.backend)
     pre = o.view(b, s, d)
     y = output_view(_linear(pre.view(b * s, d), o_weight, o_bias), b, s, d)
@@ -362,12 +360,12 @@ def _flash_backward(grad_out: Tensor, saved: FlashAttentionSaved, needs_input_gr
     kd = spec.num_kv_heads * (d // spec.num_heads)
     gy = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).reshape(b * s, d)
     x2 = x.reshape(b * s, d)
-    d_o_weight = torch.mm(gy.t(), pre.reshape(b * s, d))
-    core = _FLASH_OPS[1] if torch.compiler.is_compiling() else _flash_core_backward
+    d_o_weight = mm(gy.t(), pre.reshape(b * s, d))
+    core = _FLASH_OPS[1] if is_compiling() else _flash_core_backward
     # dq [B·S, H·D], dk, dv [B·S, K·D], before RoPE
-    dq, dk, dv = core(torch.mm(gy, o_weight), qkv, pre, lse, s, spec.num_heads, spec.num_kv_heads, spec.causal,
+    dq, dk, dv = core(mm(gy, o_weight), qkv, pre, lse, s, spec.num_heads, spec.num_kv_heads, spec.causal,
                       spec.rope, spec.rope_theta, spec.backend)
-    grads: tuple[Tensor, ...] = (torch.mm(dq.t(), x2), torch.mm(dk.t(), x2), torch.mm(dv.t(), x2), d_o_weight)
+    grads: tuple[Tensor, ...] = (mm(dq.t(), x2), mm(dk.t(), x2), mm(dv.t(), x2), d_o_weight)
     if has_bias:
         grads += (column_sum(dq), column_sum(dk), column_sum(dv), column_sum(gy))
     dx = None
@@ -402,7 +400,7 @@ def _flash_core(
     float32)``."""
     heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
     if rope:
-        cos, sin = _rope_tables_kept(seq_len, heads.shape[3], rope_theta, qkv.device, torch.float32)
+        cos, sin = _rope_tables_kept(seq_len, heads.shape[3], rope_theta, qkv.device, float32)
         _flash().rope_(heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=False, backend=backend)
     fused = _fused_kernel(q, k, v, causal, backend)
     if fused is not None:
@@ -435,15 +433,15 @@ def _flash_core_backward(
     # against float64, and a forward under every forced kernel with the backward outside it).
     fused = _fused_kernel(q, k, v, causal, backend)
     if fused is None:
-        grads = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+        grads = tuple(empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
         _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=grads)
     else:  # gradients in the kernel's own layout: made contiguous below, by RoPE's one pass where there is one
         grads = _flash().sdpa_backward(fused, d_o, q, k, v, o, lse, causal, 1.0 / math.sqrt(hd))
     if rope:
-        cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, torch.float32)
+        cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, float32)
         rotated = []
         for t in grads[:2]:  # in place, or into a contiguous tensor in the same one pass
-            dst = t if t.is_contiguous() else torch.empty(t.shape, device=t.device, dtype=t.dtype)
+            dst = t if t.is_contiguous() else empty(t.shape, device=t.device, dtype=t.dtype)
             rotated.append(_flash().rope_(dst, cos, sin, inverse=True, backend=backend, src=None if dst is t else t))
         grads = (*rotated, grads[2])
     out = [t.contiguous().view(b * seq_len, -1) for t in grads]
@@ -466,7 +464,7 @@ def _register_flash_ops():
     def _core_fake(qkv, seq_len, num_heads, num_kv_heads, causal, rope, rope_theta, backend):
         b, hd = qkv.shape[0] // seq_len, qkv.shape[1] // (num_heads + 2 * num_kv_heads)
         o = qkv.new_empty(b, seq_len, num_heads, hd)
-        return o, qkv.new_empty(b, num_heads, seq_len, dtype=torch.float32)
+        return o, qkv.new_empty(b, num_heads, seq_len, dtype=float32)
 
     @bwd.register_fake
     def _core_backward_fake(d_o, qkv, o, lse, seq_len, num_heads, num_kv_heads, causal, rope, rope_theta, backend):
@@ -532,8 +530,8 @@ def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v
     h, kv = spec.num_heads, spec.num_kv_heads
     hd = d // h
     x2 = x.reshape(b * s, d)
-    w_qk = torch.cat((q_weight, k_weight))
-    qk = _linear(x2, w_qk, None if q_bias is None else torch.cat((q_bias, k_bias))).view(b, s, h + kv, hd)
+    w_qk = cat((q_weight, k_weight))
+    qk = _linear(x2, w_qk, None if q_bias is None else cat((q_bias, k_bias))).view(b, s, h + kv, hd)
     v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd)
     if spec.rope:  # in float32 (the tables'), rounded once, as the eager path's RoPE kernel
         cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
@@ -552,21 +550,21 @@ def _traced_backward(grad_out: Tensor, saved: SdpaAttentionSaved, needs_input_gr
     kd = kv * hd
     gy = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).reshape(b * s, d)
     x2 = x.reshape(b * s, d)
-    d_o_weight = torch.mm(gy.t(), o.reshape(b * s, d))
-    d_o = torch.mm(gy, o_weight).view(b, s, h, hd)
+    d_o_weight = mm(gy.t(), o.reshape(b * s, d))
+    d_o = mm(gy, o_weight).view(b, s, h, hd)
     dq, dk, dv = _flash().sdpa_backward_raw(choice, d_o, qk[:, :, :h], qk[:, :, h:], v, o, lse, seed, offset,
                                             spec.causal, 1.0 / math.sqrt(hd))
-    dqk = torch.cat((dq, dk), dim=2)  # one [B, S, H+K, D] (written by the rotation's kernel where there is one)
+    dqk = cat((dq, dk), dim=2)  # one [B, S, H+K, D] (written by the rotation's kernel where there is one)
     if spec.rope:
         cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
         dqk = rope_rotate_inverse(dqk, cos, sin).to(dq.dtype)
     dqk, dv = dqk.reshape(b * s, d + kd), dv.reshape(b * s, kd)
-    dw_qk = torch.mm(dqk.t(), x2)  # the q and k weights' gradients in one product
-    grads: tuple[Tensor, ...] = (dw_qk[:d], dw_qk[d:], torch.mm(dv.t(), x2), d_o_weight)
+    dw_qk = mm(dqk.t(), x2)  # the q and k weights' gradients in one product
+    grads: tuple[Tensor, ...] = (dw_qk[:d], dw_qk[d:], mm(dv.t(), x2), d_o_weight)
     if has_bias:
         db_qk = column_sum(dqk)
         grads += (db_qk[:d], db_qk[d:], column_sum(dv), column_sum(gy))
-    dx = (torch.mm(dqk, w_qk) + torch.mm(dv, v_weight)).view(b, s, d) if needs_input_grad else None
+    dx = (mm(dqk, w_qk) + mm(dv, v_weight)).view(b, s, d) if needs_input_grad else None
     return dx, _to_param_dtype(grads, param_dtype)
 
 
@@ -712,15 +710,15 @@ class MultiHeadAttention(Layer):
         self.spec = AttentionSpec(num_heads, num_kv_heads, causal, rope, float(rope_theta))
         kv_dim = num_kv_heads * head_dim
         factory = {"device": device, "dtype": dtype}
-        self.q_weight = nn.Parameter(torch.empty(d_model, d_model, **factory))
-        self.k_weight = nn.Parameter(torch.empty(kv_dim, d_model, **factory))
-        self.v_weight = nn.Parameter(torch.empty(kv_dim, d_model, **factory))
-        self.o_weight = nn.Parameter(torch.empty(d_model, d_model, **factory))
+        self.q_weight = nn.Parameter(empty(d_model, d_model, **factory))
+        self.k_weight = nn.Parameter(empty(kv_dim, d_model, **factory))
+        self.v_weight = nn.Parameter(empty(kv_dim, d_model, **factory))
+        self.o_weight = nn.Parameter(empty(d_model, d_model, **factory))
         if bias:
-            self.q_bias = nn.Parameter(torch.empty(d_model, **factory))
-            self.k_bias = nn.Parameter(torch.empty(kv_dim, **factory))
-            self.v_bias = nn.Parameter(torch.empty(kv_dim, **factory))
-            self.o_bias = nn.Parameter(torch.empty(d_model, **factory))
+            self.q_bias = nn.Parameter(empty(d_model, **factory))
+            self.k_bias = nn.Parameter(empty(kv_dim, **factory))
+            self.v_bias = nn.Parameter(empty(kv_dim, **factory))
+            self.o_bias = nn.Parameter(empty(d_model, **factory))
         else:
             self.q_bias = self.k_bias = self.v_bias = self.o_bias = None
         self.reset_parameters()
@@ -738,7 +736,7 @@ class MultiHeadAttention(Layer):
         return self.spec.rope_theta
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
+        with no_grad():
             for w in (self.q_weight, self.k_weight, self.v_weight, self.o_weight):
                 w.normal_(0.0, 1.0 / math.sqrt(w.shape[1]))
             for b in (self.q_bias, self.k_bias, self.v_bias, self.o_bias):
@@ -746,7 +744,7 @@ class MultiHeadAttention(Layer):
                     b.zero_()
 
     def _check(self, x: Tensor) -> None:
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
             raise ValueError(

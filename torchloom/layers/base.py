@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_grad_enabled, is_tensor, nn
 from torch.compiler import is_compiling
 from torch.ops import aten
 
@@ -98,8 +98,8 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         params = tuple(self.parameters())
-        if torch.compiler.is_compiling() and not (
-                torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params))):
+        if is_compiling() and not (
+                is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params))):
             # Traced with nothing to differentiate (no_grad, inference_mode, everything frozen): the
             # hand-written forward alone, which is what the Function would run. torch.compile's no-grad
             # trace of the Function passes ``ctx`` wrongly when a layer has exactly 2 parameters.
@@ -128,7 +128,7 @@ def check_input(x: Tensor, name: str, trailing: tuple[int | None, ...], layer: s
     """Raise ``ValueError`` unless ``x`` is ``[batch, *trailing]`` (``None`` = any size).
 
     ``name`` is the argument's name, ``layer`` the layer's repr for the message."""
-    if not isinstance(x, Tensor):
+    if not is_tensor(x):
         raise TypeError(f"{layer}: {name} must be a torch.Tensor, got {type(x).__name__}")
     expected_dims = 1 + len(trailing)
     ok = x.dim() == expected_dims and all(t is None or s == t for s, t in zip(x.shape[1:], trailing))
@@ -252,7 +252,7 @@ def forbid_double_backward(layer: str) -> None:
     being asked for (``create_graph=True``; autograd runs the backward with grad mode on exactly
     then). The hand-written backwards are not differentiable, and ``once_differentiable`` alone lets
     some second derivatives come out as silent zeros."""
-    if torch.is_grad_enabled():
+    if is_grad_enabled():
         raise RuntimeError(
             f"{layer}: double backward (create_graph=True, e.g. gradient penalties or gradgradcheck) is not "
             "supported: its hand-written backward is not differentiable. Use the equivalent PyTorch layer "

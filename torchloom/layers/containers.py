@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_tensor, nn
+from torch.compiler import is_compiling
 
 from .base import Layer, gather_param_grads
 
@@ -45,14 +46,14 @@ def _require_layer(obj: Any, owner: str, what: str) -> Layer:
 
 
 def _check_tensor(x: Any, owner: Layer) -> None:
-    if not isinstance(x, Tensor):
+    if not is_tensor(x):
         raise TypeError(f"{owner.loom_type}: input must be a torch.Tensor, got {type(x).__name__}")
 
 
 def _children_as_modules(container: Layer) -> bool:
     """Whether ``container``'s module call composes its children's module calls (module note): while
     ``torch.compile`` traces, where a ``ModuleLayer`` lies anywhere inside it."""
-    if not torch.compiler.is_compiling():
+    if not is_compiling():
         return False
     from .module_layer import ModuleLayer
 

@@ -270,7 +270,7 @@ class _ConvND(Layer):
             if all(n + 2 * p >= k for n, k, p in zip(x.shape[2:], w.shape[2:], self.padding)):
                 return
         name, nd = type(self).__name__, self.ndim
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
         fits = x.dim() == nd + 2 and x.shape[1] == self.in_channels
         fits = fits and all(n + 2 * p >= k for n, k, p in zip(x.shape[2:], self.kernel_size, self.padding))
@@ -339,7 +339,7 @@ class Flatten(Layer):
     ``torch.flatten(x, 1)``). Backward reshapes the gradient back. No parameters; input at least 2-d."""
 
     def _check(self, x: Tensor) -> None:
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"Flatten: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(f"Flatten: input must have shape [batch, d1, ...] (at least 2-d), got {list(x.shape)}")

@@ -231,7 +231,7 @@ class Dense(Layer):
         w = self.weight  # the common case reads only tensors, which torch.compile guards already
         if is_tensor(x) and x.dim() >= 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype:
             return
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"{self!r}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2 or x.shape[-1] != self.in_features:
             raise ValueError(

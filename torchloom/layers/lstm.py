@@ -36,12 +36,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, empty_like, no_grad
+from torch.compiler import is_compiling
 
 from .base import autocast_off, forbid_double_backward
 from .rnn import RecurrentLayer, autocast_recurrent_forward, recurrent_grads
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
+
+# The kernel functions (kernels/recurrent.py) are imported where they are called: see rnn.py.
+
 
 class LSTMSaved(NamedTuple):
     """What the LSTM's backward needs: input ``[B, T, I]``, ``weight_ih [4H, I]``, ``weight_hh
@@ -60,14 +64,7 @@ class LSTMSaved(NamedTuple):
     param_dtype: torch.dtype | None = None
 
 
-def _cell_kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import recurrent
-
-    return recurrent
-
-
-@torch.no_grad()
+@no_grad()
 def lstm_forward(
     x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None, backend: str | None = None
 ) -> tuple[Tensor, LSTMSaved]:
@@ -81,46 +78,51 @@ def lstm_forward(
     kernels, on CPU through Triton's interpreter) or ``"reference"``."""
     B, T, I = x.shape
     H = weight_hh.shape[1]
-    K = _cell_kernels()
-    step_backend = K._cell_backend(x, backend)
+    from ..kernels.recurrent import (
+        _cell_backend, ensure_graph, graphs_usable, lstm_forward_loop, lstm_forward_loop_steps,
+        lstm_forward_loop_traced, lstm_forward_loop_unrolled, lstm_loop_uses_triton, projection_mm
+    )
+
+    step_backend = _cell_backend(x, backend)
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
-    loop_kernel = K.lstm_loop_uses_triton(x, B, H, backend)
-    if step_backend == "triton" and not loop_kernel and K.graphs_usable(x):
-        entry = _graph_entry(K, B, T, H, x)
+    loop_kernel = lstm_loop_uses_triton(x, B, H, backend)
+    if step_backend == "triton" and not loop_kernel and graphs_usable(x):
+        entry = _graph_entry(B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "forward", lambda: K.lstm_forward_loop_steps(buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
+        graph = ensure_graph(entry, "forward", lambda: lstm_forward_loop_steps(buf["pre"], buf["w_hh"], buf["cell"], buf["hbuf"], "triton"))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, 4 * H)
-        K.projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
+        projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         pre, cell, hidden = buf["pre"].clone(), buf["cell"].clone(), buf["hbuf"].clone()
         return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
     # Input projections (and the bias) of every step in one matmul; the loop adds h_{t-1} W_hhᵀ.
-    proj = K.projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, 4 * H)
-    if torch.compiler.is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
-        pre, cell, hidden = K.lstm_forward_loop_traced(proj, weight_hh, backend)
-    elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
-        pre, cell, hidden = K.lstm_forward_loop_unrolled(proj, weight_hh)
+    proj = projection_mm(x2, w_ih_t, bias, backend=backend).view(B, T, 4 * H)
+    if is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
+        pre, cell, hidden = lstm_forward_loop_traced(proj, weight_hh, backend)
+    elif is_compiling() and step_backend == "triton":  # fresh tensors per step
+        pre, cell, hidden = lstm_forward_loop_unrolled(proj, weight_hh)
     else:
         pre, cell, hidden = proj, x.new_empty(B, T, H), x.new_empty(B, T, H)
-        K.lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
+        lstm_forward_loop(pre, weight_hh, cell, hidden, backend)
     return hidden, LSTMSaved(x, weight_ih, weight_hh, pre, cell, hidden, bias is not None)
 
 
-def _graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
+def _graph_entry(B: int, T: int, H: int, x: Tensor) -> dict:
     """Buffers of the CUDA-graphed loops for one shape (forward and backward share pre/cell/w_hh)."""
+    from ..kernels.recurrent import graph_buffers
 
     def make():
         e = lambda *shape: x.new_empty(*shape)  # noqa: E731
         return {"pre": e(B, T, 4 * H), "cell": e(B, T, H), "hbuf": e(B, T, H), "w_hh": e(4 * H, H),
                 "g_pre": e(B, T, 4 * H), "kappa": e(B, H), "dh": e(B, H)}
 
-    return K.graph_buffers(("lstm", B, T, H, x.dtype, x.device), make)
+    return graph_buffers(("lstm", B, T, H, x.dtype, x.device), make)
 
 
-@torch.no_grad()
+@no_grad()
 def lstm_backward(
     grad_out: Tensor, saved: LSTMSaved, needs_input_grad: bool = True, backend: str | None = None
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
@@ -132,20 +134,24 @@ def lstm_backward(
     x, weight_ih, weight_hh, pre, cell, hidden, has_bias, param_dtype = saved
     B, T, I = x.shape
     H = weight_hh.shape[1]
-    K = _cell_kernels()
-    step_backend = K._cell_backend(x, backend)
+    from ..kernels.recurrent import (
+        _cell_backend, ensure_graph, graphs_usable, lstm_backward_loop, lstm_backward_loop_steps,
+        lstm_backward_loop_traced, lstm_backward_loop_unrolled, lstm_loop_uses_triton
+    )
+
+    step_backend = _cell_backend(x, backend)
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
-    loop_kernel = K.lstm_loop_uses_triton(x, B, H, backend)
-    if torch.compiler.is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
-        g_pre = K.lstm_backward_loop_traced(grad_out, pre, cell, weight_hh, backend)
-    elif torch.compiler.is_compiling() and step_backend == "triton":  # fresh tensors per step
-        g_pre = K.lstm_backward_loop_unrolled(grad_out, pre, cell, weight_hh)
-    elif step_backend == "triton" and not loop_kernel and K.graphs_usable(x):
-        entry = _graph_entry(K, B, T, H, x)
+    loop_kernel = lstm_loop_uses_triton(x, B, H, backend)
+    if is_compiling() and loop_kernel:  # opaque operators (kernels/recurrent.py)
+        g_pre = lstm_backward_loop_traced(grad_out, pre, cell, weight_hh, backend)
+    elif is_compiling() and step_backend == "triton":  # fresh tensors per step
+        g_pre = lstm_backward_loop_unrolled(grad_out, pre, cell, weight_hh)
+    elif step_backend == "triton" and not loop_kernel and graphs_usable(x):
+        entry = _graph_entry(B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "backward", lambda: K.lstm_backward_loop_steps(
+        graph = ensure_graph(entry, "backward", lambda: lstm_backward_loop_steps(
             buf["hbuf"], buf["pre"], buf["cell"], buf["w_hh"], buf["g_pre"], buf["kappa"], buf["dh"], "triton"))
         buf["hbuf"].copy_(grad_out)
         buf["pre"].copy_(pre)
@@ -154,8 +160,8 @@ def lstm_backward(
         graph.replay()
         g_pre = buf["g_pre"]  # read by the products below before any other replay
     else:
-        g_pre = torch.empty_like(pre)
-        K.lstm_backward_loop(grad_out, pre, cell, weight_hh, g_pre, backend)
+        g_pre = empty_like(pre)
+        lstm_backward_loop(grad_out, pre, cell, weight_hh, g_pre, backend)
 
     grad_x, grad_w_ih, grad_w_hh, grad_b = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, backend)
     if param_dtype is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_tensor, nn
 
 from .base import Layer
 
@@ -72,7 +72,7 @@ class ModuleLayer(Layer):
         # the inputs of a module that takes several: module(*x)
         if isinstance(x, tuple):
             return self.module(*x)
-        return self.module(x.clone() if self._in_place() and isinstance(x, Tensor) else x)
+        return self.module(x.clone() if self._in_place() and is_tensor(x) else x)
 
     def forward_saved(self, x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ModuleSaved]:
         with torch.enable_grad():
@@ -96,7 +96,7 @@ class ModuleLayer(Layer):
                     "batch); give the module an inplace=True attribute (torchloom then passes it a copy) or "
                     f"compute out of place. ({e})"
                 ) from None
-        if not isinstance(y, Tensor):
+        if not is_tensor(y):
             raise TypeError(f"ModuleLayer({type(self.module).__name__}): the module must return one tensor, got {type(y).__name__}")
         return y.detach(), ModuleSaved(leaf, y)
 

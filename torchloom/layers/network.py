@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
 
 from .base import Layer, LayerRecord, gather_param_grads
 
@@ -110,7 +111,7 @@ class Sequential(Layer):
         shared = self.__dict__.get("_shared_params")
         if shared is None:
             shared = sum(1 for layer in self.layers for _ in layer.parameters()) != sum(1 for _ in self.parameters())
-            if not torch.compiler.is_compiling():
+            if not is_compiling():
                 self.__dict__["_shared_params"] = shared
         return shared
 

@@ -28,7 +28,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, empty, empty_like, float64, is_tensor, mul, nn, no_grad
+from torch.compiler import is_compiling
+from torch.ops import torchloom as torchloom_ops
 
 from .base import column_sum, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
@@ -38,6 +40,11 @@ __all__ = [
 ]
 
 _RNN_INITS = ("uniform", "loom_uniform")
+
+# The kernel functions (kernels/recurrent.py) are imported by name where they are called: the module
+# imports Triton, which ``import torchloom`` must not; and torch.compile, which traces these calls,
+# guards a function imported so with one check, where reading it from the module object also made it
+# check, on every compiled call, that the module object is the one the kernels' own code runs in.
 
 
 class RNNSaved(NamedTuple):
@@ -67,7 +74,7 @@ def autocast_recurrent_forward(forward, x: Tensor, weight_ih: Tensor, weight_hh:
     return out, saved
 
 
-@torch.no_grad()
+@no_grad()
 def rnn_forward(
     x: Tensor, weight_ih: Tensor, weight_hh: Tensor, bias: Tensor | None, backend: str | None = None
 ) -> tuple[Tensor, RNNSaved]:
@@ -83,45 +90,46 @@ def rnn_forward(
     H = weight_hh.shape[0]
     x2 = x.reshape(B * T, I)
     w_ih_t = weight_ih.t()
-    K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
-        pre, hidden = K.rnn_forward_traced(x2, w_ih_t, bias, weight_hh, B, T, backend)
-    elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
-        entry = _rnn_graph_entry(K, B, T, H, x)
+    from ..kernels.recurrent import (
+        ensure_graph, projection_mm, rnn_forward_loop_ref, rnn_forward_traced, rnn_loop_uses_triton,
+        rnn_projected_forward
+    )
+
+    if is_compiling() and rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
+        pre, hidden = rnn_forward_traced(x2, w_ih_t, bias, weight_hh, B, T, backend)
+    elif not rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(x):
+        entry = _rnn_graph_entry(B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(entry, "forward", lambda: K.rnn_forward_loop_ref(buf["pre"], buf["w_hh"], buf["hidden"]))
+        graph = ensure_graph(entry, "forward", lambda: rnn_forward_loop_ref(buf["pre"], buf["w_hh"], buf["hidden"]))
         # Input projections (and the bias) of every step in one matmul, straight into the graph's buffer.
         out = buf["pre"].view(B * T, H)
-        K.projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
+        projection_mm(x2, w_ih_t, bias, out=out, backend=backend)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         pre, hidden = buf["pre"].clone(), buf["hidden"].clone()
     else:
-        pre, hidden = K.rnn_projected_forward(x2, w_ih_t, bias, weight_hh, B, T, backend)
+        pre, hidden = rnn_projected_forward(x2, w_ih_t, bias, weight_hh, B, T, backend)
     return hidden, RNNSaved(x, weight_ih, weight_hh, pre, hidden, bias is not None)
 
 
-def _kernels():
-    # Imported on first use: the kernel module imports Triton, which ``import torchloom`` must not.
-    from ..kernels import recurrent
-
-    return recurrent
-
-
-def _graphs_usable(K, x: Tensor) -> bool:
+def _graphs_usable(x: Tensor) -> bool:
     """True when the cuBLAS loops of ``x`` may run as CUDA graphs (float64 runs step by step)."""
-    return x.dtype != torch.float64 and K.graphs_usable(x)
+    from ..kernels.recurrent import graphs_usable
+
+    return x.dtype != float64 and graphs_usable(x)
 
 
-def _rnn_graph_entry(K, B: int, T: int, H: int, x: Tensor) -> dict:
+def _rnn_graph_entry(B: int, T: int, H: int, x: Tensor) -> dict:
+    from ..kernels.recurrent import graph_buffers
+
     def make():
         e = lambda *shape: x.new_empty(*shape)  # noqa: E731
         return {"pre": e(B, T, H), "hidden": e(B, T, H), "w_hh": e(H, H), "g_pre": e(B, T, H), "g_out": e(B, T, H), "dh": e(B, H)}
 
-    return K.graph_buffers(("rnn", B, T, H, x.dtype, x.device), make)
+    return graph_buffers(("rnn", B, T, H, x.dtype, x.device), make)
 
 
-@torch.no_grad()
+@no_grad()
 def rnn_backward(
     grad_out: Tensor, saved: RNNSaved, needs_input_grad: bool = True, backend: str | None = None
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor | None]]:
@@ -137,22 +145,25 @@ def rnn_backward(
     # The loops read it one time step at a time, in rows of unit stride: contiguous (a copy only when
     # it is not). No stride is read: torch.compile cannot answer that while it traces a backward.
     grad_out = (grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)).contiguous()
-    K = _kernels()
-    if torch.compiler.is_compiling() and K.rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
-        g_pre = K.rnn_backward_loop_traced(grad_out, weight_hh, hidden, backend)
-    elif not K.rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(K, x):
-        entry = _rnn_graph_entry(K, B, T, H, x)
+    from ..kernels.recurrent import (
+        ensure_graph, rnn_backward_loop, rnn_backward_loop_ref, rnn_backward_loop_traced, rnn_loop_uses_triton
+    )
+
+    if is_compiling() and rnn_loop_uses_triton(x, B, H, backend):  # operators (kernels/recurrent.py)
+        g_pre = rnn_backward_loop_traced(grad_out, weight_hh, hidden, backend)
+    elif not rnn_loop_uses_triton(x, B, H, backend) and _graphs_usable(x):
+        entry = _rnn_graph_entry(B, T, H, x)
         buf = entry["buffers"]
-        graph = K.ensure_graph(
-            entry, "backward", lambda: K.rnn_backward_loop_ref(buf["g_out"], buf["w_hh"], buf["g_pre"], buf["dh"]))
-        torch.mul(hidden, hidden, out=buf["g_pre"]).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
+        graph = ensure_graph(
+            entry, "backward", lambda: rnn_backward_loop_ref(buf["g_out"], buf["w_hh"], buf["g_pre"], buf["dh"]))
+        mul(hidden, hidden, out=buf["g_pre"]).neg_().add_(1.0)  # tanh'(pre_t) = 1 − h_t²
         buf["g_out"].copy_(grad_out)
         buf["w_hh"].copy_(weight_hh)
         graph.replay()
         g_pre = buf["g_pre"]  # read by the products below before any other replay
     else:
-        g_pre = torch.empty_like(hidden)
-        K.rnn_backward_loop(grad_out, weight_hh, hidden, g_pre, backend)
+        g_pre = empty_like(hidden)
+        rnn_backward_loop(grad_out, weight_hh, hidden, g_pre, backend)
     grad_x, grad_w_ih, grad_w_hh, grad_b = recurrent_grads(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, backend)
     if param_dtype is not None:
         grad_w_ih, grad_w_hh = grad_w_ih.to(param_dtype), grad_w_hh.to(param_dtype)
@@ -175,25 +186,28 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     products, or ``fp32_matmul``'s launches in the compiled graph (``torchloom::recurrent_grads_launched``);
     without a plan, the opaque ``torchloom::recurrent_grads``, which decides at run time (``backend`` is
     not passed to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
-    K = _kernels()
-    plan = K.compiled_plan(g_pre) if K.compiled_fp32(g_pre, weight_ih, backend) else ()
+    from ..kernels.recurrent import (
+        compiled_fp32, compiled_plan, gemm_precision, projection_mm, recurrent_grads_mm_many
+    )
+
+    plan = compiled_plan(g_pre) if compiled_fp32(g_pre, weight_ih, backend) else ()
     if plan is None or (plan and plan[1] is not None):  # an operator, which returns empty tensors for None
         args = (g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
         # the opaque operator (its Python decides at run time), or fp32_matmul launched by Inductor's code
-        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(*args) if plan is None else torch.ops.torchloom.recurrent_grads_launched(
+        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(*args) if plan is None else torchloom_ops.recurrent_grads_launched(
             *args, plan[1])
         return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
     # traced only where cuBLAS computes the products (not float32 on CUDA): no switch read while tracing
-    precision = None if torch.compiler.is_compiling() else K.gemm_precision(g_pre, weight_ih, backend)
+    precision = None if is_compiling() else gemm_precision(g_pre, weight_ih, backend)
     if precision is None:
         B, T, G = g_pre.shape
         g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
-        dw_ih = K.projection_mm(g2.t(), x2, backend=backend)
-        dw_hh = K.projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
+        dw_ih = projection_mm(g2.t(), x2, backend=backend)
+        dw_hh = projection_mm(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1], backend=backend)  # Σ over (b, t ≥ 1)
         db = column_sum(g2) if has_bias else None
-        dx = K.projection_mm(g2, weight_ih, backend=backend).view(B, T, x.shape[-1]) if needs_input_grad else None
+        dx = projection_mm(g2, weight_ih, backend=backend).view(B, T, x.shape[-1]) if needs_input_grad else None
         return dx, dw_ih, dw_hh, db
-    return K.recurrent_grads_mm_many(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision, backend)
+    return recurrent_grads_mm_many(g_pre, x, hidden, weight_ih, has_bias, needs_input_grad, precision, backend)
 
 
 def _recurrent_grads_tensors(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
@@ -205,9 +219,10 @@ def _recurrent_grads_tensors(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih
 
 def _recurrent_grads_eager(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor, has_bias: bool,
                            needs_input_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    K = _kernels()
+    from ..kernels.recurrent import _replay, replay_key
+
     with autocast_off(g_pre.device.type):  # as ``_recurrent_mm_eager``; replayed as its operators' (kernels._replay)
-        return K._replay.run(K.replay_key("recurrent_grads"), _recurrent_grads_tensors,
+        return _replay.run(replay_key("recurrent_grads"), _recurrent_grads_tensors,
                              (g_pre, x, hidden, weight_ih, has_bias, needs_input_grad))
 
 
@@ -260,7 +275,7 @@ def _check_positive(owner: str, **sizes: int) -> None:
 def check_sequence(x: Tensor, input_size: int, owner: str, dtype: torch.dtype) -> None:
     """Raise unless ``x`` is a ``[batch, time, input_size]`` floating tensor (time >= 1) of ``dtype``
     (the parameters'; any floating dtype under ``torch.autocast``, which casts)."""
-    if not isinstance(x, Tensor):
+    if not is_tensor(x):
         raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[2] != input_size or x.shape[1] < 1:
         raise ValueError(f"{owner}: input must have shape [batch, time, {input_size}] (time >= 1), got {list(x.shape)}")
@@ -305,14 +320,14 @@ class RecurrentLayer(Layer):
         self.input_size, self.hidden_size, self.init = input_size, hidden_size, init
         factory = {"device": device, "dtype": dtype}
         rows = self._GATES * hidden_size
-        self.weight_ih = nn.Parameter(torch.empty(rows, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(rows, hidden_size, **factory))
-        self.bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
+        self.weight_ih = nn.Parameter(empty(rows, input_size, **factory))
+        self.weight_hh = nn.Parameter(empty(rows, hidden_size, **factory))
+        self.bias = nn.Parameter(empty(rows, **factory)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         bound = 1.0 / math.sqrt(self.hidden_size) if self.init == "uniform" else 0.1
-        with torch.no_grad():
+        with no_grad():
             for p in self.parameters():
                 p.uniform_(-bound, bound)
 
@@ -369,7 +384,7 @@ class LastStep(Layer):
     (``[B, T, ...]``, time is dimension 1). No parameters."""
 
     def _check(self, x: Tensor) -> None:
-        if not isinstance(x, Tensor):
+        if not is_tensor(x):
             raise TypeError(f"LastStep: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 3 or x.shape[1] < 1:
             raise ValueError(f"LastStep: input must have shape [batch, time, ...] with time >= 1, got {list(x.shape)}")
