@@ -96,6 +96,50 @@ def measure(case, rounds: int, block_s: float) -> dict:
             "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
 
 
+# ------------------------------------------------------------------------------ floors
+# What any module that is not one of torch.nn's own pays on these shapes, next to torchloom's rows: a
+# torch.nn module compiled alone is traced through a wrapper frame that folds its ``__call__`` into the
+# graph, where a user module's ``__call__`` runs eagerly first; and a hand-written backward adds an
+# ``autograd.Function`` (its class, its forward and backward, the functorch frames that trace it) to
+# the guards. Each floor is timed against ``nn.Linear`` on the Dense row's shape.
+class _UserLinear(torch.nn.Linear):
+    """A user module that is ``nn.Linear`` in all but its class: its forward calls ``nn.Linear``'s."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _MinimalLinearFunction(torch.autograd.Function):
+    """The least a hand-written linear backward can be: tensor methods only, no helper, no check."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return bias.addmm(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        return g.mm(weight), g.t().mm(x), g.sum(0)
+
+
+class _MinimalFunctionLinear(torch.nn.Linear):
+    def forward(self, x):
+        return _MinimalLinearFunction.apply(x, self.weight, self.bias)
+
+
+def floor_cases(dev: torch.device, dtype: torch.dtype):
+    """The floor rows (``BL.Case``), on the Dense row's smoke shape."""
+    dense = next(BL.layer_cases(dev, dtype, smoke=True))
+    (n, i, o), x, gy = dense.shape, dense.x, dense.gy
+    theirs = dense.theirs
+    for name, cls in (("floor: user subclass of nn.Linear", _UserLinear),
+                      ("floor: minimal autograd.Function linear", _MinimalFunctionLinear)):
+        ours = cls(i, o, device=dev, dtype=dtype)
+        ours.load_state_dict(theirs.state_dict())
+        yield BL.Case(f"{name} (nn.Linear)", (n, i, o), x, gy, ours, ours.parameters(), theirs, theirs.parameters(), 1.0)
+
+
 def _guards(g) -> str:
     return "—" if g is None else f"{g[0]} + {g[1]}"
 
@@ -107,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="Dense,Conv2D,SwiGLU,RMSNorm,LayerNorm", help="comma-separated name parts ('' for all)")
     ap.add_argument("--rounds", type=int, default=30, help="pairs of blocks per row")
     ap.add_argument("--block", type=float, default=0.02, help="seconds per block of steps")
+    ap.add_argument("--no-floors", action="store_true", help="leave out the floor rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one thread: the steps are host-bound, and threads add their own noise
     dev = torch.device(args.device)
@@ -117,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| layer (PyTorch side) | dtype | torchloom µs | PyTorch µs | ratio | ratio quartiles | guards torchloom | guards PyTorch | check µs (torchloom / PyTorch) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
-        for case in BL.layer_cases(dev, getattr(torch, dtype_name), smoke=True):
-            if only and not any(o in case.name for o in only):
+        dtype = getattr(torch, dtype_name)
+        floors = [] if args.no_floors else list(floor_cases(dev, dtype))
+        for case in [*BL.layer_cases(dev, dtype, smoke=True), *floors]:
+            if only and not any(o in case.name for o in only) and not case.name.startswith("floor"):
                 continue
             r = measure(case, args.rounds, args.block)
             print(f"| {case.name} | {dtype_name} | {r['ours'] * 1e6:.1f} | {r['theirs'] * 1e6:.1f} | {r['ratio']:.3f}× | "

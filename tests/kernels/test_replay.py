@@ -119,12 +119,12 @@ def test_results_nothing_recorded_wrote_are_not_replayed():
 
     def body(x):
         calls.append(1)
-        out = torch.empty(4)
+        out = torch.empty(4, device="cpu")  # NumPy: host tensors, whatever the default device
         out.numpy()[:] = x.numpy() * 2  # no ATen operator: unseen by the recording
         return out
 
     for value in (1.0, 2.0, 3.0):
-        x = torch.full((4,), value)
+        x = torch.full((4,), value, device="cpu")
         assert torch.equal(_replay.run(("test-unseen-write",), body, (x,)), x * 2)
     assert len(calls) == 3
 

@@ -78,7 +78,17 @@ def test_gelu_derivative_is_the_documented_formula():
      ("none", "linear"), ("Identity", "linear"), ("Linear", "linear"), ("GELU_TANH", "gelu_tanh"), ("SiLU", "silu")],
 )
 def test_aliases_case_insensitive(alias, canonical):
-    assert get_activation(alias) is ACTIVATIONS[canonical]
+    assert get_activation(alias) == ACTIVATIONS[canonical]
+
+
+def test_each_lookup_is_an_instance_of_its_own_equal_by_kind():
+    """Layers do not share an activation object (a compiled model's guards would check, on every call,
+    that they still did), and instances compare and hash by kind."""
+    a, b = get_activation("relu"), get_activation("ReLU")
+    assert a is not b and a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert get_activation("relu") != get_activation("tanh")
+    assert get_activation(a) is a  # an instance passes through
+    assert get_activation("gelu_loom") is not get_activation("gelu_loom")
 
 
 def test_unknown_name_lists_valid_names():
@@ -95,7 +105,7 @@ def test_non_string_is_type_error():
         get_activation(3)
 
 
-def test_pickle_and_deepcopy_keep_the_singleton():
+def test_pickle_and_deepcopy_keep_the_kind():
     act = get_activation("tanh")
-    assert pickle.loads(pickle.dumps(act)) is act
-    assert copy.deepcopy(act) is act
+    for back in (pickle.loads(pickle.dumps(act)), copy.deepcopy(act)):
+        assert type(back) is type(act) and back == act and back.name == "tanh"

@@ -204,3 +204,49 @@ def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on)
         torch._dynamo.reset()
     assert "TENSOR_MATCH" in tree
     assert _aliasing_guards(tree) == []
+
+
+class _EveryLayer(torch.nn.Module):
+    """One module calling every layer, as a user's model does: the modules' traced code meets in one
+    graph, so an object that two of them read (a namespace such as ``torch.ops.aten``) shows here."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = Dense(8, 8, activation="relu")
+        self.norms = torch.nn.ModuleList([RMSNorm(8), LayerNorm(8)])
+        self.swiglu, self.softmax = SwiGLU(8, 12), Softmax()
+        self.conv, self.deconv = Conv2D(3, 4, 3, padding=1, activation="relu"), ConvTranspose2D(4, 3, 3, padding=1, activation="relu")
+        self.embedding = Embedding(10, 8, activation="tanh")
+        self.rnn, self.lstm, self.attention = RNN(8, 8), LSTM(8, 8), MultiHeadAttention(8, 2)
+
+    def forward(self, x, image, indices):
+        h = self.dense(x) + self.embedding(indices)
+        for norm in self.norms:
+            h = norm(h)
+        h = self.softmax(self.swiglu(h)) + self.attention(self.lstm(self.rnn(h)))
+        return h.float().square().mean() + self.deconv(self.conv(image)).float().square().mean()
+
+
+@pytest.mark.parametrize("autocast_on", [False, True], ids=["float32", "autocast"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_compiled_model_of_every_layer_reads_no_object_through_two_sources(device, autocast_on):
+    torch.manual_seed(0)
+    model = _EveryLayer().to(device)
+    x = torch.randn(2, 5, 8, device=device, requires_grad=True)
+    image = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)
+    indices = torch.randint(0, 10, (2, 5), device=device)
+
+    def step(x, image, indices):
+        with autocast(device, dtype=bfloat16, enabled=autocast_on):
+            return model(x, image, indices)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+        compiled(x, image, indices).backward()
+        tree = str(_debug_get_cache_entry_list(step.__code__)[0].guard_manager)
+    finally:
+        torch._dynamo.reset()
+    assert "TENSOR_MATCH" in tree
+    assert _aliasing_guards(tree) == []

@@ -22,9 +22,8 @@ kernel itself, which it schedules with the code around it. Eager calls launch th
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, float32
 from torch.compiler import is_compiling
-from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import use_triton
@@ -44,7 +43,7 @@ def supports(x2: Tensor, activation_name: str) -> bool:
     """Whether the fused kernel handles this 2-D input and activation (else use the torch path)."""
     return (
         x2.is_cuda
-        and x2.dtype == torch.float32
+        and x2.dtype == float32
         and x2.shape[0] <= SMALL_BATCH_MAX
         and activation_name in ACT_CODES
         and use_triton(x2)
@@ -195,6 +194,8 @@ def _op_body(
 dense_small_backward_op = (
     torch.library.triton_op(OP_NAME, _op_body, mutates_args=()) if triton is not None else None
 )
+# The operator as the traced code calls it (see layernorm.py)
+_DENSE_SMALL_BACKWARD = torch.ops.torchloom.dense_small_backward if triton is not None else None
 
 
 def dense_small_backward(
@@ -209,7 +210,7 @@ def dense_small_backward(
     if not use_triton(g, backend):
         return dense_small_backward_ref(g, pre, x, w, act, has_bias, need_dx)
     if is_compiling():
-        dx, dw, db = torchloom_ops.dense_small_backward(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
+        dx, dw, db = _DENSE_SMALL_BACKWARD(g, pre, x, w, ACT_CODES[act], has_bias, need_dx)
         dw_out, db_out = out if out is not None else (None, None)
         dw = dw_out.copy_(dw) if dw_out is not None else dw
         db = (db_out.copy_(db) if db_out is not None else db) if has_bias else None

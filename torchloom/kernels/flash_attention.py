@@ -611,6 +611,16 @@ def _raw_lse_shape(choice: int, seq_len: int) -> tuple[int, ...]:
     return tuple(lse.shape)
 
 
+# The operators the traced raw calls make, bound once (one name per operator: see layernorm.py; None
+# where this torch lacks one: the chooser then never picks it)
+_SCALED_DOT_PRODUCT_CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+_SCALED_DOT_PRODUCT_CUDNN_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)
+_SCALED_DOT_PRODUCT_EFFICIENT_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+_SCALED_DOT_PRODUCT_EFFICIENT_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None)
+_SCALED_DOT_PRODUCT_FLASH_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_SCALED_DOT_PRODUCT_FLASH_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None)
+
+
 def sdpa_forward_raw(
     choice: int, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -621,13 +631,13 @@ def sdpa_forward_raw(
     takes; ``torch.compile`` traces the operator call as it is."""
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     if choice == SDPA_FLASH:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+        out = _SCALED_DOT_PRODUCT_FLASH_ATTENTION(qt, kt, vt, 0.0, causal, False, scale=scale)
         o, lse, seed, offset = out[0], out[1], out[6], out[7]
     elif choice == SDPA_EFFICIENT:
-        o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        o, lse, seed, offset = _SCALED_DOT_PRODUCT_EFFICIENT_ATTENTION(
             qt, kt, vt, None, True, 0.0, causal, scale=scale)
     elif choice == SDPA_CUDNN:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
+        out = _SCALED_DOT_PRODUCT_CUDNN_ATTENTION(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
         o, lse, seed, offset = out[0], out[1], out[6], out[7]
     else:
         raise ValueError(f"sdpa_forward_raw: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")
@@ -643,13 +653,13 @@ def sdpa_backward_raw(
     s = q.shape[1]
     qt, kt, vt, ot, dot = (t.transpose(1, 2) for t in (q, k, v, o, do))
     if choice == SDPA_FLASH:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grads = _SCALED_DOT_PRODUCT_FLASH_ATTENTION_BACKWARD(
             dot, qt, kt, vt, ot, lse, None, None, s, s, 0.0, causal, seed, offset, scale=scale)
     elif choice == SDPA_EFFICIENT:
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grads = _SCALED_DOT_PRODUCT_EFFICIENT_ATTENTION_BACKWARD(
             dot, qt, kt, vt, None, ot, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)[:3]
     elif choice == SDPA_CUDNN:
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grads = _SCALED_DOT_PRODUCT_CUDNN_ATTENTION_BACKWARD(
             dot, qt, kt, vt, ot, lse, seed, offset, None, None, None, s, s, 0.0, causal, scale=scale)
     else:
         raise ValueError(f"sdpa_backward_raw: choice must be SDPA_FLASH, SDPA_EFFICIENT or SDPA_CUDNN, got {choice!r}")

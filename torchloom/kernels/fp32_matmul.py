@@ -371,9 +371,12 @@ def _mm_op(a: Tensor, b: Tensor, bias: Tensor | None, precision: str) -> Tensor:
 
 if triton is not None and hasattr(torch.library, "triton_op"):  # else ``recurrent.compiled_plan`` never routes here
     torch.library.triton_op("torchloom::fp32_mm", _mm_op, mutates_args=())
+    _FP32_MM = torch.ops.torchloom.fp32_mm  # the operator as the traced code calls it (see layernorm.py)
+else:
+    _FP32_MM = None
 
 
 def mm_traced(a: Tensor, b: Tensor, precision: str, bias: Tensor | None = None) -> Tensor:
     """``mm`` on CUDA for code that ``torch.compile`` traces: ``torchloom::fp32_mm``
     (``torch.library.triton_op``), whose launches Inductor's own code makes."""
-    return torch.ops.torchloom.fp32_mm(a, b, bias, precision)
+    return _FP32_MM(a, b, bias, precision)

@@ -40,7 +40,6 @@ from typing import Optional  # (the operators' schemas are read from their annot
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
-from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import cast, compute_dtype, traced_as_reference, use_kernel
@@ -283,6 +282,9 @@ def _norm_backward_op(
 if triton is not None:  # without Triton the layers never reach the kernels
     torch.library.triton_op(OP_NAMES[0], _norm_forward_op, mutates_args=())
     torch.library.triton_op(OP_NAMES[1], _norm_backward_op, mutates_args=())
+# The operators as the traced code calls them: bound here, so that no two modules' traced code reads
+# the shared ``torch.ops.torchloom`` namespace (each such read adds an aliasing check to the guards).
+_NORM_FORWARD, _NORM_BACKWARD = (torch.ops.torchloom.norm_forward, torch.ops.torchloom.norm_backward) if triton is not None else (None, None)
 
 
 # The launchers below run on every call of a layer, so they keep the host's work small (at a few
@@ -295,7 +297,7 @@ def tiled_forward(
     through the tiled kernel; ``mean``/``rstd`` float32 of shape ``x.shape[:-1]``. While
     ``torch.compile`` traces: the operator ``torch.ops.torchloom.norm_forward``."""
     if is_compiling():
-        y, mean, rstd = torchloom_ops.norm_forward(x, weight, bias, eps, rms)
+        y, mean, rstd = _NORM_FORWARD(x, weight, bias, eps, rms)
         return y, (None if rms else mean), rstd
     x2 = _dense(x)
     n = x2.shape[-1]
@@ -320,7 +322,7 @@ def tiled_backward(
     tiled kernel; ``dx`` in ``x``'s dtype, ``dw``/``db`` in ``weight``'s. While ``torch.compile``
     traces: the operator ``torch.ops.torchloom.norm_backward``."""
     if is_compiling():
-        dx, sums = torchloom_ops.norm_backward(grad_out, x, weight, mean, rstd, has_bias)
+        dx, sums = _NORM_BACKWARD(grad_out, x, weight, mean, rstd, has_bias)
         return dx, sums[0], (sums[1] if has_bias else None)
     x2, g2 = _dense(x), _dense(grad_out)
     n = x2.shape[-1]

@@ -28,9 +28,8 @@ in one kernel launch (their sections below), and the loops under ``torch.compile
 from __future__ import annotations
 
 import torch
-from torch import Tensor, addcmul, addmm, cat, empty_like, mm, mul, sigmoid, stack, tanh, zeros, zeros_like
+from torch import Tensor, addcmul, backends, addmm, bfloat16, cat, empty_like, float32, mm, mul, sigmoid, stack, tanh, zeros, zeros_like
 from torch.compiler import is_compiling
-from torch.ops import torchloom as torchloom_ops
 
 from . import _replay
 from ._launch import launch as _launch_kernel, launch_traced
@@ -39,7 +38,7 @@ from ._triton import autocast_off, cublas_allows_tf32, device_index, interpreter
 from ._triton import use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
-from . import fp32_matmul as _fp32_matmul
+from .fp32_matmul import _ROUND, Product, mm as fp32_mm, mm_many as fp32_mm_many, mm_traced as fp32_mm_traced
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
 __all__ = [
@@ -616,7 +615,7 @@ def _rnn_loop_settings(x: Tensor, batch: int, hidden: int) -> RNNLoopSettings | 
 def _dot_precision(t: Tensor) -> str:
     """fp32 products: TF32 where PyTorch's recurrent layers would use it (``_rnn_allows_tf32``; see
     the section note), else ``_FP32_PRODUCT``."""
-    if not t.is_cuda or t.dtype != torch.float32:
+    if not t.is_cuda or t.dtype != float32:
         return "ieee"  # half inputs: ignored; the interpreter: numpy's fp32
     return "tf32" if _rnn_allows_tf32() and _tf32_capable(t) else _FP32_PRODUCT
 
@@ -630,9 +629,9 @@ def gemm_precision(a: Tensor, b: Tensor, backend: str | None) -> str | None:
     layer's product of ``a`` and ``b``: float32 on a CUDA GPU with TF32 where PyTorch's RNN switch and
     cuBLAS's (``torch.backends.cuda.matmul``) disagree; None where cuBLAS computes it (anything else,
     and ``backend="reference"``)."""
-    if not (a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and backend != "reference"):
+    if not (a.is_cuda and a.dtype == float32 and b.dtype == float32 and backend != "reference"):
         return None
-    if not use_triton(a, None, (torch.float32,)) or not _tf32_capable(a):
+    if not use_triton(a, None, (float32,)) or not _tf32_capable(a):
         return None
     tf32 = _rnn_allows_tf32()
     return None if tf32 == cublas_allows_tf32() else ("tf32" if tf32 else "ieee")
@@ -644,7 +643,7 @@ def compiled_fp32(a: Tensor, b: Tensor, backend: str | None) -> bool:
     launches in the graph, or, where it has no plan, as one of the opaque operators
     (``torchloom::recurrent_mm`` here, ``torchloom::recurrent_grads`` in ``layers.rnn``), which choose
     cuBLAS or ``fp32_matmul`` at run time."""
-    return (is_compiling() and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32
+    return (is_compiling() and a.is_cuda and a.dtype == float32 and b.dtype == float32
             and backend != "reference")
 
 
@@ -659,7 +658,7 @@ def allows_tf32_traced(op: str) -> bool:
     "rnn": read from the settings' attributes (``torch.backends.cudnn.rnn.fp32_precision``...), on
     each of which Dynamo guards (a torch with the ``fp32_precision`` settings). "matmul": the answer
     taken as a constant; Dynamo's guard on PyTorch's global state covers cuBLAS's switch."""
-    b = torch.backends
+    b = backends
     if op == "matmul":
         return _cublas_allows_tf32_constant()
     for precision in (b.cudnn.rnn.fp32_precision, b.cudnn.fp32_precision, b.fp32_precision):
@@ -697,7 +696,7 @@ def compiled_plan(t: Tensor) -> tuple[str, str | None] | None:
     everything at run time, as the eager code would."""
     if not USE_INDUCTOR_LOOPS or not t.is_cuda or not _kernels_launchable_in_graphs():
         return None
-    if t.dtype != torch.float32:
+    if t.dtype != float32:
         return "ieee", None
     capable = _tf32_capable_constant(device_index(t))
     rnn = capable and allows_tf32_traced("rnn")
@@ -720,12 +719,12 @@ def projection_mm(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor 
         if plan is None:
             return _RECURRENT_MM(a, b, bias)
         if plan[1] is not None:
-            return _fp32_matmul.mm_traced(a, b, plan[1], bias)
+            return fp32_mm_traced(a, b, plan[1], bias)
         # else traced as cuBLAS's below
     # traced otherwise only where cuBLAS computes it (not float32 on CUDA): no switch read while tracing
     precision = None if is_compiling() else gemm_precision(a, b, backend)
     if precision is not None:
-        r = _fp32_matmul.mm(a, b, precision, bias)
+        r = fp32_mm(a, b, precision, bias)
         return r if out is None else out.copy_(r)
     if a.dim() == 3:  # [M, G, K] @ [G, K, N]: a copy, as the rows need (sizes given: M or N may be 0)
         a, b = a.reshape(a.shape[0], a.shape[1] * a.shape[2]), b.reshape(b.shape[0] * b.shape[1], b.shape[2])
@@ -847,7 +846,7 @@ def _w_in_place(st: RNNLoopSettings, hidden: int, out: Tensor, precision: str) -
     speed (the forward's copy cost a launch: 0.328 vs 0.329 ms for the TF32 loops at 64 × 64 × 256 on
     an H200). fp32 FMA products ("ieee") on CUDA read the copy: a transposed tile cost them a layout
     change every step (0.647 vs 0.419 ms there; 2.4× the backward's time on an H100 re-reading W)."""
-    fma = out.is_cuda and out.dtype == torch.float32 and precision != "tf32"
+    fma = out.is_cuda and out.dtype == float32 and precision != "tf32"
     return _RNN_W_IN_PLACE and _w_resident(st, hidden, out.dtype) and not fma
 
 
@@ -857,7 +856,7 @@ def _loop_constants(flags: Tensor, st: RNNLoopSettings, backward: bool, precisio
     sentinel, int_dtype = _SENTINEL[flags.dtype]
     return dict(
         BACKWARD=backward, BLOCK_B=st.block_b, BLOCK_N=st.block_n, BLOCK_K=st.block_k, COL_TILES=st.col_tiles,
-        PRECISION=precision or _dot_precision(flags), DOT_F32=not flags.is_cuda and flags.dtype == torch.bfloat16,
+        PRECISION=precision or _dot_precision(flags), DOT_F32=not flags.is_cuda and flags.dtype == bfloat16,
         SENTINEL=sentinel, BITS=tl.int32 if int_dtype == torch.int32 else tl.int16, SPIN_LIMIT=_SPIN_LIMIT,
         num_warps=st.num_warps,
     )
@@ -941,8 +940,8 @@ def _projection_filling(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, hidden:
     launches through ``torch.library.wrap_triton``), which also writes the loop's sentinel's bits over the
     float32 ``hidden [B, T, H]`` (``Product.fill``: one launch fewer than a fill of its own)."""
     fill = hidden.view(-1, hidden.shape[-1])
-    product = _fp32_matmul.Product(x2, w_ih_t, bias, fill=fill, fill_value=_SENTINEL[hidden.dtype][0])
-    return _fp32_matmul.mm_many([product], precision, backend, traced=traced)[0][0]
+    product = Product(x2, w_ih_t, bias, fill=fill, fill_value=_SENTINEL[hidden.dtype][0])
+    return fp32_mm_many([product], precision, backend, traced=traced)[0][0]
 
 
 def rnn_projected_forward(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int,
@@ -1098,7 +1097,7 @@ def _lstm_loop_settings(x: Tensor, batch: int, hidden: int, backward: bool = Fal
         return st
     if st.block_b * st.block_n > 32 * 32:
         return None
-    chunk = 256 if x.dtype != torch.float32 and not backward else 128
+    chunk = 256 if x.dtype != float32 and not backward else 128
     return st._replace(block_k=min(max(_next_pow2(hidden), 16), chunk), num_warps=8)
 
 
@@ -1248,7 +1247,7 @@ def replay_key(name: str) -> tuple:
     that changes them calls ``_replay.clear_programs()``."""
     return (name, _rnn_allows_tf32(), cublas_allows_tf32(), USE_PERSISTENT_RNN, USE_PERSISTENT_LSTM, _RNN_W_RESIDENT,
             _RNN_W_IN_PLACE, _FP32_PRODUCT, _RNN_MAX_HIDDEN, _SPIN_LIMIT, _cooperative[0], frozenset(_failed),
-            _fp32_matmul._ROUND)
+            _ROUND)
 
 
 def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
@@ -1353,13 +1352,12 @@ def recurrent_grads_mm_many(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih:
     None)`` from ``g_pre [B, T, G]``, ``x [B, T, I]``, ``hidden [B, T, H]``, ``weight_ih [G, I]``) in
     ``fp32_matmul.mm_many``'s one launch (and one summing its K splits), in ``precision`` (``traced``:
     launched through ``torch.library.wrap_triton``)."""
-    Product, mm_many = _fp32_matmul.Product, _fp32_matmul.mm_many
     B, T, G = g_pre.shape
     g2, x2 = g_pre.reshape(B * T, G), x.reshape(B * T, x.shape[-1])
     products = [Product(g2.t(), x2, row_sums=has_bias), Product(g_pre[:, 1:].permute(2, 0, 1), hidden[:, :-1])]
     if needs_input_grad:
         products.append(Product(g2, weight_ih))
-    (dw_ih, db), (dw_hh, _), *dx = mm_many(products, precision, backend, traced=traced)
+    (dw_ih, db), (dw_hh, _), *dx = fp32_mm_many(products, precision, backend, traced=traced)
     return (dx[0][0].view(B, T, x.shape[-1]) if dx else None), dw_ih, dw_hh, db
 
 
@@ -1374,6 +1372,12 @@ if triton is not None and hasattr(torch.library, "triton_op"):  # else ``compile
     torch.library.triton_op("torchloom::rnn_forward_launched", _rnn_forward_launched, mutates_args=())
     torch.library.triton_op("torchloom::rnn_loop_backward_launched", _rnn_loop_backward_launched, mutates_args=())
     torch.library.triton_op("torchloom::recurrent_grads_launched", _recurrent_grads_launched, mutates_args=())
+    # the operators as the traced code calls them (see layernorm.py)
+    _RNN_FORWARD_LAUNCHED = torch.ops.torchloom.rnn_forward_launched
+    _RNN_LOOP_BACKWARD_LAUNCHED = torch.ops.torchloom.rnn_loop_backward_launched
+    RECURRENT_GRADS_LAUNCHED = torch.ops.torchloom.recurrent_grads_launched
+else:
+    _RNN_FORWARD_LAUNCHED = _RNN_LOOP_BACKWARD_LAUNCHED = RECURRENT_GRADS_LAUNCHED = None
 
 
 def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,
@@ -1389,7 +1393,7 @@ def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_h
     plan = compiled_plan(x2)
     if plan is None:
         return _RNN_OPS[0](x2, w_ih_t, bias, weight_hh, batch, steps, backend)
-    return torchloom_ops.rnn_forward_launched(x2, w_ih_t, bias, weight_hh, batch, steps, *plan)
+    return _RNN_FORWARD_LAUNCHED(x2, w_ih_t, bias, weight_hh, batch, steps, *plan)
 
 
 def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor, backend: str | None = None) -> Tensor:
@@ -1400,7 +1404,7 @@ def rnn_backward_loop_traced(grad_out: Tensor, weight_hh: Tensor, hidden: Tensor
     plan = compiled_plan(hidden)
     if plan is None:
         return _RNN_OPS[1](grad_out, weight_hh, hidden, backend)
-    return torchloom_ops.rnn_loop_backward_launched(grad_out, weight_hh, hidden, plan[0])
+    return _RNN_LOOP_BACKWARD_LAUNCHED(grad_out, weight_hh, hidden, plan[0])
 
 
 def lstm_forward_loop_traced(proj: Tensor, weight_hh: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:

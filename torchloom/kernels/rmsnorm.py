@@ -200,9 +200,9 @@ _TILED = True
 
 
 def _tiled(x: Tensor) -> bool:
-    from . import layernorm
+    from .layernorm import fits_tiled
 
-    return _TILED and layernorm.fits_tiled(x.shape[-1], x.is_cuda)
+    return _TILED and fits_tiled(x.shape[-1], x.is_cuda)
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> tuple[Tensor, Tensor]:

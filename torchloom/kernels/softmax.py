@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
-from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import row_settings, cast, compute_dtype, traced_as_reference, use_kernel
@@ -192,6 +191,8 @@ def _softmax_backward_op(grad_out: Tensor, p: Tensor, temperature: float) -> Ten
 if triton is not None:  # without Triton the layer never reaches the kernels
     torch.library.triton_op(OP_NAMES[0], _softmax_op, mutates_args=())
     torch.library.triton_op(OP_NAMES[1], _softmax_backward_op, mutates_args=())
+# The operators as the traced code calls them (see layernorm.py)
+_SOFTMAX, _SOFTMAX_BACKWARD = (torch.ops.torchloom.softmax, torch.ops.torchloom.softmax_backward) if triton is not None else (None, None)
 
 
 def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:
@@ -202,7 +203,7 @@ def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> 
     if not use_kernel(x, backend) or x.numel() == 0 or traced_as_reference("softmax", x.dtype, backend):
         return softmax_ref(x, temperature)
     if is_compiling():
-        return torchloom_ops.softmax(x, float(temperature))
+        return _SOFTMAX(x, float(temperature))
     return _launch_softmax(x, temperature)
 
 
@@ -213,5 +214,5 @@ def softmax_backward(grad_out: Tensor, p: Tensor, temperature: float = 1.0, back
     if not use_kernel(p, backend) or p.numel() == 0 or traced_as_reference("softmax", p.dtype, backend):
         return softmax_backward_ref(grad_out, p, temperature)
     if is_compiling():
-        return torchloom_ops.softmax_backward(grad_out, p, float(temperature))
+        return _SOFTMAX_BACKWARD(grad_out, p, float(temperature))
     return _launch_softmax_backward(grad_out, p, temperature)

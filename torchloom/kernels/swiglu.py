@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
-from torch.ops import torchloom as torchloom_ops
 
 from ._tl import jit, tl, triton
 from ._triton import elementwise_settings, cast, compute_dtype, traced_as_reference, use_kernel
@@ -132,6 +131,10 @@ if triton is not None:  # without Triton the layer never reaches the kernels
     torch.library.triton_op(OP_NAMES[0], _swiglu_op, mutates_args=())
     torch.library.triton_op(OP_NAMES[1], _swiglu_backward_op, mutates_args=())
     torch.library.triton_op(OP_NAMES[2], _swiglu_backward_inplace_op, mutates_args=("grad",))
+# The operators as the traced code calls them (see layernorm.py)
+_SWIGLU, _SWIGLU_BACKWARD, _SWIGLU_BACKWARD_ = (
+    (torch.ops.torchloom.swiglu, torch.ops.torchloom.swiglu_backward, torch.ops.torchloom.swiglu_backward_)
+    if triton is not None else (None, None, None))
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -143,7 +146,7 @@ def swiglu(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     if not use_kernel(gate, backend) or gate.numel() == 0 or traced_as_reference("swiglu", gate.dtype, backend):
         return swiglu_ref(gate, up)
     if is_compiling():
-        return torchloom_ops.swiglu(gate, up)
+        return _SWIGLU(gate, up)
     g, u = gate.contiguous(), up.contiguous()
     a = torch.empty_like(g)
     block, num_warps, programs = elementwise_settings(g.numel(), g.is_cuda)
@@ -167,8 +170,8 @@ def swiglu_backward(
         return swiglu_backward_ref(grad, gate, up)
     if is_compiling():
         if out_gate is grad and grad.is_contiguous() and grad.shape == gate.shape and grad.dtype == gate.dtype:
-            return grad, torchloom_ops.swiglu_backward_(grad, gate, up)
-        return torchloom_ops.swiglu_backward(grad, gate, up)
+            return grad, _SWIGLU_BACKWARD_(grad, gate, up)
+        return _SWIGLU_BACKWARD(grad, gate, up)
     da, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
     fits = out_gate is not None and out_gate.is_contiguous() and out_gate.shape == g.shape and out_gate.dtype == g.dtype
     d_gate, d_up = (out_gate if fits else torch.empty_like(g)), torch.empty_like(u)

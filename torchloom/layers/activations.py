@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor, erf, exp, full_like, ones_like, relu, sigmoid, tanh, where, zeros
-from torch.ops import aten
 
 # The formulas call torch's functions by these imported names: torch.compile traces them inside every
 # layer, and the ``torch`` module read from this module's globals too added an aliasing check to each
@@ -23,6 +23,7 @@ from torch.ops import aten
 __all__ = ["Activation", "get_activation", "ACTIVATIONS", "activation_names"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward  # one name per operator: see kernels/layernorm.py
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_C = 0.044715
@@ -50,7 +51,16 @@ class Activation:
     def __repr__(self) -> str:
         return f"Activation({self.name!r})"
 
-    def __reduce__(self):  # pickle / deepcopy by name: there is one instance per activation
+    # Equal by kind. Each layer holds an instance of its own (``get_activation`` returns a new one):
+    # torch.compile, tracing a model whose layers shared one object, checked on every call that they
+    # still did (a Python-level aliasing guard per pair of layers).
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name))
+
+    def __reduce__(self):  # pickle / deepcopy by name
         return (get_activation, (self.name,))
 
 
@@ -70,7 +80,7 @@ class ReLU(Activation):
         # A NaN pre-activation makes the output NaN, so the step it belongs to is skipped either way.
         # Twice differentiable as ``where`` is: w.r.t. ``grad_out`` the same mask, w.r.t. ``x`` zero.
         if grad_out.dtype == x.dtype:
-            return aten.threshold_backward(grad_out, x, 0)
+            return _THRESHOLD_BACKWARD(grad_out, x, 0)
         return where(x > 0, grad_out, zeros((), dtype=grad_out.dtype, device=grad_out.device))
 
 
@@ -222,7 +232,8 @@ def activation_names() -> list[str]:
 
 
 def get_activation(name: str | Activation) -> Activation:
-    """Look an activation up by name (case-insensitive, aliases accepted) or pass one through.
+    """A new instance of the activation named ``name`` (case-insensitive, aliases accepted; equal to
+    ``ACTIVATIONS[name]``), or ``name`` itself when it is an ``Activation``.
 
     Raises ``TypeError`` for a non-string and ``ValueError`` listing the valid names for an unknown one.
     """
@@ -233,9 +244,9 @@ def get_activation(name: str | Activation) -> Activation:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in OPT_IN_ACTIVATIONS:
-        return OPT_IN_ACTIVATIONS[key]
+        return type(OPT_IN_ACTIVATIONS[key])()
     try:
-        return ACTIVATIONS[key]
+        return type(ACTIVATIONS[key])()
     except KeyError:
         valid = ", ".join(activation_names())
         aliases = ", ".join(f"{a}→{c}" for a, c in _ALIASES.items())

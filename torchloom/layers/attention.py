@@ -76,12 +76,6 @@ __all__ = [
 ]
 
 
-def _flash():
-    from ..kernels import flash_attention
-
-    return flash_attention
-
-
 @dataclass(frozen=True)
 class AttentionSpec:
     """The attention's fixed settings: head counts, causal mask, RoPE on/off and its base θ.
@@ -398,20 +392,24 @@ def _flash_core(
     columns q heads | k heads | v heads, each ``D`` wide): RoPE in place on its q and k columns
     (``qkv`` is written), then the flash kernel. Returns ``(o [B,S,H,D] contiguous, lse [B,H,S]
     float32)``."""
+    from ..kernels.flash_attention import flash_attention, rope_, sdpa_forward
+
     heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
     if rope:
         cos, sin = _rope_tables_kept(seq_len, heads.shape[3], rope_theta, qkv.device, float32)
-        _flash().rope_(heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=False, backend=backend)
+        rope_(heads[:, :, : num_heads + num_kv_heads], cos, sin, inverse=False, backend=backend)
     fused = _fused_kernel(q, k, v, causal, backend)
     if fused is not None:
-        return _flash().sdpa_forward(fused, q, k, v, causal, 1.0 / math.sqrt(heads.shape[3]))
-    return _flash().flash_attention(q, k, v, causal, backend=backend)
+        return sdpa_forward(fused, q, k, v, causal, 1.0 / math.sqrt(heads.shape[3]))
+    return flash_attention(q, k, v, causal, backend=backend)
 
 
 def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str | None) -> int | None:
     """PyTorch's fused attention kernel for the core (``backend`` None on CUDA, where one applies:
     ``flash_attention.sdpa_choice``), else None: the Triton flash kernel."""
-    return _flash().sdpa_choice(q, k, v, causal, 1.0 / math.sqrt(q.shape[3])) if backend is None else None
+    from ..kernels.flash_attention import sdpa_choice
+
+    return sdpa_choice(q, k, v, causal, 1.0 / math.sqrt(q.shape[3])) if backend is None else None
 
 
 def _flash_core_backward(
@@ -424,6 +422,8 @@ def _flash_core_backward(
     in place. Three tensors, not one joined ``[B·S, (H+2K)·D]``: PyTorch's fused kernels return their
     own, and a join would hold both at once (1.39× PyTorch's peak memory at S = 2,048 in float32 on an
     H200, against 1.04× apart). No input is written."""
+    from ..kernels.flash_attention import flash_attention_backward, rope_, sdpa_backward
+
     heads, q, k, v = _heads(qkv, seq_len, num_heads, num_kv_heads)
     b, _, _, hd = heads.shape
     d_o, o = (t.reshape(b, seq_len, num_heads, hd) for t in (d_o, o))
@@ -434,15 +434,15 @@ def _flash_core_backward(
     fused = _fused_kernel(q, k, v, causal, backend)
     if fused is None:
         grads = tuple(empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-        _flash().flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=grads)
+        flash_attention_backward(d_o, q, k, v, o, lse, causal, backend=backend, out=grads)
     else:  # gradients in the kernel's own layout: made contiguous below, by RoPE's one pass where there is one
-        grads = _flash().sdpa_backward(fused, d_o, q, k, v, o, lse, causal, 1.0 / math.sqrt(hd))
+        grads = sdpa_backward(fused, d_o, q, k, v, o, lse, causal, 1.0 / math.sqrt(hd))
     if rope:
         cos, sin = _rope_tables_kept(seq_len, hd, rope_theta, qkv.device, float32)
         rotated = []
         for t in grads[:2]:  # in place, or into a contiguous tensor in the same one pass
             dst = t if t.is_contiguous() else empty(t.shape, device=t.device, dtype=t.dtype)
-            rotated.append(_flash().rope_(dst, cos, sin, inverse=True, backend=backend, src=None if dst is t else t))
+            rotated.append(rope_(dst, cos, sin, inverse=True, backend=backend, src=None if dst is t else t))
         grads = (*rotated, grads[2])
     out = [t.contiguous().view(b * seq_len, -1) for t in grads]
     for i in (1, 2):  # an operator's outputs must not share memory (a kernel may hand back slices of one buffer)
@@ -496,11 +496,13 @@ def _traced_choice(x: Tensor, spec: AttentionSpec) -> int | None:
     operators). The batch may be symbolic (Dynamo's recompile after a ragged last batch makes it so):
     the kernel is chosen for one sample, as the chooser's answer does not depend on the batch
     (tests/layers/test_compile_cuda.py); the sequence length and width must be plain ints."""
+    from ._traced_attention import sdpa_choice_constant  # here: marking a constant imports torch._dynamo
+
     if spec.backend is not None or not _static(x.shape[1:]):
         return None
     _, s, d = x.shape
     hd = d // spec.num_heads
-    return _constants().sdpa_choice_constant(s, spec.num_heads, spec.num_kv_heads, hd, x.dtype, x.device, spec.causal)
+    return sdpa_choice_constant(s, spec.num_heads, spec.num_kv_heads, hd, x.dtype, x.device, spec.causal)
 
 
 def _static(sizes) -> bool:
@@ -514,18 +516,13 @@ def _static(sizes) -> bool:
     return has_static_value is not None and all(has_static_value(n) for n in sizes)
 
 
-def _constants():
-    # Imported on first use, while Dynamo traces: marking a function's result constant imports
-    # torch._dynamo, which ``import torchloom`` must not.
-    from . import _traced_attention
-
-    return _traced_attention
-
-
 def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias, spec, choice):
     """The flash path as ``torch.compile`` traces it (see above): ``x [B, S, d]`` → ``(y [B, S, d],
     SdpaAttentionSaved)``. q and k come from one product (their weights stacked: one rotation kernel
     reads and writes them together), v from its own (no copy of it into a joined buffer)."""
+    from ..kernels.flash_attention import sdpa_forward_raw
+    from ._traced_attention import rope_constants
+
     b, s, d = x.shape
     h, kv = spec.num_heads, spec.num_kv_heads
     hd = d // h
@@ -534,9 +531,9 @@ def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v
     qk = _linear(x2, w_qk, None if q_bias is None else cat((q_bias, k_bias))).view(b, s, h + kv, hd)
     v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd)
     if spec.rope:  # in float32 (the tables'), rounded once, as the eager path's RoPE kernel
-        cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
+        cos, sin = rope_constants(s, hd, spec.rope_theta, x.device)
         qk = rope_rotate(qk, cos, sin).to(qk.dtype)
-    o, lse, seed, offset = _flash().sdpa_forward_raw(choice, qk[:, :, :h], qk[:, :, h:], v, spec.causal, 1.0 / math.sqrt(hd))
+    o, lse, seed, offset = sdpa_forward_raw(choice, qk[:, :, :h], qk[:, :, h:], v, spec.causal, 1.0 / math.sqrt(hd))
     y = output_view(_linear(o.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = SdpaAttentionSaved(x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, q_bias is not None, spec, choice)
     return y, saved
@@ -544,6 +541,9 @@ def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v
 
 def _traced_backward(grad_out: Tensor, saved: SdpaAttentionSaved, needs_input_grad: bool):
     """The backward of ``_traced_forward`` (``attention_backward``'s return)."""
+    from ..kernels.flash_attention import sdpa_backward_raw
+    from ._traced_attention import rope_constants
+
     x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, has_bias, spec, choice, param_dtype = saved
     b, s, d = x.shape
     h, kv, hd = spec.num_heads, spec.num_kv_heads, d // spec.num_heads
@@ -552,11 +552,11 @@ def _traced_backward(grad_out: Tensor, saved: SdpaAttentionSaved, needs_input_gr
     x2 = x.reshape(b * s, d)
     d_o_weight = mm(gy.t(), o.reshape(b * s, d))
     d_o = mm(gy, o_weight).view(b, s, h, hd)
-    dq, dk, dv = _flash().sdpa_backward_raw(choice, d_o, qk[:, :, :h], qk[:, :, h:], v, o, lse, seed, offset,
-                                            spec.causal, 1.0 / math.sqrt(hd))
+    dq, dk, dv = sdpa_backward_raw(choice, d_o, qk[:, :, :h], qk[:, :, h:], v, o, lse, seed, offset,
+                                   spec.causal, 1.0 / math.sqrt(hd))
     dqk = cat((dq, dk), dim=2)  # one [B, S, H+K, D] (written by the rotation's kernel where there is one)
     if spec.rope:
-        cos, sin = _constants().rope_constants(s, hd, spec.rope_theta, x.device)
+        cos, sin = rope_constants(s, hd, spec.rope_theta, x.device)
         dqk = rope_rotate_inverse(dqk, cos, sin).to(dq.dtype)
     dqk, dv = dqk.reshape(b * s, d + kd), dv.reshape(b * s, kd)
     dw_qk = mm(dqk.t(), x2)  # the q and k weights' gradients in one product

@@ -44,7 +44,6 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, is_grad_enabled, is_tensor, nn
 from torch.compiler import is_compiling
-from torch.ops import aten
 
 # the layers' and methods' names for the autocast helpers, which the kernels share
 from ..kernels._triton import autocast_dtype, autocast_off, cast_for_autocast  # noqa: F401
@@ -202,6 +201,9 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     return t.sum(0) if out is None else torch.sum(t, 0, out=out)
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view  # one name per operator: see kernels/layernorm.py
+
+
 def output_view(t: Tensor, *shape: int) -> Tensor:
     """``t.view(*shape)`` as a layer's output (``t`` an intermediate, such as a 2-D product reshaped to
     ``[batch, seq, features]``). Under ``torch.compile`` the result is not a view but a new tensor on
@@ -209,7 +211,7 @@ def output_view(t: Tensor, *shape: int) -> Tensor:
     a compiled graph's output that is a view of an intermediate makes AOTAutograd rebuild the view in
     Python on every call."""
     if is_compiling():
-        return aten._unsafe_view(t, shape)
+        return _UNSAFE_VIEW(t, shape)
     return t.view(*shape)
 
 

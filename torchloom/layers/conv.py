@@ -26,7 +26,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, is_grad_enabled, is_tensor, nn
-from torch.ops import aten
 
 from .activations import Activation, get_activation
 from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
@@ -44,6 +43,7 @@ __all__ = [
 ]
 
 _INITS = ("he_normal", "loom_uniform")
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward  # one name per operator: see kernels/layernorm.py
 _CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _SPATIAL_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
@@ -120,7 +120,7 @@ def _conv_products(grad_out, x, weight, pre, activation, has_bias, stride, paddi
     g_pre = activation.grad(grad_out, pre)
     # One explicit primitive computes the three products (it is what torch.nn.grad.conv*d_input /
     # conv*d_weight call); output_mask skips what is not needed.
-    return aten.convolution_backward(
+    return _CONVOLUTION_BACKWARD(
         g_pre,
         x,
         weight,

@@ -24,11 +24,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, is_grad_enabled, is_tensor, nn, no_grad
-from torch.ops import aten
 
 from .activations import Activation, get_activation
 from .base import Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
-from .conv import _ntuple
+from .conv import _CONVOLUTION_BACKWARD, _ntuple
 
 __all__ = [
     "ConvTranspose1D",
@@ -111,7 +110,7 @@ def _conv_transpose_backward(grad_out, x, weight, pre, activation, has_bias, str
         grad_out = grad_out.to(pre.dtype)
     with no_grad(), autocast_off(x.device.type):
         g_pre = activation.grad(grad_out, pre)
-        grad_x, grad_w, grad_b = aten.convolution_backward(
+        grad_x, grad_w, grad_b = _CONVOLUTION_BACKWARD(
             g_pre.contiguous(),
             x,
             weight,

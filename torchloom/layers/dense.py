@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, is_grad_enabled, is_tensor, nn
+from torch import Tensor, float32, is_grad_enabled, is_tensor, nn
 
 from .activations import Activation, get_activation
 from .base import column_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
@@ -35,14 +35,15 @@ class DenseSaved(NamedTuple):
     dtypes: tuple[torch.dtype, torch.dtype] | None = None
 
 
-def _small_batch_kernels(x2: Tensor, activation: Activation):
-    """The fused small-batch backward kernel module when it handles this call (CUDA, float32, few
-    rows), else None. Imported on the first CUDA call only: CPU code never imports the kernels."""
+def _small_batch_kernel(x2: Tensor, activation: Activation):
+    """The fused small-batch backward (``kernels.dense_small.dense_small_backward``) when it handles
+    this call (CUDA, float32, few rows), else None. Imported on the first CUDA call only: CPU code
+    never imports the kernels."""
     if not x2.is_cuda:
         return None
-    from ..kernels import dense_small
+    from ..kernels.dense_small import dense_small_backward, supports
 
-    return dense_small if dense_small.supports(x2, activation.name) else None
+    return dense_small_backward if supports(x2, activation.name) else None
 
 
 def dense_forward(
@@ -100,9 +101,9 @@ def _dense_backward(grad_out, x, weight, pre, activation, has_bias, dtypes, need
     flat = x.dim() == 2  # the common case: no reshapes
     x2 = x if flat else x.reshape(-1, weight.shape[1])
     w_out, b_out = out if out is not None else (None, None)
-    fused = _small_batch_kernels(x2, activation)
-    if fused is not None and dtypes is None and weight.dtype == torch.float32 and grad_out.dtype == torch.float32:
-        grad_x, grad_w, grad_b = fused.dense_small_backward(
+    fused = _small_batch_kernel(x2, activation)
+    if fused is not None and dtypes is None and weight.dtype == float32 and grad_out.dtype == float32:
+        grad_x, grad_w, grad_b = fused(
             grad_out.reshape(-1, weight.shape[0]), pre.reshape(-1, weight.shape[0]), x2, weight,
             activation.name, has_bias, needs_input_grad, out=(w_out, b_out),
         )
