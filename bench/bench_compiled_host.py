@@ -12,7 +12,10 @@ median of the pairs' ratios and their quartiles.
 
 Beside the times it counts the guards of each side's compiled frame: the checks Dynamo runs before
 every call of a compiled graph (leaf guards and the accessor nodes that lead to them, from the guard
-tree's printed form), and the time of one check run alone, warm.
+tree's printed form), and the time of one check run alone, warm. Two floor rows follow the layers
+(``--no-floors`` leaves them out), each against ``nn.Linear`` on the Dense row's shape: a user subclass
+of ``nn.Linear`` (what any module that is not torch.nn's own pays) and a minimal ``autograd.Function``
+linear (what a hand-written backward itself pays).
 
 Run: ``PYTHONPATH=. python bench/bench_compiled_host.py`` (CPU; ``--device cuda`` on a GPU machine);
 ``--only Dense,Conv2D --dtypes float32,bfloat16 --rounds 30``. Results: bench/RESULTS.md §10.
@@ -140,6 +143,10 @@ def floor_cases(dev: torch.device, dtype: torch.dtype):
         yield BL.Case(f"{name} (nn.Linear)", (n, i, o), x, gy, ours, ours.parameters(), theirs, theirs.parameters(), 1.0)
 
 
+def _us(seconds: float) -> str:
+    return "—" if seconds != seconds else f"{seconds * 1e6:.2f}"  # nan: the frame's locals are not known here
+
+
 def _guards(g) -> str:
     return "—" if g is None else f"{g[0]} + {g[1]}"
 
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(case, args.rounds, args.block)
             print(f"| {case.name} | {dtype_name} | {r['ours'] * 1e6:.1f} | {r['theirs'] * 1e6:.1f} | {r['ratio']:.3f}× | "
                   f"{r['q'][0]:.3f}–{r['q'][1]:.3f}× | {_guards(r['guards'][0])} | {_guards(r['guards'][1])} | "
-                  f"{r['check'][0] * 1e6:.2f} / {r['check'][1] * 1e6:.2f} |", flush=True)
+                  f"{_us(r['check'][0])} / {_us(r['check'][1])} |", flush=True)
     return 0
 
 
