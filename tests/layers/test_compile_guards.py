@@ -215,7 +215,8 @@ class _EveryLayer(torch.nn.Module):
         self.dense = Dense(8, 8, activation="relu")
         self.norms = torch.nn.ModuleList([RMSNorm(8), LayerNorm(8)])
         self.swiglu, self.softmax = SwiGLU(8, 12), Softmax()
-        self.conv, self.deconv = Conv2D(3, 4, 3, padding=1, activation="relu"), ConvTranspose2D(4, 3, 3, padding=1, activation="relu")
+        self.conv = Conv2D(3, 4, 3, padding=1, activation="relu")
+        self.deconv = ConvTranspose2D(4, 3, 3, padding=1, activation="relu")
         self.embedding = Embedding(10, 8, activation="tanh")
         self.rnn, self.lstm, self.attention = RNN(8, 8), LSTM(8, 8), MultiHeadAttention(8, 2)
 

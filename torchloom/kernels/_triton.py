@@ -14,9 +14,9 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import torch
-from contextlib import nullcontext
 from torch import autocast, float32, get_autocast_dtype, is_autocast_enabled
 from torch.compiler import is_compiling
 
@@ -133,7 +133,9 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def cast_for_autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.dtype | None, tuple[torch.Tensor | None, ...]]:
+def cast_for_autocast(
+    device_type: str, *tensors: torch.Tensor | None
+) -> tuple[torch.dtype | None, tuple[torch.Tensor | None, ...]]:
     """``(dtype, tensors)``: under autocast on ``device_type``, every float32/float16/bfloat16 tensor
     cast to the autocast dtype (float64 and integer tensors and ``None`` pass unchanged, as autocast
     leaves them); otherwise ``(None, tensors)`` unchanged."""

@@ -284,7 +284,8 @@ if triton is not None:  # without Triton the layers never reach the kernels
     torch.library.triton_op(OP_NAMES[1], _norm_backward_op, mutates_args=())
 # The operators as the traced code calls them: bound here, so that no two modules' traced code reads
 # the shared ``torch.ops.torchloom`` namespace (each such read adds an aliasing check to the guards).
-_NORM_FORWARD, _NORM_BACKWARD = (torch.ops.torchloom.norm_forward, torch.ops.torchloom.norm_backward) if triton is not None else (None, None)
+_NORM_FORWARD, _NORM_BACKWARD = (
+    (torch.ops.torchloom.norm_forward, torch.ops.torchloom.norm_backward) if triton is not None else (None, None))
 
 
 # The launchers below run on every call of a layer, so they keep the host's work small (at a few

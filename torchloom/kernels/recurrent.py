@@ -28,7 +28,8 @@ in one kernel launch (their sections below), and the loops under ``torch.compile
 from __future__ import annotations
 
 import torch
-from torch import Tensor, addcmul, backends, addmm, bfloat16, cat, empty_like, float32, mm, mul, sigmoid, stack, tanh, zeros, zeros_like
+from torch import Tensor, addcmul, addmm, backends, bfloat16, cat, empty_like, float32, mm, mul, sigmoid, stack, tanh
+from torch import zeros, zeros_like
 from torch.compiler import is_compiling
 
 from . import _replay
@@ -1375,9 +1376,9 @@ if triton is not None and hasattr(torch.library, "triton_op"):  # else ``compile
     # the operators as the traced code calls them (see layernorm.py)
     _RNN_FORWARD_LAUNCHED = torch.ops.torchloom.rnn_forward_launched
     _RNN_LOOP_BACKWARD_LAUNCHED = torch.ops.torchloom.rnn_loop_backward_launched
-    RECURRENT_GRADS_LAUNCHED = torch.ops.torchloom.recurrent_grads_launched
+    _RECURRENT_GRADS_LAUNCHED = torch.ops.torchloom.recurrent_grads_launched
 else:
-    _RNN_FORWARD_LAUNCHED = _RNN_LOOP_BACKWARD_LAUNCHED = RECURRENT_GRADS_LAUNCHED = None
+    _RNN_FORWARD_LAUNCHED = _RNN_LOOP_BACKWARD_LAUNCHED = _RECURRENT_GRADS_LAUNCHED = None
 
 
 def rnn_forward_traced(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,

@@ -192,7 +192,8 @@ if triton is not None:  # without Triton the layer never reaches the kernels
     torch.library.triton_op(OP_NAMES[0], _softmax_op, mutates_args=())
     torch.library.triton_op(OP_NAMES[1], _softmax_backward_op, mutates_args=())
 # The operators as the traced code calls them (see layernorm.py)
-_SOFTMAX, _SOFTMAX_BACKWARD = (torch.ops.torchloom.softmax, torch.ops.torchloom.softmax_backward) if triton is not None else (None, None)
+_SOFTMAX, _SOFTMAX_BACKWARD = (
+    (torch.ops.torchloom.softmax, torch.ops.torchloom.softmax_backward) if triton is not None else (None, None))
 
 
 def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:

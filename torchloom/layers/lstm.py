@@ -44,7 +44,7 @@ from .rnn import RecurrentLayer, autocast_recurrent_forward, recurrent_grads
 
 __all__ = ["LSTM", "LSTMFunction", "LSTMSaved", "lstm", "lstm_forward", "lstm_backward"]
 
-# The kernel functions (kernels/recurrent.py) are imported where they are called: see rnn.py.
+# The kernel functions (kernels/recurrent.py) are imported by name where they are called (see norm.py).
 
 
 class LSTMSaved(NamedTuple):

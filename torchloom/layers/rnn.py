@@ -40,10 +40,7 @@ __all__ = [
 
 _RNN_INITS = ("uniform", "loom_uniform")
 
-# The kernel functions (kernels/recurrent.py) are imported by name where they are called: the module
-# imports Triton, which ``import torchloom`` must not; and torch.compile, which traces these calls,
-# guards a function imported so with one check, where reading it from the module object also made it
-# check, on every compiled call, that the module object is the one the kernels' own code runs in.
+# The kernel functions (kernels/recurrent.py) are imported by name where they are called (see norm.py).
 
 
 class RNNSaved(NamedTuple):
@@ -186,14 +183,14 @@ def recurrent_grads(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_ih: Tensor,
     without a plan, the opaque ``torchloom::recurrent_grads``, which decides at run time (``backend`` is
     not passed to it: it runs as ``backend=None``, as ``torchloom::recurrent_mm`` does)."""
     from ..kernels.recurrent import (
-        RECURRENT_GRADS_LAUNCHED, compiled_fp32, compiled_plan, gemm_precision, projection_mm, recurrent_grads_mm_many
+        _RECURRENT_GRADS_LAUNCHED, compiled_fp32, compiled_plan, gemm_precision, projection_mm, recurrent_grads_mm_many
     )
 
     plan = compiled_plan(g_pre) if compiled_fp32(g_pre, weight_ih, backend) else ()
     if plan is None or (plan and plan[1] is not None):  # an operator, which returns empty tensors for None
         args = (g_pre, x, hidden, weight_ih, has_bias, needs_input_grad)
         # the opaque operator (its Python decides at run time), or fp32_matmul launched by Inductor's code
-        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(*args) if plan is None else RECURRENT_GRADS_LAUNCHED(
+        dx, dw_ih, dw_hh, db = _RECURRENT_GRADS(*args) if plan is None else _RECURRENT_GRADS_LAUNCHED(
             *args, plan[1])
         return (dx if needs_input_grad else None), dw_ih, dw_hh, (db if has_bias else None)
     # traced only where cuBLAS computes the products (not float32 on CUDA): no switch read while tracing
