@@ -290,3 +290,13 @@ def test_compiled_rnn_step_replays_its_operators(monkeypatch):
         for got, want in zip(*grads):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert tuple(a - b for a, b in zip(_counts(), before)) == (3, 0)
+
+
+def test_the_key_follows_fp32_matmuls_rounding_switch(monkeypatch):
+    """``fp32_matmul._ROUND`` (a benchmark's A/B switch) is read when the key is built: a program
+    recorded with one setting is not replayed under the other."""
+    from torchloom.kernels import fp32_matmul
+
+    key = K.replay_key("recurrent_grads")
+    monkeypatch.setattr(fp32_matmul, "_ROUND", not fp32_matmul._ROUND)
+    assert K.replay_key("recurrent_grads") != key

@@ -39,7 +39,7 @@ from ._triton import autocast_off, cublas_allows_tf32, device_index, interpreter
 from ._triton import use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
-from .fp32_matmul import _ROUND, Product, mm as fp32_mm, mm_many as fp32_mm_many, mm_traced as fp32_mm_traced
+from .fp32_matmul import Product, mm as fp32_mm, mm_many as fp32_mm_many, mm_traced as fp32_mm_traced
 from .fp32_matmul import _round_tf32  # the loop kernel's TF32 operands, rounded as the projections'
 
 __all__ = [
@@ -1246,9 +1246,11 @@ def replay_key(name: str) -> tuple:
     rounding switch (the benchmarks' A/B switches), and the shapes whose loops failed to launch. Tile
     sizes and split limits (``fp32_matmul._BLOCK_*``, ``_MAX_SPLIT``...) are assumed fixed: a sweep
     that changes them calls ``_replay.clear_programs()``."""
+    from . import fp32_matmul  # its switch as it is now (eager code: no compiled graph reads this)
+
     return (name, _rnn_allows_tf32(), cublas_allows_tf32(), USE_PERSISTENT_RNN, USE_PERSISTENT_LSTM, _RNN_W_RESIDENT,
             _RNN_W_IN_PLACE, _FP32_PRODUCT, _RNN_MAX_HIDDEN, _SPIN_LIMIT, _cooperative[0], frozenset(_failed),
-            _ROUND)
+            fp32_matmul._ROUND)
 
 
 def _rnn_forward_eager(x2: Tensor, w_ih_t: Tensor, bias: Tensor | None, weight_hh: Tensor, batch: int, steps: int,

@@ -233,7 +233,8 @@ def activation_names() -> list[str]:
 
 def get_activation(name: str | Activation) -> Activation:
     """A new instance of the activation named ``name`` (case-insensitive, aliases accepted; equal to
-    ``ACTIVATIONS[name]``), or ``name`` itself when it is an ``Activation``.
+    its entry in ``ACTIVATIONS`` or ``OPT_IN_ACTIVATIONS``), or ``name`` itself when it is an
+    ``Activation``. The registered activations are stateless and built without arguments.
 
     Raises ``TypeError`` for a non-string and ``ValueError`` listing the valid names for an unknown one.
     """

@@ -52,15 +52,15 @@ def softmax_backward(grad_out: Tensor, saved: SoftmaxSaved, needs_input_grad: bo
 # saved record (a NamedTuple) built while torch.compile traces adds ~20 guards to every compiled call.
 # The kernel functions are imported here, on first use: the kernel module imports Triton (see norm.py).
 def _softmax(x: Tensor, dim: int, temperature: float) -> Tensor:
-    from ..kernels.softmax import softmax
+    from ..kernels.softmax import softmax as softmax_kernel
 
-    return softmax(x.movedim(dim, -1), temperature).movedim(-1, dim)
+    return softmax_kernel(x.movedim(dim, -1), temperature).movedim(-1, dim)
 
 
 def _softmax_grad(grad_out: Tensor, p: Tensor, dim: int, temperature: float) -> Tensor:
-    from ..kernels.softmax import softmax_backward
+    from ..kernels.softmax import softmax_backward as softmax_kernel_backward
 
-    return softmax_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature).movedim(-1, dim)
+    return softmax_kernel_backward(grad_out.movedim(dim, -1), p.movedim(dim, -1), temperature).movedim(-1, dim)
 
 
 class SoftmaxFunction(torch.autograd.Function):
