@@ -34,6 +34,28 @@ from torchloom.layers.softmax import Softmax
 from torchloom.layers.swiglu import SwiGLU
 
 
+def _compiled_guards(fn, *args, code=None, backend: str = "aot_eager", backward: bool = True):
+    """``(output, guard trees)``: ``fn`` compiled whole with static shapes and called on ``args`` (then,
+    with ``backward``, a backward of its first output's squares), and the printed guard trees Dynamo
+    keeps for ``code`` (``fn``'s own by default; a module's ``forward`` when ``fn`` is the module).
+    Dynamo's caches are reset before and after."""
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)(*args)
+        if backward:
+            (out[0] if isinstance(out, tuple) else out).float().square().sum().backward()
+        return out, [str(e.guard_manager) for e in _debug_get_cache_entry_list(code or fn.__code__)]
+    finally:
+        torch._dynamo.reset()
+
+
+def _layer_and_input(make, shape):
+    """A ``LAYERS`` entry's layer and an input for it (integer indices where ``shape`` is None), seeded."""
+    torch.manual_seed(0)
+    layer = make()
+    return layer, torch.randint(0, 10, (4, 3)) if shape is None else torch.randn(*shape, requires_grad=True)
+
+
 def test_constant_under_compile_marks_as_assume_constant_result_does():
     def ours():
         return 1
@@ -62,12 +84,7 @@ def test_a_folded_choice_is_not_traced(backend, monkeypatch):
     def fn(x):
         return x * (2.0 if _triton.use_kernel(x, backend) else 3.0)
 
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(fn, fullgraph=True, backend="eager")(x)
-        tree = str(_debug_get_cache_entry_list(fn.__code__)[0].guard_manager)
-    finally:
-        torch._dynamo.reset()
+    out, (tree,) = _compiled_guards(fn, x, backend="eager", backward=False)
     assert torch.equal(out, x * (2.0 if backend == "triton" else 3.0))
     for source in ("KERNEL_DTYPES", "BACKENDS", "interpreter_enabled", "environ", "triton_available", "_preload"):
         assert source not in tree, source
@@ -121,19 +138,10 @@ SIZE_CHECKED = ("Dense", "Conv2D", "RMSNorm", "LayerNorm", "SwiGLU")  # the laye
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_a_compiled_layer_guards_no_record_table_or_size_attribute(name):
-    make, shape = LAYERS[name]
-    torch.manual_seed(0)
-    layer = make()
-    x = torch.randint(0, 10, (4, 3)) if shape is None else torch.randn(*shape, requires_grad=True)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
-        compiled(x).square().sum().backward()
-        entries = _debug_get_cache_entry_list(type(layer).forward.__code__)
-        tree = str(entries[0].guard_manager)
-    finally:
-        torch._dynamo.reset()
-    assert len(entries) == 1
+    layer, x = _layer_and_input(*LAYERS[name])
+    _, trees = _compiled_guards(layer, x, code=type(layer).forward.__code__)
+    assert len(trees) == 1
+    tree = trees[0]
     assert "TENSOR_MATCH" in tree  # the tree is the layer's (it guards the input and the weights)
     forbidden = FORBIDDEN if name in SIZE_CHECKED else FORBIDDEN[:6]
     found = [s for s in forbidden if s in tree]
@@ -146,10 +154,7 @@ def test_autocast_entered_inside_the_compiled_function_is_seen(name, enabled):
     """``autocast_dtype`` and ``autocast_off`` are folded to constants while Dynamo traces (the
     autocast state is guarded with the global state); an autocast region opened inside the compiled
     function is the state they must see. Output dtype, output and input gradient equal eager's."""
-    make, shape = LAYERS[name]
-    torch.manual_seed(0)
-    layer = make()
-    x = torch.randn(*shape, requires_grad=True)
+    layer, x = _layer_and_input(*LAYERS[name])
 
     def step(x):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
@@ -184,24 +189,13 @@ def test_a_compiled_layer_reads_no_object_through_two_sources(name, autocast_on)
     caller's code reads too), so each further module reading it added an aliasing check to every
     compiled call. The function compiled here opens autocast through an imported name, as such a
     caller would."""
-    make, shape = {**LAYERS, **RECURRENT_AND_ATTENTION}[name]
-    torch.manual_seed(0)
-    layer = make()
-    x = torch.randint(0, 10, (4, 3)) if shape is None else torch.randn(*shape, requires_grad=True)
+    layer, x = _layer_and_input(*{**LAYERS, **RECURRENT_AND_ATTENTION}[name])
 
     def step(x):
         with autocast("cpu", dtype=bfloat16, enabled=autocast_on):
             return layer(x)
 
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
-        y = compiled(x)
-        (y[0] if isinstance(y, tuple) else y).float().square().sum().backward()
-        entries = _debug_get_cache_entry_list(step.__code__)
-        tree = str(entries[0].guard_manager)
-    finally:
-        torch._dynamo.reset()
+    _, (tree,) = _compiled_guards(step, x)
     assert "TENSOR_MATCH" in tree
     assert _aliasing_guards(tree) == []
 
@@ -242,12 +236,6 @@ def test_a_compiled_model_of_every_layer_reads_no_object_through_two_sources(dev
         with autocast(device, dtype=bfloat16, enabled=autocast_on):
             return model(x, image, indices)
 
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
-        compiled(x, image, indices).backward()
-        tree = str(_debug_get_cache_entry_list(step.__code__)[0].guard_manager)
-    finally:
-        torch._dynamo.reset()
+    _, (tree,) = _compiled_guards(step, x, image, indices)
     assert "TENSOR_MATCH" in tree
     assert _aliasing_guards(tree) == []
