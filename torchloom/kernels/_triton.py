@@ -30,6 +30,7 @@ __all__ = [
     "use_triton",
     "use_kernel",
     "constant_under_compile",
+    "triton_operator",
     "traced_as_reference",
     "compute_dtype",
     "cast",
@@ -56,6 +57,16 @@ def constant_under_compile(fn: Callable) -> Callable:
     within a process, or whose change may keep an already compiled graph."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+def triton_operator(qualname: str, fn: Callable, mutates_args: tuple[str, ...] = ()) -> Callable:
+    """Register ``fn`` as the operator ``qualname`` ("namespace::name", ``torch.library.triton_op``)
+    and return it as the code that torch.compile traces calls it: ``torch.ops.<namespace>.<name>``,
+    bound once here. Read at each call instead, the shared ``torch.ops.<namespace>`` object, reached
+    from two modules' globals, made Dynamo add an aliasing check to every compiled call's guards."""
+    torch.library.triton_op(qualname, fn, mutates_args=mutates_args)
+    namespace, name = qualname.split("::")
+    return getattr(getattr(torch.ops, namespace), name)
 
 
 def triton_available() -> bool:

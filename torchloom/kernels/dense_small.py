@@ -26,7 +26,7 @@ from torch import Tensor, float32
 from torch.compiler import is_compiling
 
 from ._tl import jit, tl, triton
-from ._triton import use_triton
+from ._triton import triton_operator, use_triton
 
 __all__ = ["ACT_CODES", "SMALL_BATCH_MAX", "dense_small_backward_ref", "dense_small_backward", "supports", "OP_NAME"]
 
@@ -190,12 +190,8 @@ def _op_body(
     return dx, dw, db
 
 
-# The registered operator (None without Triton: the layer then never reaches the kernel).
-dense_small_backward_op = (
-    torch.library.triton_op(OP_NAME, _op_body, mutates_args=()) if triton is not None else None
-)
-# The operator as the traced code calls it (see layernorm.py)
-_DENSE_SMALL_BACKWARD = torch.ops.torchloom.dense_small_backward if triton is not None else None
+# The operator, as the traced code calls it (None without Triton: the layer then never reaches the kernel)
+_DENSE_SMALL_BACKWARD = triton_operator(OP_NAME, _op_body) if triton is not None else None
 
 
 def dense_small_backward(

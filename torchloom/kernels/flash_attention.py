@@ -611,7 +611,7 @@ def _raw_lse_shape(choice: int, seq_len: int) -> tuple[int, ...]:
     return tuple(lse.shape)
 
 
-# The operators the traced raw calls make, bound once (one name per operator: see layernorm.py; None
+# The operators the traced raw calls make, bound once (one name per operator: see _triton.triton_operator; None
 # where this torch lacks one: the chooser then never picks it)
 _SCALED_DOT_PRODUCT_CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 _SCALED_DOT_PRODUCT_CUDNN_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ._launch import launch as _launch_kernel, launch_traced
 from ._tl import jit, tl, triton
-from ._triton import device_index, sm_count as _sm_count, use_triton
+from ._triton import device_index, sm_count as _sm_count, triton_operator, use_triton
 
 __all__ = ["MAX_PRODUCTS", "PRECISIONS", "Product", "mm", "mm_many", "mm_ref", "mm_traced", "round_tf32_ref"]
 
@@ -370,8 +370,7 @@ def _mm_op(a: Tensor, b: Tensor, bias: Tensor | None, precision: str) -> Tensor:
 
 
 if triton is not None and hasattr(torch.library, "triton_op"):  # else ``recurrent.compiled_plan`` never routes here
-    torch.library.triton_op("torchloom::fp32_mm", _mm_op, mutates_args=())
-    _FP32_MM = torch.ops.torchloom.fp32_mm  # the operator as the traced code calls it (see layernorm.py)
+    _FP32_MM = triton_operator("torchloom::fp32_mm", _mm_op)  # the operator, as the traced code calls it
 else:
     _FP32_MM = None
 

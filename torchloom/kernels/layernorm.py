@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from ._tl import jit, tl, triton
-from ._triton import cast, compute_dtype, traced_as_reference, use_kernel
+from ._triton import cast, compute_dtype, traced_as_reference, triton_operator, use_kernel
 from ._triton import device_index, sm_count as _sm_count
 
 __all__ = ["layernorm_ref", "layernorm_backward_ref", "layernorm", "layernorm_backward", "fits_tiled", "OP_NAMES"]
@@ -279,13 +279,10 @@ def _norm_backward_op(
     return dx, partial.sum(0).to(weight.dtype)
 
 
-if triton is not None:  # without Triton the layers never reach the kernels
-    torch.library.triton_op(OP_NAMES[0], _norm_forward_op, mutates_args=())
-    torch.library.triton_op(OP_NAMES[1], _norm_backward_op, mutates_args=())
-# The operators as the traced code calls them: bound here, so that no two modules' traced code reads
-# the shared ``torch.ops.torchloom`` namespace (each such read adds an aliasing check to the guards).
+# The operators, as the traced code calls them (None without Triton: the layers never reach the kernels)
 _NORM_FORWARD, _NORM_BACKWARD = (
-    (torch.ops.torchloom.norm_forward, torch.ops.torchloom.norm_backward) if triton is not None else (None, None))
+    (triton_operator(OP_NAMES[0], _norm_forward_op), triton_operator(OP_NAMES[1], _norm_backward_op))
+    if triton is not None else (None, None))
 
 
 # The launchers below run on every call of a layer, so they keep the host's work small (at a few

@@ -36,7 +36,7 @@ from . import _replay
 from ._launch import launch as _launch_kernel, launch_traced
 from ._tl import jit, tl, triton
 from ._triton import autocast_off, cublas_allows_tf32, device_index, interpreter_enabled, tf32_capable, use_kernel
-from ._triton import use_triton
+from ._triton import triton_operator, use_triton
 from ._triton import cudnn_rnn_allows_tf32 as _rnn_allows_tf32
 from ._triton import sm_count
 from .fp32_matmul import Product, mm as fp32_mm, mm_many as fp32_mm_many, mm_traced as fp32_mm_traced
@@ -1372,13 +1372,10 @@ def _recurrent_grads_launched(g_pre: Tensor, x: Tensor, hidden: Tensor, weight_i
 
 
 if triton is not None and hasattr(torch.library, "triton_op"):  # else ``compiled_plan`` never routes here
-    torch.library.triton_op("torchloom::rnn_forward_launched", _rnn_forward_launched, mutates_args=())
-    torch.library.triton_op("torchloom::rnn_loop_backward_launched", _rnn_loop_backward_launched, mutates_args=())
-    torch.library.triton_op("torchloom::recurrent_grads_launched", _recurrent_grads_launched, mutates_args=())
-    # the operators as the traced code calls them (see layernorm.py)
-    _RNN_FORWARD_LAUNCHED = torch.ops.torchloom.rnn_forward_launched
-    _RNN_LOOP_BACKWARD_LAUNCHED = torch.ops.torchloom.rnn_loop_backward_launched
-    _RECURRENT_GRADS_LAUNCHED = torch.ops.torchloom.recurrent_grads_launched
+    # the operators, as the traced code calls them
+    _RNN_FORWARD_LAUNCHED = triton_operator("torchloom::rnn_forward_launched", _rnn_forward_launched)
+    _RNN_LOOP_BACKWARD_LAUNCHED = triton_operator("torchloom::rnn_loop_backward_launched", _rnn_loop_backward_launched)
+    _RECURRENT_GRADS_LAUNCHED = triton_operator("torchloom::recurrent_grads_launched", _recurrent_grads_launched)
 else:
     _RNN_FORWARD_LAUNCHED = _RNN_LOOP_BACKWARD_LAUNCHED = _RECURRENT_GRADS_LAUNCHED = None
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from ._tl import jit, tl, triton
-from ._triton import row_settings, cast, compute_dtype, traced_as_reference, use_kernel
+from ._triton import row_settings, cast, compute_dtype, traced_as_reference, triton_operator, use_kernel
 
 __all__ = ["softmax_ref", "softmax_backward_ref", "softmax", "softmax_backward", "OP_NAMES"]
 
@@ -188,12 +188,10 @@ def _softmax_backward_op(grad_out: Tensor, p: Tensor, temperature: float) -> Ten
     return dx
 
 
-if triton is not None:  # without Triton the layer never reaches the kernels
-    torch.library.triton_op(OP_NAMES[0], _softmax_op, mutates_args=())
-    torch.library.triton_op(OP_NAMES[1], _softmax_backward_op, mutates_args=())
-# The operators as the traced code calls them (see layernorm.py)
+# The operators, as the traced code calls them (None without Triton: the layer never reaches the kernels)
 _SOFTMAX, _SOFTMAX_BACKWARD = (
-    (torch.ops.torchloom.softmax, torch.ops.torchloom.softmax_backward) if triton is not None else (None, None))
+    (triton_operator(OP_NAMES[0], _softmax_op), triton_operator(OP_NAMES[1], _softmax_backward_op))
+    if triton is not None else (None, None))
 
 
 def softmax(x: Tensor, temperature: float = 1.0, backend: str | None = None) -> Tensor:

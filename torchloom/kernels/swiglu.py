@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from ._tl import jit, tl, triton
-from ._triton import elementwise_settings, cast, compute_dtype, traced_as_reference, use_kernel
+from ._triton import elementwise_settings, cast, compute_dtype, traced_as_reference, triton_operator, use_kernel
 
 __all__ = ["swiglu_ref", "swiglu_backward_ref", "swiglu", "swiglu_backward", "OP_NAMES"]
 
@@ -127,13 +127,10 @@ def _swiglu_backward_inplace_op(grad: Tensor, gate: Tensor, up: Tensor) -> Tenso
     return d_up
 
 
-if triton is not None:  # without Triton the layer never reaches the kernels
-    torch.library.triton_op(OP_NAMES[0], _swiglu_op, mutates_args=())
-    torch.library.triton_op(OP_NAMES[1], _swiglu_backward_op, mutates_args=())
-    torch.library.triton_op(OP_NAMES[2], _swiglu_backward_inplace_op, mutates_args=("grad",))
-# The operators as the traced code calls them (see layernorm.py)
+# The operators, as the traced code calls them (None without Triton: the layer never reaches the kernels)
 _SWIGLU, _SWIGLU_BACKWARD, _SWIGLU_BACKWARD_ = (
-    (torch.ops.torchloom.swiglu, torch.ops.torchloom.swiglu_backward, torch.ops.torchloom.swiglu_backward_)
+    (triton_operator(OP_NAMES[0], _swiglu_op), triton_operator(OP_NAMES[1], _swiglu_backward_op),
+     triton_operator(OP_NAMES[2], _swiglu_backward_inplace_op, mutates_args=("grad",)))
     if triton is not None else (None, None, None))
 
 

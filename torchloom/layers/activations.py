@@ -23,7 +23,7 @@ from torch import Tensor, erf, exp, full_like, ones_like, relu, sigmoid, tanh, w
 __all__ = ["Activation", "get_activation", "ACTIVATIONS", "activation_names"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward  # one name per operator: see kernels/layernorm.py
+_THRESHOLD_BACKWARD = torch.ops.aten.threshold_backward  # one name per operator: see kernels/_triton.triton_operator
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_C = 0.044715

@@ -201,7 +201,7 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
     return t.sum(0) if out is None else torch.sum(t, 0, out=out)
 
 
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view  # one name per operator: see kernels/layernorm.py
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view  # one name per operator: see kernels/_triton.triton_operator
 
 
 def output_view(t: Tensor, *shape: int) -> Tensor:

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 _INITS = ("he_normal", "loom_uniform")
-_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward  # one name per operator: see kernels/layernorm.py
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward  # one name per operator: see kernels/_triton.triton_operator
 _CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _SPATIAL_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
