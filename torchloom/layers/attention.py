@@ -60,11 +60,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, addmm, arange, cat, empty, float32, float64, is_tensor, matmul, mm, nn, no_grad
+from torch import Tensor, arange, cat, empty, float32, float64, is_tensor, matmul, mm, nn, no_grad
 from torch.compiler import is_compiling
 
 from .base import (
-    column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
+    column_sum, linear_2d, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, dispatch_mode_active, forbid_double_backward,
 )
 from .rope import rope_rotate, rope_rotate_inverse, rope_tables
 
@@ -213,10 +213,6 @@ class SdpaAttentionSaved(NamedTuple):
     param_dtype: torch.dtype | None = None
 
 
-def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return mm(x2, weight.t()) if bias is None else addmm(bias, x2, weight.t())
-
-
 def _causal_mask(seq_len: int, groups: int, device) -> Tensor:
     """``[G·S, S]`` bool, True where key ``j`` comes after the query's position ``r mod S``."""
     pos = arange(seq_len, device=device)
@@ -252,9 +248,9 @@ def attention_forward(
     h, kv = spec.num_heads, spec.num_kv_heads
     hd, g = d // h, h // kv
     x2 = x.reshape(b * s, d)
-    q = _linear(x2, q_weight, q_bias).view(b, s, h, hd).transpose(1, 2)  # [B,H,S,D]
-    k = _linear(x2, k_weight, k_bias).view(b, s, kv, hd).transpose(1, 2)  # [B,K,S,D]
-    v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd).transpose(1, 2).contiguous()
+    q = linear_2d(x2, q_weight, q_bias).view(b, s, h, hd).transpose(1, 2)  # [B,H,S,D]
+    k = linear_2d(x2, k_weight, k_bias).view(b, s, kv, hd).transpose(1, 2)  # [B,K,S,D]
+    v = linear_2d(x2, v_weight, v_bias).view(b, s, kv, hd).transpose(1, 2).contiguous()
     if spec.rope:
         cos, sin = _rope_tables_kept(s, hd, spec.rope_theta, x.device, x.dtype)
         q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
@@ -268,7 +264,7 @@ def attention_forward(
     probs = softmax(scores, math.sqrt(hd))
     o = matmul(probs, v)  # [B,K,G·S,D]
     pre = o.view(b, h, s, hd).transpose(1, 2).reshape(b, s, d)
-    y = output_view(_linear(pre.reshape(b * s, d), o_weight, o_bias), b, s, d)
+    y = output_view(linear_2d(pre.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = AttentionSaved(x, q, k, v, probs, pre, q_weight, k_weight, v_weight, o_weight, q_bias is not None, spec)
     return y, saved
 
@@ -340,11 +336,11 @@ def _flash_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_
     b, s, d = x.shape
     w_qkv = cat((q_weight, k_weight, v_weight))
     b_qkv = None if q_bias is None else cat((q_bias, k_bias, v_bias))
-    qkv = _linear(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
+    qkv = linear_2d(x.reshape(b * s, d), w_qkv, b_qkv)  # [B·S, (H+2K)·D]
     core = _FLASH_OPS[0] if is_compiling() else _flash_core
     o, lse = core(qkv, s, spec.num_heads, spec.num_kv_heads, spec.causal, spec.rope, spec.rope_theta, spec.backend)
     pre = o.view(b, s, d)
-    y = output_view(_linear(pre.view(b * s, d), o_weight, o_bias), b, s, d)
+    y = output_view(linear_2d(pre.view(b * s, d), o_weight, o_bias), b, s, d)
     return y, FlashAttentionSaved(x, qkv, lse, pre, w_qkv, o_weight, q_bias is not None, spec)
 
 
@@ -528,13 +524,13 @@ def _traced_forward(x, q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v
     hd = d // h
     x2 = x.reshape(b * s, d)
     w_qk = cat((q_weight, k_weight))
-    qk = _linear(x2, w_qk, None if q_bias is None else cat((q_bias, k_bias))).view(b, s, h + kv, hd)
-    v = _linear(x2, v_weight, v_bias).view(b, s, kv, hd)
+    qk = linear_2d(x2, w_qk, None if q_bias is None else cat((q_bias, k_bias))).view(b, s, h + kv, hd)
+    v = linear_2d(x2, v_weight, v_bias).view(b, s, kv, hd)
     if spec.rope:  # in float32 (the tables'), rounded once, as the eager path's RoPE kernel
         cos, sin = rope_constants(s, hd, spec.rope_theta, x.device)
         qk = rope_rotate(qk, cos, sin).to(qk.dtype)
     o, lse, seed, offset = sdpa_forward_raw(choice, qk[:, :, :h], qk[:, :, h:], v, spec.causal, 1.0 / math.sqrt(hd))
-    y = output_view(_linear(o.reshape(b * s, d), o_weight, o_bias), b, s, d)
+    y = output_view(linear_2d(o.reshape(b * s, d), o_weight, o_bias), b, s, d)
     saved = SdpaAttentionSaved(x, qk, v, o, lse, seed, offset, w_qk, v_weight, o_weight, q_bias is not None, spec, choice)
     return y, saved
 

@@ -204,6 +204,11 @@ def column_sum(t: Tensor, out: Tensor | None = None) -> Tensor:
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view  # one name per operator: see kernels/_triton.triton_operator
 
 
+def linear_2d(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x2 [rows, in] Wᵀ + b`` → ``[rows, out]`` (tensor methods: no ``torch`` read while traced)."""
+    return x2.mm(weight.t()) if bias is None else bias.addmm(x2, weight.t())
+
+
 def output_view(t: Tensor, *shape: int) -> Tensor:
     """``t.view(*shape)`` as a layer's output (``t`` an intermediate, such as a 2-D product reshaped to
     ``[batch, seq, features]``). Under ``torch.compile`` the result is not a view but a new tensor on

@@ -26,14 +26,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, is_grad_enabled, is_tensor, nn
 
-from .base import column_sum, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
+from .base import column_sum, linear_2d, mm_sum, output_view, Layer, autocast_off, cast_for_autocast, check_dtype, forbid_double_backward
 
 __all__ = ["SwiGLU", "SwiGLUFunction", "SwiGLUSaved", "swiglu", "swiglu_forward", "swiglu_backward"]
-
-
-def _linear(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x2 [rows, in] Wᵀ + b`` → ``[rows, out]``."""
-    return x2.mm(weight.t()) if bias is None else bias.addmm(x2, weight.t())
 
 
 class SwiGLUSaved(NamedTuple):
@@ -82,10 +77,10 @@ def _swiglu_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
     from ..kernels.swiglu import swiglu as swiglu_gate  # here: the kernels import Triton (see norm.py)
 
     with autocast_off(dev):
-        g = _linear(x2, gate_weight, gate_bias)
-        u = _linear(x2, up_weight, up_bias)
+        g = linear_2d(x2, gate_weight, gate_bias)
+        u = linear_2d(x2, up_weight, up_bias)
         a = swiglu_gate(g, u)
-        y = output_view(_linear(a, down_weight, down_bias), *x.shape[:-1], down_weight.shape[0])
+        y = output_view(linear_2d(a, down_weight, down_bias), *x.shape[:-1], down_weight.shape[0])
     return y, (x, g, u, a, gate_weight, up_weight, down_weight, gate_bias is not None, dtypes if cast_to is not None else None)
 
 
