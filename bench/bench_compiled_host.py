@@ -12,10 +12,12 @@ median of the pairs' ratios and their quartiles.
 
 Beside the times it counts the guards of each side's compiled frame: the checks Dynamo runs before
 every call of a compiled graph (leaf guards and the accessor nodes that lead to them, from the guard
-tree's printed form), and the time of one check run alone, warm. Two floor rows follow the layers
-(``--no-floors`` leaves them out), each against ``nn.Linear`` on the Dense row's shape: a user subclass
+tree's printed form), and the time of one check run alone, warm. Three rows follow the layers
+(``--no-floors`` leaves them out), each against ``nn.Linear`` on the Dense row's shape: a control (a
+second ``nn.Linear``: what this measurement reads where both sides are the same code), a user subclass
 of ``nn.Linear`` (what any module that is not torch.nn's own pays) and a minimal ``autograd.Function``
-linear (what a hand-written backward itself pays).
+linear (what a hand-written backward itself pays). Each ratio comes with its quartiles and the 95 %
+interval of the median (``bench_layers.median_interval``).
 
 Run: ``PYTHONPATH=. python bench/bench_compiled_host.py`` (CPU; ``--device cuda`` on a GPU machine);
 ``--only Dense,Conv2D --dtypes float32,bfloat16 --rounds 30``. Results: bench/RESULTS.md §10.
@@ -92,11 +94,9 @@ def measure(case, rounds: int, block_s: float) -> dict:
         sides[side] = (step, manager, guard_count(manager) if manager is not None else None,
                        check_time(manager, fn, case.x) if manager is not None else float("nan"))
     # bench_layers' paired timing: A B B A / B A A B blocks of about block_s seconds each
-    t_ours, t_theirs, ratio, q = BL._paired(case.name, sides["ours"][0], sides["theirs"][0], case.x.device,
-                                            block_s * rounds / 3, pairs=rounds)
+    timed = BL._paired(case.name, sides["ours"][0], sides["theirs"][0], case.x.device, block_s * rounds / 6, pairs=rounds)
     torch._dynamo.reset()
-    return {"ours": t_ours, "theirs": t_theirs, "ratio": ratio, "q": q,
-            "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
+    return {"timed": timed, "guards": (sides["ours"][2], sides["theirs"][2]), "check": (sides["ours"][3], sides["theirs"][3])}
 
 
 # ------------------------------------------------------------------------------ floors
@@ -136,7 +136,8 @@ def floor_cases(dev: torch.device, dtype: torch.dtype):
     dense = next(BL.layer_cases(dev, dtype, smoke=True))
     (n, i, o), x, gy = dense.shape, dense.x, dense.gy
     theirs = dense.theirs
-    for name, cls in (("floor: user subclass of nn.Linear", _UserLinear),
+    for name, cls in (("control: a second nn.Linear", torch.nn.Linear),
+                      ("floor: user subclass of nn.Linear", _UserLinear),
                       ("floor: minimal autograd.Function linear", _MinimalFunctionLinear)):
         ours = cls(i, o, device=dev, dtype=dtype)
         ours.load_state_dict(theirs.state_dict())
@@ -166,17 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torchloom compiled vs PyTorch compiled, host-bound shapes, {dev} ({torch.__version__}); "
           f"{args.rounds} pairs of {args.block:g} s blocks per row. Guards: leaf checks + accessor nodes "
           "of the compiled frame's guard tree; check: one warm guard check alone.\n")
-    print("| layer (PyTorch side) | dtype | torchloom µs | PyTorch µs | ratio | ratio quartiles | guards torchloom | guards PyTorch | check µs (torchloom / PyTorch) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layer (PyTorch side) | dtype | torchloom µs | PyTorch µs | ratio | ratio quartiles | 95 % interval | guards torchloom | guards PyTorch | check µs (torchloom / PyTorch) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         floors = [] if args.no_floors else list(floor_cases(dev, dtype))
         for case in [*BL.layer_cases(dev, dtype, smoke=True), *floors]:
-            if only and not any(o in case.name for o in only) and not case.name.startswith("floor"):
+            if only and not any(o in case.name for o in only) and not case.name.startswith(("floor", "control")):
                 continue
             r = measure(case, args.rounds, args.block)
-            print(f"| {case.name} | {dtype_name} | {r['ours'] * 1e6:.1f} | {r['theirs'] * 1e6:.1f} | {r['ratio']:.3f}× | "
-                  f"{r['q'][0]:.3f}–{r['q'][1]:.3f}× | {_guards(r['guards'][0])} | {_guards(r['guards'][1])} | "
+            t = r["timed"]
+            print(f"| {case.name} | {dtype_name} | {t.ours * 1e6:.1f} | {t.theirs * 1e6:.1f} | {t.ratio:.3f}× | "
+                  f"{t.q1:.3f}–{t.q3:.3f}× | {t.low:.3f}–{t.high:.3f}× | {_guards(r['guards'][0])} | {_guards(r['guards'][1])} | "
                   f"{_us(r['check'][0])} / {_us(r['check'][1])} |", flush=True)
     return 0
 

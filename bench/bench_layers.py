@@ -44,12 +44,13 @@ the CPU with tiny shapes (kernels through Triton's interpreter; the numbers then
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -473,27 +474,69 @@ def _selected(cases: dict, dtypes: list, only: list | None):
                 yield case, dtype_name
 
 
-PAIRS = 16  # paired measurements of the two sides per compiled row
+PAIRS = 32  # paired measurements of the two sides per compiled row
+
+
+class Paired(NamedTuple):
+    """A paired timing: each side's seconds per step (the median of its blocks), the median of the pairs'
+    ratios, their quartiles, and the 95 % interval of that median (``median_interval``)."""
+
+    ours: float
+    theirs: float
+    ratio: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+
+
+_NAN_PAIRED = Paired(*(float("nan"),) * 7)
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``level`` confidence interval of the median of ``values``: the order statistics
+    ``k`` and ``n + 1 − k``, ``k`` the largest with ``P(Binomial(n, ½) < k) ≤ (1 − level) / 2`` (the
+    sign test's interval: it assumes only that the values are independent draws). Too few values for
+    one (n < 6 at 95 %): ``(min, max)``."""
+    v = sorted(values)
+    n, tail = len(v), (1 - level) / 2
+    k, below = 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # P(Binomial(n, ½) ≤ k)
+        if below > tail:
+            break
+        k += 1
+    return (v[k - 1], v[n - k]) if k else (v[0], v[-1])
+
+
+def time_verdict(p: Paired) -> str:
+    """The time target (≤ 1.0×) of a paired row: ✓ where the median ratio is at most 1.0; "=" where it is
+    above but 1.0 lies inside its 95 % interval (the two sides are not told apart: compare the
+    PyTorch-vs-PyTorch control of the row); ✗ where the whole interval is above 1.0 (measurably slower)."""
+    if math.isnan(p.ratio):
+        return "time —"
+    if p.ratio <= 1.0:
+        return "time ✓"
+    return "time = (1.0 inside the 95 % interval)" if p.low <= 1.0 else "time ✗ (slower at 95 %)"
 
 
 def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: torch.device, target: float,
-            pairs: int = PAIRS) -> tuple[float, float, float, tuple[float, float]]:
-    """``(torchloom s, PyTorch s, ratio, (first quartile, third quartile))`` per step, from ``pairs``
-    paired measurements taking about ``12 × target`` seconds in all (each block about
-    ``3 × target / pairs`` seconds).
+            pairs: int = PAIRS) -> Paired:
+    """``ours`` against ``theirs`` per step (``Paired``), from ``pairs`` paired measurements taking about
+    ``24 × target`` seconds in all (each block about ``6 × target / pairs`` seconds).
 
     Host overhead dominates most of these steps, and it drifts by ±30 % within a run; measured one
     after the other, the side measured first also paid for its position (two identical cuDNN steps
     came out 1.09–1.22× apart, H200). So each pair is four blocks of steps in the order A B B A (B A A
     B in odd pairs), its ratio ``(A₁ + A₂) / (B₁ + B₂)``, which cancels a drift that is linear over the
-    four blocks; the ratio printed is the median of the pairs' ratios, the quartiles say how far they
-    scatter, and each side's time is the median of its blocks."""
-    nan = float("nan")
+    four blocks; the ratio printed is the median of the pairs' ratios, with their quartiles (how far
+    they scatter) and the median's 95 % interval (how well it is known); each side's time is the
+    median of its blocks."""
     if ours is None or theirs is None:
-        return nan, nan, nan, (nan, nan)
+        return _NAN_PAIRED
     try:
         once = max(_block(fn, dev, 3) for fn in (ours, theirs))  # also the warm-up
-        n = max(1, min(500, int(12 * target / (4 * pairs) / once)))
+        n = max(1, min(500, int(24 * target / (4 * pairs) / once)))
         mine, other, ratios = [], [], []
         for i in range(pairs):
             first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
@@ -503,10 +546,24 @@ def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: tor
             other += b
             ratios.append(sum(a) / sum(b))
         q = statistics.quantiles(ratios, n=4)
-        return statistics.median(mine), statistics.median(other), statistics.median(ratios), (q[0], q[2])
+        low, high = median_interval(ratios)
+        return Paired(statistics.median(mine), statistics.median(other), statistics.median(ratios), q[0], q[2], low, high)
     except Exception as e:  # report, don't hide
         print(f"{label} timing failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return nan, nan, nan, (nan, nan)
+        return _NAN_PAIRED
+
+
+def _control(label: str, case: Case, backend: str, fullgraph: bool, theirs: Callable | None, dev: torch.device,
+             target: float) -> Paired:
+    """PyTorch's side against itself: a deep copy of its module, compiled the same way, timed against the
+    compiled step ``theirs`` with ``_paired``. Its interval should hold 1.0; how far it reaches from 1.0
+    is what the measurement cannot tell apart on this row."""
+    if theirs is None:
+        return _NAN_PAIRED
+    twin = copy.deepcopy(case.theirs)
+    params = list(twin.parameters()) if isinstance(twin, torch.nn.Module) else list(case.theirs_params)
+    step, *_ = _compile_and_first_step(f"{label} PyTorch (control copy)", twin, case, params, backend, fullgraph)
+    return _paired(f"{label} control", step, theirs, dev, target)
 
 
 def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.device, target: float, backend: str, budget: float,
@@ -519,14 +576,17 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         f"torchloom compiled vs PyTorch compiled (torch.compile, backend {backend!r}, dynamic=False, fullgraph=True on",
         "both sides unless that side breaks): forward + backward per step, host overhead included; peak memory above",
         f"the inputs and parameters. Time: {PAIRS} pairs of blocks of steps in the order A B B A (B A A B in every other",
-        "pair); the ratio is the median of the pairs' ratios, with their quartiles; each side's ms the median of its",
-        "blocks (the two can disagree where the host drifted). Graph breaks (explain), recompiles after the first step",
-        "and the first step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps captured in",
-        "one CUDA graph and replayed (what mode='reduce-overhead' runs): the device's time alone. Targets: time ≤ 1.0×,",
-        "peak memory ≤ 1.1×.",
+        "pair); the ratio is the median of the pairs' ratios, with their quartiles and the median's 95 % interval (sign",
+        "test); each side's ms the median of its blocks (the two can disagree where the host drifted). Control: a second",
+        "compiled copy of PyTorch's module timed the same way against the first: what this measurement reads where",
+        "the two sides are the same code (its interval should hold 1.0). Graph breaks (explain), recompiles after the",
+        "first step and the first step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps",
+        "captured in one CUDA graph and replayed (what mode='reduce-overhead' runs): the device's time alone. Targets:",
+        "time ≤ 1.0× (✓; = where the ratio is above 1.0 but 1.0 is inside its 95 % interval; ✗ where the whole",
+        "interval is above 1.0), peak memory ≤ 1.1×.",
         "",
-        "| layer (PyTorch side) | dtype | shape | torchloom compiled ms | PyTorch compiled ms | time ratio | ratio quartiles | graphed torchloom ms | graphed PyTorch ms | graphed ratio | torchloom compiled MB | PyTorch compiled MB | memory ratio | graph breaks | recompiles | compile s (torchloom / PyTorch) | targets met |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| layer (PyTorch side) | dtype | shape | torchloom compiled ms | PyTorch compiled ms | time ratio | ratio quartiles | 95 % interval | control: PyTorch / PyTorch [95 %] | graphed torchloom ms | graphed PyTorch ms | graphed ratio | torchloom compiled MB | PyTorch compiled MB | memory ratio | graph breaks | recompiles | compile s (torchloom / PyTorch) | targets met |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     print("\n".join(header), flush=True)
     lines = []
@@ -552,18 +612,19 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
                   for side, f, fn in (("torchloom", full, ours), ("PyTorch", their_full, theirs)) if not f and fn is not None]
         notes += [f"{side}'s compile failed" for side, fn in (("torchloom", ours), ("PyTorch", theirs)) if fn is None]
         first = (c_ours.frame_count, c_theirs.frame_count)
-        t, p, ratio, (q1, q3) = _paired(label, ours, theirs, dev, target)
+        timed = _paired(label, ours, theirs, dev, target)
+        control = _control(label, case, backend, their_full, theirs, dev, target)
         gt = _measure(f"{label} compiled, graphed", ours, dev, target, graphed=True)
         gp = _measure(f"{label} PyTorch compiled, graphed", theirs, dev, target, graphed=True)
         mt, mp = _memory(f"{label} compiled", ours, dev), _memory(f"{label} PyTorch compiled", theirs, dev)
         recompiles = (c_ours.frame_count - first[0], c_theirs.frame_count - first[1])
-        time_met = "time ✓" if ratio <= 1.0 else "time ✗ (within the pairs' scatter)" if q1 <= 1.0 else "time ✗"
         graphed = "" if math.isnan(gt) or math.isnan(gp) else ", graphed ✓" if gt <= gp else ", graphed ✗"
         mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
-        met = (time_met if not math.isnan(ratio) else "time —") + graphed + ", " + mem + "".join(f"; {n}" for n in notes)
+        met = time_verdict(timed) + graphed + ", " + mem + "".join(f"; {n}" for n in notes)
         line = (
-            f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(t)} | {_ms(p)} | {_times(ratio)} | "
-            f"{_quartiles(q1, q3)} | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | "
+            f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(timed.ours)} | {_ms(timed.theirs)} | "
+            f"{_times(timed.ratio)} | {_quartiles(timed.q1, timed.q3)} | {_quartiles(timed.low, timed.high)} | "
+            f"{_times(control.ratio)} [{_quartiles(control.low, control.high)}] | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | "
             f"{_count(breaks)} / {_count(their_breaks)} | {recompiles[0]} / {recompiles[1]} | "
             f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
         )
