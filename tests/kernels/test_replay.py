@@ -230,12 +230,12 @@ def test_cpu_calls_never_ask_for_a_cuda_device(monkeypatch):
 
     def body(x):
         calls.append(1)
-        return torch.empty(3).fill_(2.0), x.clone()
+        return torch.empty(3, device="cpu").fill_(2.0), x.clone()
 
-    for value in (1.0, 5.0):
-        x = torch.full((2,), value)
+    for value in (1.0, 5.0):  # CPU tensors, also on a GPU machine (this module's default device is CUDA there)
+        x = torch.full((2,), value, device="cpu")
         filled, copied = _replay.run(("test-cpu-key",), body, (x,))
-        assert torch.equal(filled, torch.full((3,), 2.0)) and torch.equal(copied, x)
+        assert torch.equal(filled, torch.full((3,), 2.0, device="cpu")) and torch.equal(copied, x)
     assert len(calls) == 1
 
 
