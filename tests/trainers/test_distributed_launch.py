@@ -44,7 +44,10 @@ def test_two_nodes_c10d_rendezvous_equals_one_process(tmp_path):
     logs = [open(tmp_path / f"out{i}.txt", "w+") for i in range(2)]  # noqa: SIM115 - closed below
     nodes = [subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True) for log in logs]
     ended: dict[int, float] = {}
-    deadline = time.monotonic() + 60
+    # The bound on the whole launch only keeps a hang from stalling the suite: alone it takes ~10 s, six
+    # at once on 8 cores ~45 s, and a slow CI runner more. The property tested is the exit within 10 s
+    # of each node's last epoch (below), measured from that epoch, not from the launch.
+    deadline = time.monotonic() + 240
     try:
         while len(ended) < 2 and time.monotonic() < deadline:
             for i, p in enumerate(nodes):
@@ -61,7 +64,7 @@ def test_two_nodes_c10d_rendezvous_equals_one_process(tmp_path):
         outputs.append(log.read())
         log.close()
     for i, (p, text) in enumerate(zip(nodes, outputs)):
-        assert i in ended, f"node {i} did not end in 60 s:\n{text[-3000:]}"
+        assert i in ended, f"node {i} did not end within 240 s of the launch:\n{text[-3000:]}"
         assert p.returncode == 0, text[-3000:]
         last = [float(line.split()[1]) for line in text.splitlines() if line.startswith("LAST_EPOCH")]
         assert len(last) == 1, text[-3000:]
