@@ -17,7 +17,9 @@ tree's printed form), and the time of one check run alone, warm. Three rows foll
 second ``nn.Linear``: what this measurement reads where both sides are the same code), a user subclass
 of ``nn.Linear`` (what any module that is not torch.nn's own pays) and a minimal ``autograd.Function``
 linear (what a hand-written backward itself pays). Each ratio comes with its quartiles and the 95 %
-interval of the median (``bench_layers.median_interval``).
+interval of the median (``bench_layers.median_interval``). ``--drop-global-guards`` compiles the left
+side of each row without its guards on globals (``torch.compile``'s ``guard_filter_fn``; unsound in
+general, a measurement only): what those guards cost.
 
 Run: ``PYTHONPATH=. python bench/bench_compiled_host.py`` (CPU; ``--device cuda`` on a GPU machine);
 ``--only Dense,Conv2D --dtypes float32,bfloat16 --rounds 30``. Results: bench/RESULTS.md §10.
@@ -79,14 +81,20 @@ def check_time(manager, fn, x, n: int = 5000) -> float:
     return (time.perf_counter() - t) / n
 
 
-def measure(case, rounds: int, block_s: float) -> dict:
+def _no_global_guards(entries) -> list[bool]:
+    """A ``guard_filter_fn`` keeping every guard but those on globals (unsound in general: for measuring)."""
+    return [not e.is_global for e in entries]
+
+
+def measure(case, rounds: int, block_s: float, drop_global_guards: bool = False) -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
     sides = {}
     for side, fn, params in (("ours", case.ours, case.ours_params), ("theirs", case.theirs, case.theirs_params)):
         cudnn_rnn = side == "theirs" and ("LSTM" in case.name or "RNN" in case.name)
-        compiled = torch.compile(fn, fullgraph=not cudnn_rnn, dynamic=False)
+        opts = {"options": {"guard_filter_fn": _no_global_guards}} if drop_global_guards and side == "ours" else {}
+        compiled = torch.compile(fn, fullgraph=not cudnn_rnn, dynamic=False, **opts)
         step = BL._step(compiled, case.x, case.gy, params)
         for _ in range(30):
             step()
@@ -160,13 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30, help="pairs of blocks per row")
     ap.add_argument("--block", type=float, default=0.02, help="seconds per block of steps")
     ap.add_argument("--no-floors", action="store_true", help="leave out the floor rows")
+    ap.add_argument("--drop-global-guards", action="store_true",
+                    help="compile torchloom's side without its guards on globals (torch.compile's guard_filter_fn; "
+                         "unsound in general): what those guards cost")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one thread: the steps are host-bound, and threads add their own noise
     dev = torch.device(args.device)
     only = [o for o in args.only.split(",") if o]
     print(f"torchloom compiled vs PyTorch compiled, host-bound shapes, {dev} ({torch.__version__}); "
           f"{args.rounds} pairs of {args.block:g} s blocks per row. Guards: leaf checks + accessor nodes "
-          "of the compiled frame's guard tree; check: one warm guard check alone.\n")
+          "of the compiled frame's guard tree; check: one warm guard check alone."
+          + (" torchloom's side (the left one of each row) compiled without its guards on globals." if args.drop_global_guards else "")
+          + "\n")
     print("| layer (PyTorch side) | dtype | torchloom µs | PyTorch µs | ratio | ratio quartiles | 95 % interval | guards torchloom | guards PyTorch | check µs (torchloom / PyTorch) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
@@ -175,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in [*BL.layer_cases(dev, dtype, smoke=True), *floors]:
             if only and not any(o in case.name for o in only) and not case.name.startswith(("floor", "control")):
                 continue
-            r = measure(case, args.rounds, args.block)
+            r = measure(case, args.rounds, args.block, args.drop_global_guards)
             t = r["timed"]
             print(f"| {case.name} | {dtype_name} | {t.ours * 1e6:.1f} | {t.theirs * 1e6:.1f} | {t.ratio:.3f}× | "
                   f"{t.q1:.3f}–{t.q3:.3f}× | {t.low:.3f}–{t.high:.3f}× | {_guards(r['guards'][0])} | {_guards(r['guards'][1])} | "

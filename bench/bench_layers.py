@@ -346,12 +346,12 @@ def _count(n: int) -> str:
     return "?" if n < 0 else str(n)
 
 
-def _quartiles(q1: float, q3: float) -> str:
-    return "—" if math.isnan(q1) or math.isnan(q3) else f"{q1:.2f}×–{q3:.2f}×"
+def _quartiles(q1: float, q3: float, digits: int = 2) -> str:
+    return "—" if math.isnan(q1) or math.isnan(q3) else f"{q1:.{digits}f}×–{q3:.{digits}f}×"
 
 
-def _times(r: float) -> str:
-    return "—" if math.isnan(r) else f"{r:.2f}×"
+def _times(r: float, digits: int = 2) -> str:
+    return "—" if math.isnan(r) else f"{r:.{digits}f}×"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -496,8 +496,10 @@ _NAN_PAIRED = Paired(*(float("nan"),) * 7)
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     """A distribution-free ``level`` confidence interval of the median of ``values``: the order statistics
     ``k`` and ``n + 1 − k``, ``k`` the largest with ``P(Binomial(n, ½) < k) ≤ (1 − level) / 2`` (the
-    sign test's interval: it assumes only that the values are independent draws). Too few values for
-    one (n < 6 at 95 %): ``(min, max)``."""
+    sign test's interval). It assumes the values are independent draws; a host that drifts makes
+    neighbouring pairs alike, and the interval then reads narrower than it is (the CPU's bfloat16
+    control, two copies of one module, came out 0.997 [0.987–0.999]). ``(nan, nan)`` where there are
+    too few values for one (n < 6 at 95 %)."""
     v = sorted(values)
     n, tail = len(v), (1 - level) / 2
     k, below = 0, 0.0
@@ -506,7 +508,7 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
         if below > tail:
             break
         k += 1
-    return (v[k - 1], v[n - k]) if k else (v[0], v[-1])
+    return (v[k - 1], v[n - k]) if k else (float("nan"), float("nan"))
 
 
 def time_verdict(p: Paired) -> str:
@@ -517,6 +519,8 @@ def time_verdict(p: Paired) -> str:
         return "time —"
     if p.ratio <= 1.0:
         return "time ✓"
+    if math.isnan(p.low):
+        return "time — (too few pairs for a 95 % interval)"
     return "time = (1.0 inside the 95 % interval)" if p.low <= 1.0 else "time ✗ (slower at 95 %)"
 
 
@@ -554,16 +558,22 @@ def _paired(label: str, ours: Callable | None, theirs: Callable | None, dev: tor
 
 
 def _control(label: str, case: Case, backend: str, fullgraph: bool, theirs: Callable | None, dev: torch.device,
-             target: float) -> Paired:
-    """PyTorch's side against itself: a deep copy of its module, compiled the same way, timed against the
-    compiled step ``theirs`` with ``_paired``. Its interval should hold 1.0; how far it reaches from 1.0
-    is what the measurement cannot tell apart on this row."""
+             target: float) -> tuple[Paired, str]:
+    """PyTorch's side against itself, timed with ``_paired`` against the compiled step ``theirs``, and a
+    note ("" when none): a deep copy of its module compiled the same way, or, where that side is a
+    function (cuDNN's RNN and LSTM, SDPA attention: a deep copy of a function is the function), the same
+    function compiled a second time, on the same parameters. Its interval should hold 1.0; how far it
+    reaches from 1.0 is what the measurement cannot tell apart on this row."""
     if theirs is None:
-        return _NAN_PAIRED
-    twin = copy.deepcopy(case.theirs)
+        return _NAN_PAIRED, ""
+    try:
+        twin = copy.deepcopy(case.theirs)
+    except Exception as e:  # report, don't hide
+        return _NAN_PAIRED, f"control not built: {type(e).__name__}: {str(e)[:100]}"
     params = list(twin.parameters()) if isinstance(twin, torch.nn.Module) else list(case.theirs_params)
-    step, *_ = _compile_and_first_step(f"{label} PyTorch (control copy)", twin, case, params, backend, fullgraph)
-    return _paired(f"{label} control", step, theirs, dev, target)
+    step, _, _, full = _compile_and_first_step(f"{label} PyTorch (control copy)", twin, case, params, backend, fullgraph)
+    note = "" if step is None or full == fullgraph else "control compiled without fullgraph"
+    return _paired(f"{label} control", step, theirs, dev, target), note if step is not None else "control's compile failed"
 
 
 def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.device, target: float, backend: str, budget: float,
@@ -578,8 +588,9 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         f"the inputs and parameters. Time: {PAIRS} pairs of blocks of steps in the order A B B A (B A A B in every other",
         "pair); the ratio is the median of the pairs' ratios, with their quartiles and the median's 95 % interval (sign",
         "test); each side's ms the median of its blocks (the two can disagree where the host drifted). Control: a second",
-        "compiled copy of PyTorch's module timed the same way against the first: what this measurement reads where",
-        "the two sides are the same code (its interval should hold 1.0). Graph breaks (explain), recompiles after the",
+        "compiled copy of PyTorch's module (where that side is a function: the function compiled again, on the same",
+        "parameters) timed the same way against the first: what this measurement reads where the two sides are the",
+        "same code (its interval should hold 1.0). Ratios and intervals to 3 places. Graph breaks (explain), recompiles after the",
         "first step and the first step's seconds (the compile), each torchloom / PyTorch. graphed = ten compiled steps",
         "captured in one CUDA graph and replayed (what mode='reduce-overhead' runs): the device's time alone. Targets:",
         "time ≤ 1.0× (✓; = where the ratio is above 1.0 but 1.0 is inside its 95 % interval; ✗ where the whole",
@@ -613,18 +624,19 @@ def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.d
         notes += [f"{side}'s compile failed" for side, fn in (("torchloom", ours), ("PyTorch", theirs)) if fn is None]
         first = (c_ours.frame_count, c_theirs.frame_count)
         timed = _paired(label, ours, theirs, dev, target)
-        control = _control(label, case, backend, their_full, theirs, dev, target)
+        control, control_note = _control(label, case, backend, their_full, theirs, dev, target)
         gt = _measure(f"{label} compiled, graphed", ours, dev, target, graphed=True)
         gp = _measure(f"{label} PyTorch compiled, graphed", theirs, dev, target, graphed=True)
         mt, mp = _memory(f"{label} compiled", ours, dev), _memory(f"{label} PyTorch compiled", theirs, dev)
         recompiles = (c_ours.frame_count - first[0], c_theirs.frame_count - first[1])
         graphed = "" if math.isnan(gt) or math.isnan(gp) else ", graphed ✓" if gt <= gp else ", graphed ✗"
         mem = "memory —" if math.isnan(mt) or math.isnan(mp) else "memory ✓" if mt <= 1.1 * mp else "memory ✗"
+        notes += [control_note] if control_note else []
         met = time_verdict(timed) + graphed + ", " + mem + "".join(f"; {n}" for n in notes)
         line = (
             f"| {case.name} | {dtype_name} | {'×'.join(map(str, case.shape))} | {_ms(timed.ours)} | {_ms(timed.theirs)} | "
-            f"{_times(timed.ratio)} | {_quartiles(timed.q1, timed.q3)} | {_quartiles(timed.low, timed.high)} | "
-            f"{_times(control.ratio)} [{_quartiles(control.low, control.high)}] | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | "
+            f"{_times(timed.ratio, 3)} | {_quartiles(timed.q1, timed.q3)} | {_quartiles(timed.low, timed.high, 3)} | "
+            f"{_times(control.ratio, 3)} [{_quartiles(control.low, control.high, 3)}] | {_ms(gt)} | {_ms(gp)} | {_ratio(gt, gp)} | {_mb(mt)} | {_mb(mp)} | {_ratio(mt, mp)} | "
             f"{_count(breaks)} / {_count(their_breaks)} | {recompiles[0]} / {recompiles[1]} | "
             f"{s_ours:.1f} / {s_theirs:.1f} | {met} |"
         )

@@ -87,7 +87,7 @@ def test_compiled_host_table_runs_and_counts_guards(capsys):
     threads = torch.get_num_threads()
     try:
         spec.loader.exec_module(bench)
-        assert bench.main(["--only", "Dense", "--rounds", "2", "--block", "0.002"]) == 0
+        assert bench.main(["--only", "Dense", "--rounds", "6", "--block", "0.002"]) == 0
     finally:
         torch.set_num_threads(threads)  # the script runs single-threaded
         torch._dynamo.reset()
@@ -143,3 +143,13 @@ def test_time_verdict_reads_the_ratio_and_its_interval():
     assert bench.time_verdict(P(1, 1, 1.01, 0.97, 1.04, 0.99, 1.03)).startswith("time =")
     assert bench.time_verdict(P(1, 1, 1.03, 1.01, 1.05, 1.005, 1.04)).startswith("time ✗")
     assert bench.time_verdict(bench._NAN_PAIRED) == "time —"
+    nan = float("nan")
+    assert bench.time_verdict(P(1, 1, 1.01, 0.97, 1.04, nan, nan)).startswith("time — (too few pairs")
+
+
+def test_median_interval_of_too_few_values_is_none():
+    """Below 6 values no pair of order statistics covers the median with 95 %: nan, not (min, max)."""
+    bench = _bench()
+    for values in ([], [1.0], [1.0, 2.0, 3.0, 4.0, 5.0]):
+        low, high = bench.median_interval(values)
+        assert math.isnan(low) and math.isnan(high), values
