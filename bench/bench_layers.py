@@ -574,8 +574,10 @@ def _control(label: str, case: Case, backend: str, fullgraph: bool, theirs: Call
         return _NAN_PAIRED, f"control not built: {type(e).__name__}: {str(e)[:100]}"
     params = list(twin.parameters()) if isinstance(twin, torch.nn.Module) else list(case.theirs_params)
     step, _, _, full = _compile_and_first_step(f"{label} PyTorch (control copy)", twin, case, params, backend, fullgraph)
-    note = "" if step is None or full == fullgraph else "control compiled without fullgraph"
-    return _paired(f"{label} control", step, theirs, dev, target), note if step is not None else "control's compile failed"
+    if step is None:
+        return _NAN_PAIRED, "control's compile failed"
+    note = "" if full == fullgraph else "control compiled without fullgraph"
+    return _paired(f"{label} control", step, theirs, dev, target), note
 
 
 def compiled_table(cases: dict, dtypes: list[str], only: list[str], dev: torch.device, target: float, backend: str, budget: float,
